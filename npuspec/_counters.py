@@ -1,0 +1,48 @@
+"""Process-wide event counters (DESIGN.md §3.6).
+
+Tests assert on deltas, so every silent behaviour change (a recompile, a missed match, a skipped
+capture, a cache fault) has to bump one of these.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+
+# The names the contract promises exist (reading one that never fired returns 0 anyway).
+KNOWN = (
+    "verify_patterns_matched",
+    "graphs_captured",
+    "graph_replays",
+    "eager_fallbacks",
+    "cache_hits",
+    "cache_misses",
+    "cache_rejected",
+)
+
+
+class Counters(collections.Counter):
+    """A thread-safe Counter with `clear()` and `snapshot()` for delta assertions."""
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def bump(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self[name] += n
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self)
+
+    def delta(self, before: dict) -> dict:
+        """Changes since `before` (a `snapshot()`), zeros left out."""
+        now = self.snapshot()
+        keys = set(now) | set(before)
+        return {k: now.get(k, 0) - before.get(k, 0) for k in keys if now.get(k, 0) != before.get(k, 0)}
+
+    def __reduce__(self):  # a Counter subclass with a lock must not be pickled into caches
+        raise TypeError("npuspec.counters is process-local and cannot be pickled")
+
+
+counters = Counters()
