@@ -1,0 +1,103 @@
+"""The `npuspec` torch.compile backend (DESIGN.md §3.5).
+
+    torch.compile(step, backend="npuspec", options={...})
+
+is found through the `torch_dynamo_backends` entry point, so it works in a process that never
+imported npuspec. Per Dynamo graph it: validates the options, runs the verify passes and lowers
+the graph (`npuspec.lowering`), then wraps the result in the graph-capture dispatcher
+(`npuspec.graphs`) and the shared graph cache (`npuspec.graphs.cache`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from npuspec import envs
+from npuspec.config import SpeculativeConfig
+from npuspec.platform import Platform, current_platform
+
+log = logging.getLogger("npuspec.backend")
+
+LOWERINGS = ("inductor", "eager", "torchair")
+CAPTURE_MODES = (True, False, "lazy")
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    speculative_config: Optional[SpeculativeConfig] = None
+    capture_sizes: Optional[tuple[int, ...]] = None
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    cache_dir: Optional[str] = None
+    lowering: str = "inductor"
+    capture: Any = True  # True | False | "lazy"
+    mode: Optional[str] = None  # torch.compile(mode=...), forwarded to Inductor
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "mode")
+
+    @classmethod
+    def from_dict(cls, options: Optional[dict], mode: Optional[str] = None,
+                  platform: Optional[Platform] = None) -> "BackendOptions":
+        plat = platform or current_platform()
+        o = dict(options or {})
+        for k in o:
+            if k not in cls.keys():
+                near = difflib.get_close_matches(str(k), cls.keys(), n=1, cutoff=0.5)
+                hint = f"did you mean {near[0]!r}?" if near else f"valid options: {', '.join(cls.keys())}"
+                raise ValueError(f"npuspec backend: unknown option {k!r}; {hint}")
+        spec = o.get("speculative_config")
+        if spec is not None and not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_dict(spec, device=plat.device)
+        sizes = o.get("capture_sizes")
+        if sizes is not None:
+            if (not isinstance(sizes, (list, tuple)) or not sizes
+                    or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes)):
+                raise ValueError(f"npuspec backend: options['capture_sizes']={sizes!r} must be a "
+                                 f"non-empty list of positive integers, e.g. [4, 8, 16]")
+            sizes = tuple(sizes)
+        mns = o.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+        if isinstance(mns, bool) or not isinstance(mns, int) or mns < 1:
+            raise ValueError(f"npuspec backend: options['max_num_seqs']={mns!r} must be an "
+                             f"integer >= 1")
+        cache_dir = o.get("cache_dir", envs.cache_dir())
+        if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
+            raise ValueError(f"npuspec backend: options['cache_dir']={cache_dir!r} must be a "
+                             f"directory path (or leave it out for no persistent cache)")
+        lowering = o.get("lowering", default_lowering(plat))
+        if lowering not in LOWERINGS:
+            raise ValueError(f"npuspec backend: options['lowering']={lowering!r} must be one of "
+                             f"{', '.join(LOWERINGS)}")
+        if lowering == "torchair" and plat.device != "npu":
+            raise ValueError(f"npuspec backend: options['lowering']='torchair' needs an Ascend NPU "
+                             f"(this platform is {plat.device}); use 'inductor' or 'eager'")
+        capture = o.get("capture", True)
+        if not (capture is True or capture is False or capture == "lazy"):
+            raise ValueError(f"npuspec backend: options['capture']={capture!r} must be True, "
+                             f"False or 'lazy'")
+        if mode not in (None, "default") and lowering != "inductor":
+            raise ValueError(f"npuspec backend: mode={mode!r} applies to the Inductor lowering "
+                             f"only; drop mode= or use options['lowering']='inductor'")
+        return cls(spec, sizes, mns, cache_dir, lowering, capture,
+                   None if mode == "default" else mode)
+
+
+def default_lowering(plat: Platform) -> str:
+    return "torchair" if plat.device == "npu" else "inductor"
+
+
+def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                    options: Optional[dict] = None, mode: Optional[str] = None) -> Callable:
+    """Dynamo backend entry point."""
+    from npuspec import lowering
+
+    plat = current_platform()
+    opts = BackendOptions.from_dict(options, mode=mode, platform=plat)
+    log.info("npuspec: compiling a graph of %d nodes on %s with lowering=%s capture=%s",
+             len(gm.graph.nodes), plat.device, opts.lowering, opts.capture)
+    return lowering.lower(gm, list(example_inputs), opts)
