@@ -1,0 +1,186 @@
+"""A compact decoder-only LM (Llama / Qwen2 / Qwen3) over a static, slot-indexed KV cache.
+
+One forward serves prefill and (speculative) decode:
+
+    logits = model(input_ids, positions, slots, cache)
+    # input_ids [B, T] int64, positions [B, T] int64, slots [B] int64 -> logits [B, T, V] fp32
+
+Row b writes the K/V of its T tokens into cache slot `slots[b]` at `positions[b]`, then each
+query attends to every entry of that slot whose position is <= its own. The mask is built
+from positions alone, so entries past a request's current length (left by rejected draft
+tokens) are invisible, and the next step simply overwrites them: rollback is bookkeeping,
+never a copy. Shapes depend only on (B, T) and the cache size, with no data-dependent Python
+branches and no host syncs, so the forward can be torch.compile'd and captured in graphs.
+
+Contract (not checked, to keep the step sync-free): 0 <= positions < cache.max_len and
+0 <= slots < cache.num_slots. Padding rows should point at a spare scratch slot (e.g. the
+engine allocates max_num_seqs + 1 slots and pads with the last slot at position 0); rows of
+one step must not write the same (slot, position) unless they are scratch.
+
+Weights are stored fused (q|k|v and gate|up) to halve the number of matmuls per layer;
+`npuspec.models.loading` maps HF names in and out.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from npuspec.models.config import ModelConfig
+
+
+@dataclasses.dataclass
+class KVCache:
+    k: torch.Tensor  # [L, S, Hkv, M, D]
+    v: torch.Tensor  # [L, S, Hkv, M, D]
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # fp32 statistics, like HF, so logits match at fp32 tolerance in any dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    D = cfg.head_dim
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # [D/2]
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.wqkv = nn.Linear(cfg.hidden_size, (H + 2 * Hkv) * D, bias=cfg.attention_bias)
+        self.wo = nn.Linear(H * D, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, attend):
+        # x [B, T, hidden]; cos/sin [B, T, 1, D]; attend(q, k, v) -> [B, T, H*D]
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = self.wqkv(self.attn_norm(x))
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, T, H, D)
+        k = k.view(B, T, Hkv, D)
+        v = v.view(B, T, Hkv, D)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        x = x + self.wo(attend(q, k, v))
+        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # keep the RoPE frequencies in fp32 whatever dtype the weights are moved to
+        super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.config).to(self.embed.weight.device)
+        return self
+
+    # ---- cache -------------------------------------------------------------------------
+    def allocate_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> KVCache:
+        cfg = self.config
+        dtype = dtype or self.embed.weight.dtype
+        device = device or self.embed.weight.device
+        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        return KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                       torch.zeros(shape, dtype=dtype, device=device))
+
+    # ---- forward -----------------------------------------------------------------------
+    def _rope(self, positions, dtype):
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _logits(self, x):
+        x = self.norm(x)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, w).float()  # [B, T, V]
+
+    def forward(self, input_ids, positions, slots, cache: KVCache):
+        cfg = self.config
+        B, T = input_ids.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        G = H // Hkv
+        M = cache.k.shape[3]
+        x = self.embed(input_ids)  # [B, T, hidden]
+        cos, sin = self._rope(positions, x.dtype)
+        kv_pos = torch.arange(M, device=positions.device)
+        mask = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, M]
+        # GQA without repeating K/V: the G query heads sharing a kv head are stacked on the
+        # query axis, so one SDPA call per kv head sees [G*T] queries.
+        mask = mask[:, None, None].expand(B, 1, G, T, M).reshape(B, 1, G * T, M)
+        slot_col = slots[:, None]  # [B, 1], broadcasts against positions [B, T]
+
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = cache.k[i], cache.v[i]  # [S, Hkv, M, D]
+
+            def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
+                k_cache[slot_col, :, positions] = k  # in-place write, [B, T, Hkv, D]
+                v_cache[slot_col, :, positions] = v
+                kk, vv = k_cache[slots], v_cache[slots]  # [B, Hkv, M, D]
+                qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
+                return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+            x = layer(x, cos, sin, attend)
+        return self._logits(x)
+
+    def forward_causal(self, input_ids):
+        """Cache-free causal forward over [B, T] tokens at positions 0..T-1 (for training)."""
+        B, T = input_ids.shape
+        cfg = self.config
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.embed(input_ids)
+        cos, sin = self._rope(positions, x.dtype)
+
+        def attend(q, k, v):
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
+            return o.transpose(1, 2).reshape(B, T, H * D)
+
+        for layer in self.layers:
+            x = layer(x, cos, sin, attend)
+        return self._logits(x)

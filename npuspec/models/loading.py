@@ -1,0 +1,141 @@
+"""Load HF-format checkpoints (config.json + *.safetensors [+ tokenizer.json]) into DecoderLM."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+
+from npuspec.models.config import ModelConfig, read_config
+from npuspec.models.decoder import DecoderLM, rope_inv_freq
+
+TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
+
+# HF name (inside model.layers.N.) -> (our name, index into the fused tensor or None)
+_LAYER_MAP = {
+    "self_attn.q_proj": ("wqkv", 0), "self_attn.k_proj": ("wqkv", 1), "self_attn.v_proj": ("wqkv", 2),
+    "self_attn.o_proj": ("wo", None),
+    "mlp.gate_proj": ("w13", 0), "mlp.up_proj": ("w13", 1), "mlp.down_proj": ("w2", None),
+    "input_layernorm": ("attn_norm", None), "post_attention_layernorm": ("mlp_norm", None),
+    "self_attn.q_norm": ("q_norm", None), "self_attn.k_norm": ("k_norm", None),
+}
+_FUSED_PARTS = {"wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "w13": ("mlp.gate_proj", "mlp.up_proj")}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def resolve_model_dir(path: str) -> str:
+    if path in ("tiny", None):
+        return TINY_MODEL_DIR
+    path = os.path.expanduser(str(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"model path {path!r} is not a directory; pass a local HF checkpoint directory "
+            "(config.json + *.safetensors) or 'tiny' for the embedded model.")
+    return path
+
+
+def hf_to_npuspec(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """Rename (and fuse q|k|v, gate|up) HF tensors into DecoderLM's state_dict names."""
+    out, parts, unknown = {}, {}, []
+    for name, t in hf.items():
+        m = _LAYER_RE.match(name)
+        if name == "model.embed_tokens.weight":
+            out["embed.weight"] = t
+        elif name == "model.norm.weight":
+            out["norm.weight"] = t
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["lm_head.weight"] = t
+        elif m and m.group(2) in _LAYER_MAP:
+            ours, idx = _LAYER_MAP[m.group(2)]
+            key = f"layers.{m.group(1)}.{ours}.{m.group(3)}"
+            if idx is None:
+                out[key] = t
+            else:
+                parts.setdefault(key, {})[idx] = t
+        elif not _IGNORED.search(name):
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"{source}: unexpected tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
+                         f"for a {cfg.model_type} checkpoint; the config and weights do not match "
+                         "(or the model uses a feature npuspec's decoder does not implement).")
+    for key, p in parts.items():
+        n = 3 if ".wqkv." in key else 2
+        missing = [i for i in range(n) if i not in p]
+        assert not missing, f"{source}: {key} is missing parts {missing}"
+        out[key] = torch.cat([p[i] for i in range(n)], dim=0)
+    return out
+
+
+def npuspec_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Inverse of hf_to_npuspec (used to save the trained tiny model in HF format)."""
+    H, Hkv, D, I = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    inv = {ours: hf for hf, (ours, idx) in _LAYER_MAP.items() if idx is None}
+    out = {}
+    for name, t in sd.items():
+        if name == "inv_freq":
+            continue
+        if name == "embed.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "norm.weight":
+            out["model.norm.weight"] = t
+        elif name == "lm_head.weight":
+            out[name] = t
+        else:
+            _, i, ours, kind = name.split(".")
+            prefix = f"model.layers.{i}."
+            if ours in _FUSED_PARTS:
+                sizes = [H * D, Hkv * D, Hkv * D] if ours == "wqkv" else [I, I]
+                for hf, piece in zip(_FUSED_PARTS[ours], t.split(sizes, dim=0)):
+                    out[f"{prefix}{hf}.{kind}"] = piece.contiguous()
+            else:
+                out[f"{prefix}{inv[ours]}.{kind}"] = t
+    return out
+
+
+def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[ModelConfig, DecoderLM]:
+    """Read config.json and every *.safetensors shard of an HF checkpoint directory."""
+    from safetensors.torch import load_file
+
+    model_dir = resolve_model_dir(path)
+    cfg = read_config(model_dir)
+    shards = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not shards:
+        raise FileNotFoundError(f"{model_dir} has no *.safetensors files; npuspec loads safetensors only "
+                                "(convert with model.save_pretrained(dir, safe_serialization=True)).")
+    hf = {}
+    for shard in shards:
+        hf.update(load_file(shard))
+    sd = hf_to_npuspec(hf, cfg, source=model_dir)
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    expected = set(model.state_dict()) - {"inv_freq"}
+    missing, extra = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or extra:
+        raise ValueError(f"{model_dir}: checkpoint does not match config.json: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}; check attention_bias / tie_word_embeddings / "
+                         "num_key_value_heads in config.json.")
+    for name, t in sd.items():
+        want = model.state_dict()[name].shape
+        if t.shape != want:
+            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                             f"{tuple(want)}; the config does not describe these weights.")
+    model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
+    model.inv_freq = rope_inv_freq(cfg)  # was built on the meta device
+    model.to(device=device)
+    model.eval().requires_grad_(False)
+    return cfg, model
+
+
+def load_tokenizer(path: str = "tiny"):
+    """tokenizers.Tokenizer from `tokenizer.json`, or None when the directory has none."""
+    model_dir = resolve_model_dir(path)
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tok_path)
