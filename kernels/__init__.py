@@ -1,1 +1,7 @@
-
+"""npuspec.kernels: custom ops (torch.library), their PyTorch references, Triton kernels, CPU lowering."""
+from npuspec.kernels.verify import (  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
+    conditional_rates,
+    rejection_sample,
+    rejection_sample_reference,
+    synthetic_rates_from_length,
+)

@@ -1,0 +1,545 @@
+"""The fused verify op `npuspec::rejection_sample` (DESIGN.md §3.3, §4) and its PyTorch reference.
+
+One call verifies K drafted tokens per request against the target logits and emits the
+accepted prefix plus one recovered/bonus token. Every mode is here: greedy, standard
+(Leviathan et al.), exact block verification (Sun et al., ICLR 2025), entropy verify (lossy,
+opt-in) and synthetic acceptance (benchmarking).
+
+The op is split in two so that every implementation shares the same decisions:
+
+1. *Row statistics* — the only part that touches [B, K+1, V] data. For every row (request b,
+   position j) it computes the greedy argmax, p_j(x_j), q_j(x_j), the exponential races, the
+   block residual mass and the entropy. Three implementations compute them:
+   `reference_row_stats` below (readable PyTorch, the specification), the Triton kernels in
+   `npuspec.kernels.verify_triton` (CUDA/Ascend, and the interpreter on CPU) and the fused CPU
+   lowering in `npuspec.kernels.verify_cpu`.
+2. *Decisions* — small [B, K] tensor code (`_decide_*`, one function per mode) that turns the
+   row statistics and the uniforms into accepted lengths and emitted tokens. It is the same
+   code for every implementation, graph-safe (no host syncs, no data-dependent control flow).
+
+Float contract (what "identical" means). All math is float32. Per element, every
+implementation computes exactly: z = logit / t, masked to -inf below the top-k/top-p threshold;
+e = exp(z - max z); p = e / S with S = sum(e); race score e / max(E, FLT_MIN) (one-hot
+residual: the draft token's score set to 0) or max(w * p - q, 0) / max(E, FLT_MIN) (residual
+with draft probs); argmax takes the lowest index among ties. Divisions, max, comparisons and
+argmax are exactly reproducible everywhere. Two things are not: `exp` (different vector math
+libraries may differ in the last ulp) and the order of the sums S, rho and H. So for the same
+draws the implementations return identical tokens unless a comparison (p/q vs u, block test,
+race top-2) lies within a few float32 ulps of a tie, which for continuous inputs happens with
+probability ~1e-6 per decision. Greedy decisions (argmax of the raw logits) and synthetic
+acceptance are exactly identical always. Tests compare the three with `torch.equal`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+FLT_MIN = 1.1754943508222875e-38  # smallest normal float32: floor for the Exp(1) race draws
+ENTROPY_EPS = 1e-10
+
+__all__ = ["rejection_sample", "rejection_sample_reference", "synthetic_rates_from_length",
+           "conditional_rates", "draw_uniforms", "draw_exponentials", "use_impl", "RowStats",
+           "reference_row_stats", "filter_thresholds"]
+
+
+# --------------------------------------------------------------------------------------------
+# Draws
+# --------------------------------------------------------------------------------------------
+
+def draw_uniforms(B: int, K: int, device, generators: Optional[Mapping[int, torch.Generator]] = None
+                  ) -> Tensor:
+    """float32 [B, K] acceptance draws: float64 U[0,1) cast to float32 (never exactly 0).
+
+    Rows in `generators` draw their own K values from their generator, so a seeded request's
+    draws do not depend on the rest of the batch."""
+    u = torch.rand(B, K, dtype=torch.float64, device=device).float()
+    for row, g in (generators or {}).items():
+        u[row] = torch.rand(K, dtype=torch.float64, generator=g, device=g.device).float().to(device)
+    return u
+
+
+def draw_exponentials(B: int, V: int, device,
+                      generators: Optional[Mapping[int, torch.Generator]] = None) -> Tensor:
+    """float32 [B, V] Exp(1) draws for the exponential race (one vector per request)."""
+    e = torch.empty(B, V, dtype=torch.float32, device=device).exponential_()
+    for row, g in (generators or {}).items():
+        r = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(generator=g)
+        e[row] = r.to(device)
+    return e
+
+
+# --------------------------------------------------------------------------------------------
+# Synthetic rates
+# --------------------------------------------------------------------------------------------
+
+def synthetic_rates_from_length(length: float, k: int) -> list[float]:
+    """Unconditional per-position rates for a mean emitted length L (DESIGN.md §4).
+
+    d = L-1, f = floor(d): rates = ([1]*f + [d-f] + [0]*(K-f-1))[:K]; L=3.4, K=5 -> [1,1,.4,0,0]."""
+    if not 1 <= length <= k + 1:
+        raise ValueError(f"synthetic_acceptance_length={length}: must be in [1, K+1] = "
+                         f"[1, {k + 1}] for num_speculative_tokens={k}")
+    d = length - 1
+    f = int(math.floor(d))
+    return ([1.0] * f + [d - f] + [0.0] * max(k - f - 1, 0))[:k]
+
+
+def conditional_rates(rates: Tensor) -> Tensor:
+    """c_i = a_i / a_{i-1} with a_0 = 1 and 0 where a_{i-1} = 0; float32 [K]."""
+    a = rates.float()
+    prev = torch.cat([a.new_ones(1), a[:-1]])
+    return torch.where(prev > 0, a / torch.where(prev > 0, prev, 1.0), 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Row statistics (the [B, K+1, V] part), reference implementation
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class RowStats:
+    """Per-row results, all [B, K+1]. Row j scores draft j (j < K); row K is the bonus row."""
+    gidx: Tensor      # int64: argmax of the raw logits (greedy token)
+    rawmax: Tensor    # float32: max of the raw logits (NaN/+inf/all -inf detection)
+    px: Tensor        # float32: p_j(x_j), 0 where there is no draft
+    qx: Tensor        # float32: q_j(x_j) (1 for one-hot drafts), 0 where there is no draft
+    race_p: Tensor    # int64: argmax_v e_v / E_v  (a sample from p_j)
+    race_r: Tensor    # int64: residual race, -1 where the residual has no positive entry
+    rho: Tensor       # float32: sum_v max(w_j p_j(v) - q_j(v), 0) (draft probs only, else 0)
+    entropy: Tensor   # float32: -sum p~ log(p~ + 1e-10) of the raw softmax (entropy mode, else 0)
+
+
+def filter_thresholds(logits: Tensor, t: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor]
+                      ) -> Optional[Tensor]:
+    """float32 [B, K+1] top-k/top-p thresholds on z = logit / t; keep z >= threshold.
+
+    Shared by every implementation (it needs a sort, which the fused kernels leave to torch).
+    top_k <= 0 or >= V and top_p >= 1 disable the filter for that request. Ties at the
+    threshold are all kept. top-p keeps the smallest prefix of the sorted distribution (after
+    top-k) whose mass reaches top_p, always at least one token."""
+    if top_k is None and top_p is None:
+        return None
+    B, K1, V = logits.shape
+    z = logits.float() / t[:, None, None]                       # [B, K+1, V]
+    zs = z.sort(dim=-1, descending=True).values                 # [B, K+1, V]
+    thr = torch.full((B, K1), -math.inf, device=z.device)
+    if top_k is not None:
+        k = top_k.to(device=z.device, dtype=torch.int64)
+        on = (k > 0) & (k < V)                                  # [B]
+        kk = k.clamp(1, V)[:, None, None].expand(B, K1, 1) - 1
+        kth = zs.gather(-1, kk).squeeze(-1)                     # [B, K+1]
+        thr = torch.where(on[:, None], kth, thr)
+    if top_p is not None:
+        p = top_p.to(device=z.device, dtype=torch.float32)
+        on = p < 1                                              # [B]
+        zk = torch.where(zs >= thr[..., None], zs, -math.inf)
+        probs = torch.softmax(zk, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs            # mass strictly before each token
+        n = (before < p[:, None, None]).sum(-1).clamp(1, V)     # [B, K+1] tokens kept
+        pth = zs.gather(-1, (n - 1)[..., None]).squeeze(-1)
+        thr = torch.where(on[:, None], torch.maximum(thr, pth), thr)
+    return thr
+
+
+def _padded_drafts(draft_token_ids: Tensor, V: int) -> Tensor:
+    """int64 [B, K+1]: drafts with out-of-range ids as -1, plus a -1 column for the bonus row."""
+    x = draft_token_ids.long()
+    x = torch.where((x >= 0) & (x < V), x, -1)
+    return torch.cat([x, x.new_full((x.shape[0], 1), -1)], dim=1)
+
+
+def reference_row_stats(logits: Tensor, xpad: Tensor, draft_probs: Optional[Tensor],
+                        t: Tensor, thr: Optional[Tensor], exponentials: Optional[Tensor],
+                        weights: Optional[Tensor], *, random: bool, entropy: bool,
+                        residual: bool = True) -> RowStats:
+    """The specification of the row statistics, in readable PyTorch.
+
+    logits [B, K+1, V]; xpad [B, K+1] (-1 = none); draft_probs [B, K, V] or None; t [B] > 0
+    (1 for greedy rows); thr [B, K+1] or None; exponentials [B, V]; weights [B, K] residual
+    weights w_j (1 for standard, pi_j for block) or None; random: compute the races;
+    entropy: compute H; residual: compute the draft-probs residual race and rho (block verify
+    computes them in a second call, once the weights are known)."""
+    l = logits.float()                                          # [B, K+1, V]
+    B, K1, V = l.shape
+    rawmax = l.amax(-1)                                         # [B, K+1]
+    gidx = l.argmax(-1)
+    zeros_f = l.new_zeros(B, K1)
+    px, qx = zeros_f, zeros_f
+    race_p = race_r = torch.zeros(B, K1, dtype=torch.int64, device=l.device)
+    rho, ent = zeros_f, zeros_f
+    xs = xpad.clamp_min(0)[..., None]                           # [B, K+1, 1]
+    has = xpad >= 0
+    if random:
+        z = l / t[:, None, None]
+        if thr is not None:
+            z = torch.where(z >= thr[..., None], z, -math.inf)
+        e = torch.exp(z - z.amax(-1, keepdim=True))             # [B, K+1, V], max entry is 1
+        S = e.sum(-1, keepdim=True)                             # [B, K+1, 1]
+        p = e / S
+        px = torch.where(has, p.gather(-1, xs).squeeze(-1), 0.0)
+        E = exponentials.float().clamp_min(FLT_MIN)[:, None, :]  # [B, 1, V]
+        race_p = (e / E).argmax(-1)
+        if draft_probs is None:
+            qx = has.float()
+            onehot = torch.arange(V, device=l.device) == xpad[..., None]  # [B, K+1, V]
+            sr = torch.where(onehot, 0.0, e / E)
+            race_r = torch.where(sr.amax(-1) > 0, sr.argmax(-1), -1)
+        else:
+            q = torch.cat([draft_probs.float(), l.new_zeros(B, 1, V)], dim=1)  # [B, K+1, V]
+            qx = torch.where(has, q.gather(-1, xs).squeeze(-1), 0.0)
+            if residual:
+                w = weights.float() if weights is not None else l.new_ones(B, K1 - 1)
+                w = torch.cat([w, w.new_ones(B, 1)], dim=1)[..., None]        # [B, K+1, 1]
+                r = torch.clamp_min(w * p - q, 0.0)             # [B, K+1, V]
+                rho = r.sum(-1)
+                sr = r / E
+                race_r = torch.where(sr.amax(-1) > 0, sr.argmax(-1), -1)
+    if entropy:
+        et = torch.exp(l - rawmax[..., None])
+        pt = et / et.sum(-1, keepdim=True)
+        ent = -(pt * torch.log(pt + ENTROPY_EPS)).sum(-1)
+    return RowStats(gidx, rawmax, px, qx, race_p, race_r, rho, ent)
+
+
+# --------------------------------------------------------------------------------------------
+# Decisions: one function per mode, on [B, K] tensors (shared by every implementation)
+# --------------------------------------------------------------------------------------------
+
+def _leading(mask: Tensor) -> Tensor:
+    """int64 [B]: length of the all-True prefix of a bool [B, K]."""
+    return torch.cumprod(mask.to(torch.int64), dim=1).sum(1)
+
+
+def _ratio(st: RowStats, K: int) -> Tensor:
+    """float32 [B, K]: p(x)/q(x), 0 where q(x) = 0 or there is no draft."""
+    q = st.qx[:, :K]
+    return torch.where(q > 0, st.px[:, :K] / torch.where(q > 0, q, 1.0), 0.0)
+
+
+def _decide_greedy(xpad: Tensor, st: RowStats) -> Tensor:
+    """Accepted length: drafts accepted while they equal the target argmax."""
+    K = xpad.shape[1] - 1
+    return _leading((xpad[:, :K] >= 0) & (xpad[:, :K] == st.gidx[:, :K]))
+
+
+def _entropy_theta(st: RowStats, K: int, entropy_verify) -> Tensor:
+    """float32 [B, K]: theta = min(exp(-alpha H), posterior_threshold); 1 without entropy verify."""
+    if entropy_verify is None:
+        return torch.ones_like(st.px[:, :K])
+    thr, alpha = entropy_verify
+    return torch.clamp_max(torch.exp(-float(alpha) * st.entropy[:, :K]), float(thr))
+
+
+def _decide_standard(xpad: Tensor, st: RowStats, u: Tensor, theta: Tensor) -> Tensor:
+    """Accept x_i iff q(x_i) > 0 and p(x_i)/q(x_i) >= theta_i * u_i (theta = 1: lossless)."""
+    K = xpad.shape[1] - 1
+    valid = (xpad[:, :K] >= 0) & (st.qx[:, :K] > 0)
+    return _leading(valid & (_ratio(st, K) >= theta * u))
+
+
+def _block_pi(xpad: Tensor, st: RowStats) -> Tensor:
+    """float32 [B, K+1]: pi_0 = 1, pi_i = min(pi_{i-1} p_i(x_i)/q_i(x_i), 1); 0 past the drafts."""
+    K = xpad.shape[1] - 1
+    r = torch.where(xpad[:, :K] >= 0, _ratio(st, K), 0.0)
+    pis = [torch.ones_like(st.px[:, 0])]
+    for i in range(K):  # K <= 15 small [B] ops; a cumulative min-product has no torch primitive
+        pis.append(torch.clamp_max(pis[-1] * r[:, i], 1.0))
+    return torch.stack(pis, dim=1)
+
+
+def _decide_block(xpad: Tensor, st: RowStats, pi: Tensor, u: Tensor, theta: Tensor,
+                  onehot: bool) -> Tensor:
+    """Sun et al.'s block verification: tau = the largest i with theta_i eta_i <= h_i."""
+    K = xpad.shape[1] - 1
+    kv = _leading(xpad[:, :K] >= 0)                             # [B] valid drafts K'
+    pos = torch.arange(1, K + 1, device=xpad.device)            # draft positions i = 1..K
+    pi_i = pi[:, 1:]                                            # [B, K] pi_i
+    if onehot:  # sum_v max(pi_i p_{i+1}(v) - 1[v = x_{i+1}], 0) = pi_i (1 - p_{i+1}(x_{i+1}))
+        rho = pi_i * (1.0 - torch.cat([st.px[:, 1:K], st.px.new_zeros(xpad.shape[0], 1)], 1))
+    else:       # row i scored p_{i+1} with weight pi_i
+        rho = torch.cat([st.rho[:, 1:K], st.rho.new_zeros(xpad.shape[0], 1)], 1)
+    den = rho + (1.0 - pi_i)
+    h = torch.where(pi_i >= 1, 1.0, rho / torch.where(den > 0, den, 1.0))
+    h = torch.where(pos == kv[:, None], pi_i, h)                # h_{K'} = pi_{K'}
+    ok = (theta * u <= h) & (pos <= kv[:, None])
+    return torch.where(ok, pos, 0).amax(1)                      # tau
+
+
+def _decide_synthetic(xpad: Tensor, cond: Tensor, u: Tensor) -> Tensor:
+    """Accept x_i iff u_i < c_i and x_i >= 0, whatever the target says."""
+    K = xpad.shape[1] - 1
+    return _leading((xpad[:, :K] >= 0) & (u < cond[None, :]))
+
+
+def _emit(xpad: Tensor, n_acc: Tensor, st: RowStats, greedy_rows: Tensor, bad: Tensor
+          ) -> tuple[Tensor, Tensor]:
+    """Tokens [B, K+1] int32 and num_emitted [B] int32 for accepted lengths n_acc.
+
+    The token at row n_acc: greedy rows take the argmax; random rows take the residual race
+    when they stopped at a real draft (falling back to p when the residual is empty, which
+    only float rounding can cause), else a sample from p (bonus row, or a -1 draft)."""
+    K1 = xpad.shape[1]
+    j = n_acc[:, None]                                          # [B, 1]
+    at = lambda s: s.gather(1, j).squeeze(1)                    # noqa: E731
+    rr, rp = at(st.race_r), at(st.race_p)
+    sampled = torch.where((at(xpad) >= 0) & (rr >= 0), rr, rp)
+    tok = torch.where(greedy_rows, at(st.gidx), sampled)        # [B]
+    pos = torch.arange(K1, device=xpad.device)[None, :]
+    out = torch.where(pos < j, xpad, -1)
+    out = torch.where(pos == j, tok[:, None], out)
+    out = torch.where(bad[:, None], -1, out)                    # non-finite logits: emit nothing
+    num = torch.where(bad, 0, n_acc + 1)
+    return out.to(torch.int32), num.to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# The op
+# --------------------------------------------------------------------------------------------
+
+_FORCED_IMPL: list[Optional[str]] = [None]
+IMPLS = ("reference", "triton", "cpu")
+
+
+@contextlib.contextmanager
+def use_impl(name: Optional[str]):
+    """Force the row-statistics implementation ('reference', 'triton', 'cpu') in a block."""
+    if name is not None and name not in IMPLS:
+        raise ValueError(f"use_impl({name!r}): choose one of {', '.join(IMPLS)} or None")
+    old = _FORCED_IMPL[0]
+    _FORCED_IMPL[0] = name
+    try:
+        yield
+    finally:
+        _FORCED_IMPL[0] = old
+
+
+def _pick_impl(device: torch.device) -> str:
+    if _FORCED_IMPL[0] is not None:
+        return _FORCED_IMPL[0]
+    if device.type == "cpu":
+        return "reference"  # the fused CPU lowering lands next
+    from npuspec.platform import triton_available
+    return "triton" if triton_available(device.type) else "reference"
+
+
+def _row_stats_fn(impl: str):
+    if impl == "reference":
+        return reference_row_stats
+    if impl == "triton":
+        from npuspec.kernels.verify_triton import triton_row_stats
+        return triton_row_stats
+    from npuspec.kernels.verify_cpu import cpu_row_stats
+    return cpu_row_stats
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _check_finite(logits: Tensor, rawmax: Tensor, draft_probs: Optional[Tensor]) -> None:
+    """Host-side check (reference and CPU paths): NaN/+inf logits never yield a token."""
+    bad = ~torch.isfinite(rawmax)
+    if bool(bad.any()):
+        b, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(
+            f"target_logits[{b}, {j}] contains NaN or +inf (or is -inf everywhere): the verify "
+            f"step cannot sample from it; check the model output (dtype overflow, a bad "
+            f"logits processor) before calling rejection_sample")
+    if draft_probs is not None and not bool(torch.isfinite(draft_probs).all()):
+        raise ValueError("draft_probs contains NaN or inf; pass the drafter's probabilities "
+                         "(finite, >= 0) or None for one-hot drafts")
+
+
+def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optional[Tensor],
+            temperature: Optional[Tensor], top_k: Optional[Tensor], top_p: Optional[Tensor],
+            uniforms: Optional[Tensor], exponentials: Optional[Tensor], block_verify: bool,
+            posterior_threshold: Optional[float], posterior_alpha: Optional[float],
+            synthetic_rates: Optional[Tensor], impl: str) -> tuple[Tensor, Tensor]:
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    dev = target_logits.device
+    random = temperature is not None
+    synthetic = synthetic_rates is not None
+    entropy_verify = None if posterior_threshold is None else (posterior_threshold,
+                                                                posterior_alpha or 0.0)
+    if uniforms is None and (random or synthetic):
+        uniforms = draw_uniforms(B, K, dev)
+    if exponentials is None and random:
+        exponentials = draw_exponentials(B, V, dev)
+    xpad = _padded_drafts(draft_token_ids, V)                   # [B, K+1]
+    if random:
+        temp = temperature.to(device=dev, dtype=torch.float32)
+        greedy_rows = ~(temp > 0)
+        t = torch.where(greedy_rows, 1.0, temp)
+    else:
+        greedy_rows = torch.ones(B, dtype=torch.bool, device=dev)
+        t = torch.ones(B, device=dev)
+    thr = filter_thresholds(target_logits, t, top_k, top_p) if random else None
+    onehot = draft_probs is None
+    block = bool(block_verify) and random and not synthetic
+    stats_fn = _row_stats_fn(impl)
+    st = stats_fn(target_logits, xpad, draft_probs, t, thr, exponentials, None, random=random,
+                  entropy=entropy_verify is not None and random, residual=not block)
+    if impl != "triton" and not _capturing(dev):
+        _check_finite(target_logits, st.rawmax, draft_probs)
+    bad = ~torch.isfinite(st.rawmax).all(1)                     # [B]
+    u = uniforms.to(device=dev, dtype=torch.float32) if uniforms is not None else None
+    greedy_acc = _decide_greedy(xpad, st)
+    if synthetic:
+        n_acc = _decide_synthetic(xpad, conditional_rates(synthetic_rates.to(dev)), u)
+    elif not random:
+        n_acc = greedy_acc
+    else:
+        theta = _entropy_theta(st, K, entropy_verify)
+        if block:
+            pi = _block_pi(xpad, st)
+            if not onehot:  # second pass: residual races and rho with weights pi_j
+                st2 = stats_fn(target_logits, xpad, draft_probs, t, thr, exponentials,
+                               pi[:, :K], random=True, entropy=False, residual=True)
+                st.race_r, st.rho = st2.race_r, st2.rho
+            n_acc = _decide_block(xpad, st, pi, u, theta, onehot)
+        else:
+            n_acc = _decide_standard(xpad, st, u, theta)
+        n_acc = torch.where(greedy_rows, greedy_acc, n_acc)
+    return _emit(xpad, n_acc, st, greedy_rows, bad)
+
+
+@torch.library.custom_op("npuspec::rejection_sample", mutates_args=())
+def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
+                         draft_probs: Optional[Tensor], temperature: Optional[Tensor],
+                         top_k: Optional[Tensor], top_p: Optional[Tensor],
+                         uniforms: Optional[Tensor], exponentials: Optional[Tensor],
+                         block_verify: bool, posterior_threshold: Optional[float],
+                         posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor]
+                         ) -> tuple[Tensor, Tensor]:
+    """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
+
+    Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
+    calls); missing draws come from the default generator."""
+    impl = _pick_impl(target_logits.device)
+    return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
+                   uniforms, exponentials, block_verify, posterior_threshold, posterior_alpha,
+                   synthetic_rates, impl)
+
+
+@_rejection_sample_op.register_fake
+def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
+      exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates):
+    B, K1, _ = target_logits.shape
+    return (target_logits.new_empty((B, K1), dtype=torch.int32),
+            target_logits.new_empty((B,), dtype=torch.int32))
+
+
+def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
+              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify):
+    """Shape/dtype checks (metadata only: no host syncs)."""
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits: expected [B, K+1, V], got shape "
+                         f"{tuple(target_logits.shape)}")
+    if not target_logits.is_floating_point():
+        raise ValueError(f"target_logits: expected a float tensor, got {target_logits.dtype}")
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    if tuple(draft_token_ids.shape) != (B, K):
+        raise ValueError(f"draft_token_ids: expected shape [B, K] = [{B}, {K}] to match "
+                         f"target_logits [B, K+1, V]; got {tuple(draft_token_ids.shape)}")
+    if draft_token_ids.is_floating_point() or draft_token_ids.dtype == torch.bool:
+        raise ValueError(f"draft_token_ids: expected int64 token ids, got {draft_token_ids.dtype}")
+    if draft_probs is not None and tuple(draft_probs.shape) != (B, K, V):
+        raise ValueError(f"draft_probs: expected shape [B, K, V] = [{B}, {K}, {V}] or None for "
+                         f"one-hot drafts; got {tuple(draft_probs.shape)}")
+    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
+        if v is not None and tuple(v.shape) != (B,):
+            raise ValueError(f"{name}: expected one value per request, shape [{B}]; got "
+                             f"{tuple(v.shape)}")
+    if (top_k is not None or top_p is not None) and temperature is None:
+        raise ValueError("top_k/top_p given with temperature=None (all greedy): pass a "
+                         "temperature tensor, or drop top_k/top_p (greedy ignores them)")
+    if uniforms is not None and tuple(uniforms.shape) != (B, K):
+        raise ValueError(f"uniforms: expected float32 [B, K] = [{B}, {K}]; got "
+                         f"{tuple(uniforms.shape)}")
+    if exponentials is not None and tuple(exponentials.shape) != (B, V):
+        raise ValueError(f"exponentials: expected float32 [B, V] = [{B}, {V}]; got "
+                         f"{tuple(exponentials.shape)}")
+    if entropy_verify is not None:
+        if len(entropy_verify) != 2:
+            raise ValueError(f"entropy_verify={entropy_verify!r}: expected None or "
+                             f"(posterior_threshold, posterior_alpha)")
+        thr, alpha = entropy_verify
+        if not 0 < thr <= 1:
+            raise ValueError(f"entropy_verify posterior_threshold={thr}: must be in (0, 1]")
+        if not alpha >= 0:
+            raise ValueError(f"entropy_verify posterior_alpha={alpha}: must be >= 0")
+    if synthetic_rates is not None:
+        if tuple(synthetic_rates.shape) != (K,):
+            raise ValueError(f"synthetic_rates: expected [K] = [{K}] unconditional rates; got "
+                             f"{tuple(synthetic_rates.shape)}")
+        if block_verify:
+            raise ValueError("synthetic_rates with block_verify=True: synthetic acceptance "
+                             "ignores the target, so block verification does not apply; "
+                             "set block_verify=False")
+
+
+def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
+                     draft_probs: Optional[Tensor] = None, *, temperature: Optional[Tensor] = None,
+                     top_k: Optional[Tensor] = None, top_p: Optional[Tensor] = None,
+                     generators: Optional[Mapping[int, torch.Generator]] = None,
+                     block_verify: bool = False,
+                     entropy_verify: Optional[Sequence[float]] = None,
+                     synthetic_rates: Optional[Tensor] = None,
+                     uniforms: Optional[Tensor] = None, exponentials: Optional[Tensor] = None
+                     ) -> tuple[Tensor, Tensor]:
+    """Verify K drafts per request (DESIGN.md §3.3). Returns (tokens int32 [B, K+1] -1 padded,
+    num_emitted int32 [B]).
+
+    Draws not given are made here: uniforms [B, K] (float64 U[0,1) cast to float32) and
+    exponentials [B, V] (float32 Exp(1)), from `generators[row]` for seeded rows (uniforms
+    first, then exponentials) and from the default generator for the others. Then the pure
+    custom op `torch.ops.npuspec.rejection_sample` runs."""
+    _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
+              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify)
+    B, K1, V = target_logits.shape
+    dev = target_logits.device
+    if uniforms is None and (temperature is not None or synthetic_rates is not None):
+        uniforms = draw_uniforms(B, K1 - 1, dev, generators)
+    if exponentials is None and temperature is not None:
+        exponentials = draw_exponentials(B, V, dev, generators)
+    thr, alpha = (None, None) if entropy_verify is None else (float(entropy_verify[0]),
+                                                              float(entropy_verify[1]))
+    if synthetic_rates is not None:
+        synthetic_rates = synthetic_rates.to(device=dev, dtype=torch.float32)
+    return torch.ops.npuspec.rejection_sample(
+        target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
+        exponentials, bool(block_verify), thr, alpha, synthetic_rates)
+
+
+def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
+                               draft_probs: Optional[Tensor] = None, *,
+                               temperature: Optional[Tensor] = None,
+                               top_k: Optional[Tensor] = None, top_p: Optional[Tensor] = None,
+                               block_verify: bool = False,
+                               entropy_verify: Optional[Sequence[float]] = None,
+                               synthetic_rates: Optional[Tensor] = None,
+                               uniforms: Optional[Tensor] = None,
+                               exponentials: Optional[Tensor] = None,
+                               impl: str = "reference") -> tuple[Tensor, Tensor]:
+    """The op computed directly (no dispatcher) with the chosen row-statistics implementation;
+    `impl="reference"` is the specification. Raises ValueError on non-finite logits."""
+    _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
+              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify)
+    if impl == "reference":
+        if temperature is not None and not bool((temperature >= 0).all()):
+            raise ValueError(f"temperature={temperature.tolist()}: must be >= 0 (0 = greedy)")
+        if top_p is not None and not bool(((top_p > 0) & (top_p <= 1)).all()):
+            raise ValueError(f"top_p={top_p.tolist()}: each value must be in (0, 1]")
+        x = draft_token_ids
+        if bool(((x < -1) | (x >= target_logits.shape[-1])).any()):
+            raise ValueError(f"draft_token_ids: ids must be in [0, V={target_logits.shape[-1]}) "
+                             f"or -1 for no draft")
+    thr, alpha = (None, None) if entropy_verify is None else entropy_verify
+    return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
+                   uniforms, exponentials, bool(block_verify), thr, alpha, synthetic_rates, impl)
