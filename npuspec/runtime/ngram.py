@@ -1,0 +1,114 @@
+"""Prompt-lookup (n-gram) drafting with an incremental per-request index.
+
+Rule (DESIGN.md §4): find the longest suffix of the context, of length n in
+[prompt_lookup_min, prompt_lookup_max], that occurred earlier; propose up to K tokens that
+followed that earlier occurrence.
+
+Index: one dict per request maps each n-gram (a tuple) to the end position of its most recent
+occurrence that already has a following token. `extend` inserts the n-grams that just gained a
+follower, so `propose` costs a few dict look-ups (O(max n + K)), never a scan of the context.
+
+Tie-break: among earlier occurrences of the same (longest) n-gram we copy after the MOST RECENT
+one. Recent text predicts the next tokens better (edits, loops, the line just written), and a dict
+that overwrites on insert gives it for free. When that occurrence is so close to the end that
+fewer than K tokens follow it (the text is periodic with period P < K), the copy continues into
+its own drafted tokens, LZ77-style: draft[j] = context[start + j % P]. That is exactly what
+"the text keeps repeating" predicts; a plain slice would stop after P tokens.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
+
+
+def _as_list(tokens) -> list[int]:
+    if hasattr(tokens, "tolist"):  # numpy / torch: plain ints hash and compare fastest
+        return tokens.tolist()
+    return list(tokens)
+
+
+class NgramProposer:
+    def __init__(self, prompt_lookup_min: int = 5, prompt_lookup_max: int = 5):
+        for key, v in (("prompt_lookup_min", prompt_lookup_min),
+                       ("prompt_lookup_max", prompt_lookup_max)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"NgramProposer: {key}={v!r} must be an int >= 1 (default 5)")
+        if prompt_lookup_min > prompt_lookup_max:
+            raise ValueError(
+                f"NgramProposer: prompt_lookup_min={prompt_lookup_min} > prompt_lookup_max="
+                f"{prompt_lookup_max}; set prompt_lookup_min <= prompt_lookup_max")
+        self.nmin, self.nmax = prompt_lookup_min, prompt_lookup_max
+        self._ns = range(self.nmax, self.nmin - 1, -1)  # longest first
+        self._tokens: dict[str, list[int]] = {}
+        self._index: dict[str, dict[tuple, int]] = {}
+
+    # -- request lifecycle -------------------------------------------------------------------
+    def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
+        if req_id in self._tokens:
+            raise duplicate_request("NgramProposer.start_request", req_id)
+        toks = _as_list(prompt)
+        index: dict[tuple, int] = {}
+        T = len(toks)
+        for n in range(self.nmin, self.nmax + 1):
+            # n-grams toks[s:s+n] for s = 0..T-n-1 end at e = s+n-1 <= T-2 (they have a
+            # follower); later ones overwrite earlier ones, so each key keeps its latest end.
+            keys = zip(*[toks[j:T - n + j] for j in range(n)])
+            index.update(zip(keys, range(n - 1, T - 1)))
+        self._tokens[req_id] = toks
+        self._index[req_id] = index
+
+    def extend(self, req_id: str, new_tokens: Sequence[int]) -> None:
+        toks = self._tokens.get(req_id)
+        if toks is None:
+            raise unknown_request("NgramProposer.extend", req_id)
+        index = self._index[req_id]
+        nmin, nmax = self.nmin, self.nmax
+        for t in _as_list(new_tokens):
+            i = len(toks)  # position of t; the n-grams ending at i-1 now have a follower
+            toks.append(t)
+            for n in range(nmin, min(nmax, i) + 1):
+                index[tuple(toks[i - n:i])] = i - 1
+
+    def stop_request(self, req_id: str) -> None:
+        if self._tokens.pop(req_id, None) is None:
+            raise unknown_request("NgramProposer.stop_request", req_id)
+        del self._index[req_id]
+
+    # -- drafting ----------------------------------------------------------------------------
+    def propose(self, req_ids: Sequence[str], max_tokens: int | Sequence[int]) -> list[list[int]]:
+        ks = per_request_k(req_ids, max_tokens)
+        return [self._propose_one(r, k) for r, k in zip(req_ids, ks)]
+
+    def _propose_one(self, req_id: str, k: int) -> list[int]:
+        toks = self._tokens.get(req_id)
+        if toks is None:
+            raise unknown_request("NgramProposer.propose", req_id)
+        if k == 0:
+            return []
+        index = self._index[req_id]
+        T = len(toks)
+        for n in self._ns:
+            if n >= T:  # an earlier occurrence needs at least n + 1 tokens of context
+                continue
+            e = index.get(tuple(toks[T - n:]))
+            if e is None:
+                continue
+            start = e + 1
+            if start + k <= T:
+                return toks[start:start + k]
+            period = T - start  # >= 1 because e <= T - 2
+            return [toks[start + j % period] for j in range(k)]
+        return []
+
+    # -- introspection -----------------------------------------------------------------------
+    def context(self, req_id: str) -> list[int]:
+        """The request's tokens so far (prompt + extensions); a copy."""
+        toks = self._tokens.get(req_id)
+        if toks is None:
+            raise unknown_request("NgramProposer.context", req_id)
+        return list(toks)
+
+    @property
+    def active_requests(self) -> list[str]:
+        return list(self._tokens)
