@@ -1,0 +1,324 @@
+"""`npuspec bench e2e`: npuspec against HF transformers on one checkpoint and one prompt set.
+
+In one process, greedy, on the same token ids (the checkpoint's tokenizer.json):
+  HF transformers   generate(do_sample=False)
+                    generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=N)
+                    generate(assistant_model=DRAFT)                 (with --draft-model)
+  npuspec           LLM(model) without speculation
+                    LLM(model, ngram K, prompt_lookup_min=1, prompt_lookup_max=N)  (HF's rule)
+                    LLM(model, draft_model K)                       (with --draft-model)
+HF's prompt lookup and assisted generation take one sequence at a time, so every system runs
+the prompts one after another (npuspec with max_num_seqs=1) unless --max-num-seqs says
+otherwise. Each measurement is the median over --repeats of the wall time for all prompts,
+after one warm-up pass (compilation, caches) whose time is reported separately.
+Output identity is checked per prompt against HF greedy, up to and including the first EOS.
+
+    npuspec bench e2e --max-tokens 128 --json e2e.json --plot e2e.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform as _platform
+import statistics
+import sys
+import time
+from typing import Sequence
+
+SCHEMA = "npuspec.bench.e2e/1"
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers shared with `npuspec tune`.
+
+def _cut(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
+    """Tokens up to and including the first EOS (HF pads after it; engines stop there)."""
+    out = []
+    for t in ids:
+        out.append(int(t))
+        if t in eos:
+            break
+    return out
+
+
+def encode(model_dir: str, prompts: Sequence[str]) -> list[list[int]]:
+    from npuspec.cli.errors import UsageError
+    from npuspec.models.loading import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if tok is None:
+        raise UsageError(f"{model_dir} has no tokenizer.json, so the text prompts cannot be encoded; "
+                         f"use a checkpoint directory that has one", "--model")
+    ids = [tok.encode(p).ids for p in prompts]
+    if any(not x for x in ids):
+        raise UsageError("a prompt encodes to no tokens; remove empty prompts", "--prompts")
+    return ids
+
+
+def _timed(fn, repeats: int) -> tuple[float, float, object]:
+    """(warm-up seconds, median seconds over `repeats`, last result)."""
+    t0 = time.perf_counter()
+    out = fn()
+    warm = time.perf_counter() - t0
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t0)
+    return warm, statistics.median(ts), out
+
+
+# ----------------------------------------------------------------------------------------------
+# HF transformers.
+
+def require_transformers():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        from npuspec.cli.errors import MissingExtra
+        raise MissingExtra("transformers", "hf", "npuspec bench e2e (the HF transformers baseline)") from None
+    return transformers
+
+
+def load_hf(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def run_hf(model, prompt_ids: Sequence[Sequence[int]], max_tokens: int, eos: Sequence[int],
+           repeats: int, **gen_kwargs) -> dict:
+    """generate() one prompt at a time (prompt lookup and assisted generation need batch 1)."""
+    import torch
+
+    pad = eos[0] if eos else 0
+    gc = model.generation_config
+    kw = dict(max_new_tokens=max_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+              pad_token_id=pad, eos_token_id=list(eos) if eos else None)
+    kw.update(gen_kwargs)
+    gc.temperature = gc.top_p = gc.top_k = None  # no sampling-only settings: plain greedy
+
+    def once():
+        outs = []
+        with torch.inference_mode():
+            for ids in prompt_ids:
+                x = torch.tensor([list(ids)], dtype=torch.long)
+                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
+                outs.append(_cut(y[0, x.shape[1]:].tolist(), eos))
+        return outs
+
+    warm, secs, outs = _timed(once, repeats)
+    return {"token_ids": outs, "seconds": secs, "warmup_seconds": warm,
+            "tokens": sum(len(o) for o in outs)}
+
+
+# ----------------------------------------------------------------------------------------------
+# npuspec.
+
+def aggregate_metrics(results) -> dict:
+    """Sum the per-request engine metrics into counts for the whole run."""
+    steps = drafted = accepted = 0
+    by_pos: list[int] = []
+    draft_s = step_s = 0.0
+    for r in results:
+        m = r.metrics
+        steps += m.num_steps
+        drafted += m.num_drafted
+        accepted += m.num_accepted
+        for i, a in enumerate(m.accepted_by_position):
+            if i >= len(by_pos):
+                by_pos.append(0)
+            by_pos[i] += a
+        draft_s += m.draft_s
+        step_s += m.step_s
+    return {"request_steps": steps, "drafted": drafted, "accepted": accepted,
+            "accepted_by_position": by_pos,
+            "acceptance_by_position": [a / steps for a in by_pos] if steps else [],
+            "mean_acceptance_length": (steps + accepted) / steps if steps else None,
+            "draft_s": draft_s, "step_s": step_s}
+
+
+def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,
+             enforce_eager: bool = False):
+    from npuspec import LLM
+
+    return LLM(model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
+               max_model_len=max_model_len, enforce_eager=enforce_eager)
+
+
+def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
+                repeats: int = 1, enforce_eager: bool = False, prompt_ids=None, eos=(),
+                max_model_len: int | None = None) -> dict:
+    """LLM.generate over all prompts (text, or token ids when given) with greedy sampling."""
+    from npuspec import SamplingParams
+
+    inputs = ([{"prompt_token_ids": list(p)} for p in prompt_ids] if prompt_ids is not None
+              else list(prompts))
+    longest = max(len(p) for p in prompt_ids) if prompt_ids is not None else 512
+    llm = make_llm(model, spec, max_num_seqs, max_model_len or longest + max_tokens + 32, enforce_eager)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    warm, secs, res = _timed(lambda: llm.generate(inputs, sp), repeats)
+    outs = [_cut(r.outputs[0].token_ids, eos) for r in res]
+    return {"token_ids": outs, "texts": [r.outputs[0].text for r in res], "seconds": secs,
+            "warmup_seconds": warm, "tokens": sum(len(r.outputs[0].token_ids) for r in res),
+            "metrics": aggregate_metrics(res)}
+
+
+def step_latency(model: str, token_counts: Sequence[int], context: int = 256, repeats: int = 5,
+                 enforce_eager: bool = False) -> dict[int, float]:
+    """Median seconds of one decode-step forward of the target over T tokens, for each T."""
+    raise NotImplementedError("step latency probe: waiting for the engine")
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark.
+
+def build_parser() -> argparse.ArgumentParser:
+    from npuspec.cli.common import positive
+
+    p = argparse.ArgumentParser(prog="npuspec bench e2e", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="target checkpoint directory (default: embedded tiny model)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="draft checkpoint (same vocabulary): adds HF assisted generation and npuspec draft_model")
+    p.add_argument("--num-speculative-tokens", "-k", type=positive, default=4, dest="k",
+                   help="K: drafts per step for every speculative row (HF prompt_lookup_num_tokens)")
+    p.add_argument("--ngram", type=positive, default=3,
+                   help="longest n-gram to match (HF max_matching_ngram_size; npuspec prompt_lookup_max)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="override npuspec's ngram row config (vllm serve schema)")
+    p.add_argument("--max-tokens", type=positive, default=128, help="new tokens per prompt")
+    p.add_argument("--prompts", default=None, help="prompt file (.txt/.json/.jsonl); default: the demo prompts")
+    p.add_argument("--repeats", type=positive, default=3, help="timed passes per row (median)")
+    p.add_argument("--max-num-seqs", type=positive, default=1,
+                   help="npuspec concurrency (HF rows always run one prompt at a time)")
+    p.add_argument("--enforce-eager", action="store_true", help="npuspec without torch.compile")
+    p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="bar chart of tokens/s (needs matplotlib)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _identical(outs, ref) -> int:
+    return sum(a == b for a, b in zip(outs, ref))
+
+
+def run(args) -> int:
+    import torch
+
+    from npuspec import __version__
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.prompts import load_prompts
+    from npuspec.models.config import read_config
+
+    transformers = require_transformers()
+    if args.plot:
+        from npuspec.bench.plots import require_matplotlib
+        require_matplotlib("--plot")
+    mdir = common.model_dir(args.model)
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
+             "prompt_lookup_max": args.ngram}
+    ngram = common.spec_dict(args.speculative_config) or ngram
+    common.spec_config(ngram)
+    draft_spec = None
+    if args.draft_model:
+        draft_spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
+        common.check_draft(mdir, common.spec_config(draft_spec, "--draft-model"), "--draft-model")
+    prompts = load_prompts(args.prompts)
+    ids = encode(mdir, prompts)
+    eos = list(read_config(mdir).eos_token_ids)
+
+    runs = []  # (system, method, K, result)
+    hf = load_hf(mdir)
+    runs.append(("hf", "greedy", 0, run_hf(hf, ids, args.max_tokens, eos, args.repeats)))
+    runs.append(("hf", "prompt lookup", args.k, run_hf(
+        hf, ids, args.max_tokens, eos, args.repeats, prompt_lookup_num_tokens=args.k,
+        max_matching_ngram_size=args.ngram)))
+    if args.draft_model:
+        assistant = load_hf(common.model_dir(args.draft_model, "--draft-model"))
+        assistant.generation_config.num_assistant_tokens = args.k
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        runs.append(("hf", "assisted", args.k, run_hf(hf, ids, args.max_tokens, eos, args.repeats,
+                                                      assistant_model=assistant)))
+        del assistant
+    del hf
+    kw = dict(max_num_seqs=args.max_num_seqs, repeats=args.repeats, enforce_eager=args.enforce_eager,
+              prompt_ids=ids, eos=eos)
+    runs.append(("npuspec", "greedy", 0, run_npuspec(mdir, None, None, args.max_tokens, **kw)))
+    runs.append(("npuspec", ngram["method"], ngram.get("num_speculative_tokens", 0),
+                 run_npuspec(mdir, ngram, None, args.max_tokens, **kw)))
+    if draft_spec:
+        runs.append(("npuspec", "draft_model", args.k, run_npuspec(mdir, draft_spec, None, args.max_tokens, **kw)))
+
+    ref = runs[0][3]["token_ids"]
+    base_tps = {}
+    rows = []
+    for system, method, k, r in runs:
+        tps = r["tokens"] / r["seconds"]
+        base_tps.setdefault((system, method), tps)
+        m = r.get("metrics") or {}
+        rows.append({"system": system, "method": method, "K": k, "tokens": r["tokens"],
+                     "seconds": r["seconds"], "warmup_seconds": r["warmup_seconds"], "tokens_per_s": tps,
+                     "vs_hf_greedy": tps / (runs[0][3]["tokens"] / runs[0][3]["seconds"]),
+                     "identical_prompts": _identical(r["token_ids"], ref),
+                     "identical": _identical(r["token_ids"], ref) == len(ref),
+                     "mean_acceptance_length": m.get("mean_acceptance_length"),
+                     "acceptance_by_position": m.get("acceptance_by_position")})
+    ratios = _ratios(base_tps, ngram["method"])
+    print_table([{"system": r["system"], "method": r["method"], "K": r["K"], "tokens": r["tokens"],
+                  "median s": r["seconds"], "warm-up s": r["warmup_seconds"], "tok/s": r["tokens_per_s"],
+                  "x HF greedy": r["vs_hf_greedy"], "same as HF greedy": f"{r['identical_prompts']}/{len(ref)}",
+                  "mean acc len": "-" if r["mean_acceptance_length"] is None else r["mean_acceptance_length"]}
+                 for r in rows],
+                title=f"bench e2e: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, "
+                      f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name, v in ratios.items():
+        print(f"{name}: {v:.2f}x")
+    if args.json:
+        doc = {"schema": SCHEMA, "command": args.command_line,
+               "model": mdir, "draft_model": args.draft_model, "num_speculative_tokens": args.k,
+               "ngram": args.ngram, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
+               "repeats": args.repeats, "max_num_seqs": args.max_num_seqs,
+               "npuspec_speculative_config": ngram,
+               "environment": {"npuspec": __version__, "torch": torch.__version__,
+                               "transformers": transformers.__version__, "python": _platform.python_version(),
+                               "threads": torch.get_num_threads(), "machine": _platform.machine()},
+               "rows": rows, "ratios": ratios}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from npuspec.bench.plots import plot_e2e
+        plot_e2e(args.plot, rows, {f"{r['system']} {r['method']}": r["acceptance_by_position"]
+                                   for r in rows if r["acceptance_by_position"]})
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _ratios(tps: dict, spec_method: str) -> dict[str, float]:
+    out = {}
+    pairs = [(("npuspec", spec_method), ("hf", "prompt lookup"), f"npuspec {spec_method} / HF prompt lookup"),
+             (("npuspec", spec_method), ("npuspec", "greedy"), f"npuspec {spec_method} / npuspec greedy"),
+             (("npuspec", "greedy"), ("hf", "greedy"), "npuspec greedy / HF greedy"),
+             (("npuspec", "draft_model"), ("hf", "assisted"), "npuspec draft_model / HF assisted")]
+    for a, b, name in pairs:
+        if a in tps and b in tps:
+            out[name] = tps[a] / tps[b]
+    return out
+
+
+def main(argv=None) -> int:
+    from npuspec.cli.errors import run_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = "npuspec bench e2e " + " ".join(argv)
+    return run_command(lambda: run(args), "npuspec bench e2e", args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""`--plot PATH.png` figures for `bench e2e`, `bench verify` and `tune` (matplotlib, optional).
+
+Every function takes plain numbers (what the bench already printed) and a path, and writes
+one PNG with the Agg backend, so it works headless.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+
+def require_matplotlib(feature: str = "--plot"):
+    """pyplot on the Agg backend, or a MissingExtra naming the flag and the install command."""
+    try:
+        import matplotlib
+    except ImportError:
+        from npuspec.cli.errors import MissingExtra
+        raise MissingExtra("matplotlib", "plot", feature) from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def _acceptance_axis(ax, acceptance: Sequence[float], label: str = "") -> None:
+    pos = list(range(1, len(acceptance) + 1))
+    ax.bar(pos, acceptance, color="tab:green", alpha=0.8, label=label or None)
+    ax.set_xticks(pos)
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance")
+    ax.set_title("acceptance by position")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
+              table: Sequence[Sequence[int]], k_max: int, draft_s=0.0) -> None:
+    """Expected tokens/s against concurrency for each fixed K and for the tuned table, next to
+    the acceptance by position they come from."""
+    from npuspec.bench.tune import table_tokens_per_s, tokens_per_s
+
+    plt = require_matplotlib()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
+    batches = list(range(1, max_num_seqs + 1))
+    for k in range(k_max + 1):
+        ax.plot(batches, [tokens_per_s(latency, acceptance, b, k, draft_s) for b in batches],
+                lw=1.2, alpha=0.8, label=f"K={k}" + (" (no spec)" if k == 0 else ""))
+    ax.plot(batches, [table_tokens_per_s(latency, acceptance, table, b, draft_s) for b in batches],
+            "k--", lw=2.2, label="tuned table")
+    ax.set_xlabel("concurrent requests (batch size)")
+    ax.set_ylabel("expected tokens/s")
+    ax.set_title("tokens/s by concurrency: fixed K vs tuned table")
+    if max_num_seqs >= 8:
+        ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _acceptance_axis(ax2, acceptance)
+    _save(fig, path)
+
+
+def plot_e2e(path: str, rows: Sequence[Mapping], acceptance: Mapping[str, Sequence[float]] | None = None) -> None:
+    """Tokens/s per system and method (bars, identical outputs marked), and acceptance by position
+    for the speculative rows."""
+    plt = require_matplotlib()
+    acceptance = {k: v for k, v in (acceptance or {}).items() if v}
+    ncols = 2 if acceptance else 1
+    fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols + 1, 4.2), squeeze=False)
+    ax = axes[0][0]
+    labels = [f"{r['system']}\n{r['method']}" for r in rows]
+    colors = ["tab:blue" if r["system"] == "npuspec" else "tab:gray" for r in rows]
+    bars = ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colors)
+    for bar, r in zip(bars, rows):
+        mark = "" if r.get("identical") is None else ("=" if r["identical"] else "!=")
+        ax.annotate(f"{r['tokens_per_s']:.0f} {mark}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("npuspec vs HF transformers (= : tokens identical to HF greedy)")
+    ax.grid(axis="y", alpha=0.3)
+    if acceptance:
+        ax2 = axes[0][1]
+        width = 0.8 / len(acceptance)
+        for i, (name, acc) in enumerate(acceptance.items()):
+            pos = [p + 1 + (i - (len(acceptance) - 1) / 2) * width for p in range(len(acc))]
+            ax2.bar(pos, acc, width=width, label=name)
+        _acceptance_axis(ax2, [])
+        ax2.set_xticks(range(1, max(len(a) for a in acceptance.values()) + 1))
+        ax2.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_verify(path: str, rows: Sequence[Mapping], x: str = "B", y: str = "us", bound: str = "bound_us",
+                group: str = "K") -> None:
+    """Verify time against batch size, one line per `group` value (K), with the bandwidth bound
+    (the time to read the logits once at the measured peak bandwidth) dashed in the same colour."""
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get(group), []).append(r)
+    for i, (g, rs) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
+        rs = sorted(rs, key=lambda r: r[x])
+        color = f"C{i % 10}"
+        ax.plot([r[x] for r in rs], [r[y] for r in rs], "o-", color=color, label=f"{group}={g}")
+        if all(r.get(bound) is not None for r in rs):
+            ax.plot([r[x] for r in rs], [r[bound] for r in rs], "--", color=color, alpha=0.6,
+                    label=f"{group}={g} bandwidth bound")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("verify time (us)")
+    ax.set_title("verify time vs batch")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    _save(fig, path)

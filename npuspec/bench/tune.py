@@ -1,0 +1,302 @@
+"""`npuspec tune`: pick K per concurrency range from measured step latency and acceptance.
+
+The model (all quantities measured, nothing assumed about the hardware):
+
+  a_j      conditional acceptance at draft position j: P(draft j accepted | drafts 1..j-1 were);
+           a missing draft counts as a rejection, since the step still pays for its slot.
+  E(K)     expected tokens a request emits per step with K drafts
+           = 1 + sum_{i=1..K} prod_{j<=i} a_j          (the bonus/recovered token, plus accepts)
+  L(T)     latency of one decode step over T = B*(K+1) tokens (measured on a grid of token
+           counts, linear in between, extended by the last slope beyond the largest)
+  tps(B,K) = B * E(K) / (L(B*(K+1)) + B*d(K))   (d = drafting cost per request per step)
+
+For each batch size B (= concurrent requests) in 1..max_num_seqs the tuner takes the smallest K
+whose tokens/s is within `tolerance` of the best (fewer distinct K = fewer graph sets; noise in
+the latency does not flip K), then merges runs of equal K into the
+`num_speculative_tokens_per_batch_size` ranges SpeculativeConfig takes: contiguous
+[start_bs, end_bs, K] from batch size 1 to max_num_seqs (the last range also covers larger
+batches, which inherit its K).
+
+The measurement half (`measure_latency`, `measure_acceptance`) drives npuspec's engine; the
+algorithm half is pure and unit-tested on synthetic inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import sys
+import time
+from typing import Mapping, Sequence
+
+# ----------------------------------------------------------------------------------------------
+# The algorithm (pure functions).
+
+
+def conditional_acceptance(accepted_by_position: Sequence[float], steps: float) -> list[float]:
+    """Conditional rates a_j from counts: accepted_by_position[j] = request-steps whose draft
+    j+1 was accepted, out of `steps` request-steps that asked for drafts."""
+    out, prev = [], float(steps)
+    for acc in accepted_by_position:
+        out.append(acc / prev if prev > 0 else 0.0)
+        prev = acc
+    return out
+
+
+def conditional_from_unconditional(rates: Sequence[float]) -> list[float]:
+    """a_j = r_j / r_{j-1} (r_0 = 1; 0 where r_{j-1} = 0), rates r_j = P(drafts 1..j accepted)."""
+    return conditional_acceptance(list(rates), 1.0)
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j; positions past the measured ones count as 0."""
+    e, p = 1.0, 1.0
+    for j in range(k):
+        p *= acceptance[j] if j < len(acceptance) else 0.0
+        e += p
+    return e
+
+
+def interpolate(points: Mapping[int, float], x: float) -> float:
+    """Piecewise-linear latency at token count x; flat below the first point, the last slope
+    (never negative) past the last one."""
+    xs = sorted(points)
+    assert xs, "no latency points"
+    ys = [points[t] for t in xs]
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        if len(xs) == 1:
+            return ys[0] * x / xs[0]  # one point: assume latency grows with tokens
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (x - xs[-1])
+    i = bisect.bisect_right(xs, x)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def tokens_per_s(latency: Mapping[int, float], acceptance: Sequence[float], batch: int, k: int,
+                 draft_s: Sequence[float] | float = 0.0) -> float:
+    """Expected tokens/s of `batch` concurrent requests speculating `k` tokens each."""
+    d = draft_s if isinstance(draft_s, (int, float)) else (draft_s[k] if k < len(draft_s) else draft_s[-1])
+    step = interpolate(latency, batch * (k + 1)) + batch * (d if k > 0 else 0.0)
+    return batch * expected_tokens(acceptance, k) / step
+
+
+def best_k(latency, acceptance, batch: int, k_max: int, tolerance: float = 0.01,
+           draft_s=0.0) -> tuple[int, float, list[float]]:
+    """(chosen K, its tokens/s, tokens/s for K = 0..k_max) for one batch size."""
+    tps = [tokens_per_s(latency, acceptance, batch, k, draft_s) for k in range(k_max + 1)]
+    top = max(tps)
+    k = next(k for k, v in enumerate(tps) if v >= top * (1.0 - tolerance))
+    return k, tps[k], tps
+
+
+def merge_ranges(ks: Sequence[int]) -> list[list[int]]:
+    """ks[b-1] = K for batch size b -> [[start, end, K], ...] with equal neighbours merged."""
+    rows: list[list[int]] = []
+    for b, k in enumerate(ks, start=1):
+        if rows and rows[-1][2] == k:
+            rows[-1][1] = b
+        else:
+            rows.append([b, b, k])
+    return rows
+
+
+def tune_table(latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
+               k_max: int | None = None, tolerance: float = 0.01, draft_s=0.0) -> list[list[int]]:
+    """The `num_speculative_tokens_per_batch_size` table maximising expected tokens/s."""
+    assert max_num_seqs >= 1, max_num_seqs
+    k_max = len(acceptance) if k_max is None else min(k_max, len(acceptance))
+    ks = [best_k(latency, acceptance, b, k_max, tolerance, draft_s)[0] for b in range(1, max_num_seqs + 1)]
+    return merge_ranges(ks)
+
+
+def tuned_config(base: Mapping, table: Sequence[Sequence[int]]) -> dict:
+    """`base` (a speculative_config dict) with the table; num_speculative_tokens = the largest K
+    in the table (at least 1, which SpeculativeConfig requires even when the table says 0)."""
+    out = {k: v for k, v in base.items() if k != "num_speculative_tokens_per_batch_size"}
+    out["num_speculative_tokens"] = max(1, max(r[2] for r in table))
+    out["num_speculative_tokens_per_batch_size"] = [list(r) for r in table]
+    return out
+
+
+def table_tokens_per_s(latency, acceptance, table, batch: int, draft_s=0.0) -> float:
+    k = table[0][2]
+    for start, _end, kk in table:
+        if start > batch:
+            break
+        k = kk
+    return tokens_per_s(latency, acceptance, batch, k, draft_s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurement (drives the engine).
+
+
+def batch_ladder(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... up to max_num_seqs (always included)."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+def measure_acceptance(model: str, spec: dict, prompts: Sequence[str], max_tokens: int,
+                       enforce_eager: bool = False) -> dict:
+    """Run the prompts with K = spec's num_speculative_tokens; return conditional acceptance by
+    position, the mean acceptance length, and the draft time per request-step."""
+    from npuspec.bench.e2e import run_npuspec
+
+    res = run_npuspec(model, spec, prompts, max_tokens, max_num_seqs=1, repeats=1,
+                      enforce_eager=enforce_eager)
+    m = res["metrics"]
+    k = spec["num_speculative_tokens"]
+    steps = m["request_steps"]
+    acc = list(m["accepted_by_position"])[:k] + [0] * max(0, k - len(m["accepted_by_position"]))
+    return {"acceptance": conditional_acceptance(acc, steps),
+            "mean_acceptance_length": m["mean_acceptance_length"],
+            "draft_s_per_request_step": m["draft_s"] / steps if steps else 0.0}
+
+
+def measure_latency(model: str, token_counts: Sequence[int], context: int, repeats: int,
+                    enforce_eager: bool = False) -> dict[int, float]:
+    """Median seconds of one target forward over T tokens, for each T (rows of K+1 tokens at a
+    context of `context` tokens, the shape of a decode step)."""
+    from npuspec.bench.e2e import step_latency
+
+    return step_latency(model, token_counts, context=context, repeats=repeats,
+                        enforce_eager=enforce_eager)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from npuspec.cli.common import float_list, positive
+
+    p.add_argument("--model", default="tiny", help="target checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--speculative-config", default=None,
+                   help="base config (vllm serve schema); its num_speculative_tokens is the largest K "
+                        "tried (default: ngram, K=4)")
+    p.add_argument("--max-num-seqs", type=positive, default=64, help="largest concurrency to tune for (default 64)")
+    p.add_argument("--max-tokens", type=positive, default=128, help="tokens per prompt when measuring acceptance")
+    p.add_argument("--prompts", default=None, help="prompt file (.txt/.json/.jsonl); default: the demo prompts")
+    p.add_argument("--context", type=positive, default=256, help="context length for the latency probe (default 256)")
+    p.add_argument("--repeats", type=positive, default=5, help="latency repeats per token count (median)")
+    p.add_argument("--tolerance", type=float, default=0.01,
+                   help="take the smallest K within this fraction of the best tokens/s (default 0.01)")
+    p.add_argument("--acceptance", type=float_list, default=None,
+                   help="skip the acceptance run: conditional acceptance by position, e.g. 0.8,0.7,0.6")
+    p.add_argument("--latency-json", default=None,
+                   help="skip the latency probe: a JSON object {token_count: seconds}")
+    p.add_argument("--enforce-eager", action="store_true", help="measure without torch.compile")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements and table as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="plot tokens/s against concurrency for each fixed K and the tuned table (needs matplotlib)")
+
+
+def _read_latency(path: str) -> dict[int, float]:
+    from npuspec.cli.errors import UsageError
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        lat = {int(k): float(v) for k, v in raw.items()}
+    except FileNotFoundError:
+        raise UsageError(f"{path!r} does not exist", "--latency-json") from None
+    except (ValueError, AttributeError, TypeError) as e:
+        raise UsageError(f"{path!r} must be a JSON object {{\"token_count\": seconds, ...}} ({e})",
+                         "--latency-json") from None
+    if not lat or min(lat) < 1 or min(lat.values()) <= 0:
+        raise UsageError(f"{path!r} needs token counts >= 1 with positive seconds", "--latency-json")
+    return lat
+
+
+def run(args: argparse.Namespace) -> int:
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.errors import UsageError
+    from npuspec.cli.prompts import load_prompts
+
+    base = common.spec_dict(args.speculative_config) or dict(common.DEFAULT_SPEC)
+    cfg = common.spec_config(base)  # validates, names the key on error
+    if cfg.method not in ("ngram", "suffix", "draft_model"):
+        raise UsageError(f"method {cfg.method!r} cannot be measured by the engine yet; use ngram, "
+                         f"suffix or draft_model", "--speculative-config method")
+    if not 0.0 <= args.tolerance < 1.0:
+        raise UsageError(f"{args.tolerance} must be in [0, 1)", "--tolerance")
+    k_max = cfg.num_speculative_tokens
+    if args.plot:
+        from npuspec.bench.plots import require_matplotlib
+        require_matplotlib("--plot")
+    t0 = time.perf_counter()
+
+    if args.acceptance is not None:
+        acc = args.acceptance
+        if not acc or any(not 0.0 <= a <= 1.0 for a in acc):
+            raise UsageError(f"{acc} must be numbers in [0, 1]", "--acceptance")
+        k_max = min(k_max, len(acc)) if args.speculative_config else len(acc)
+        measured = {"acceptance": list(acc), "mean_acceptance_length": None, "draft_s_per_request_step": 0.0}
+    else:
+        mdir = common.model_dir(args.model)
+        common.check_draft(mdir, cfg)
+        spec = dict(base, num_speculative_tokens=k_max)
+        spec.pop("num_speculative_tokens_per_batch_size", None)
+        measured = measure_acceptance(mdir, spec, load_prompts(args.prompts), args.max_tokens,
+                                      args.enforce_eager)
+    acc = measured["acceptance"][:k_max]
+
+    ladder = batch_ladder(args.max_num_seqs)
+    if args.latency_json:
+        lat = _read_latency(args.latency_json)
+    else:
+        mdir = common.model_dir(args.model)
+        counts = sorted({b * (k + 1) for b in ladder for k in range(k_max + 1)})
+        lat = measure_latency(mdir, counts, args.context, args.repeats, args.enforce_eager)
+
+    draft = measured["draft_s_per_request_step"]
+    table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft)
+    rows = []
+    for b in ladder:
+        k, tps, all_tps = best_k(lat, acc, b, k_max, args.tolerance, draft)
+        row = {"batch": b, "K": k, "tuned tok/s": tps}
+        row.update({f"K={kk} tok/s": v for kk, v in enumerate(all_tps)})
+        rows.append(row)
+    print_table([{"position": i + 1, "acceptance": a, "E(K)": expected_tokens(acc, i + 1)}
+                 for i, a in enumerate(acc)], title="acceptance (conditional) and expected tokens per step")
+    print_table([{"tokens": t, "step ms": s * 1e3} for t, s in sorted(lat.items())],
+                title="step latency by token count")
+    print_table(rows, title="expected tokens/s by concurrency")
+    cfg_out = tuned_config(base, table)
+    common.spec_config(cfg_out, "tuned table")  # the table must be one SpeculativeConfig accepts
+    print(f"tuned in {time.perf_counter() - t0:.1f}s; paste into --speculative-config:")
+    print(json.dumps(cfg_out))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"speculative_config": cfg_out, "acceptance": acc,
+                       "mean_acceptance_length": measured["mean_acceptance_length"],
+                       "draft_s_per_request_step": draft,
+                       "latency_s": {str(k): v for k, v in sorted(lat.items())},
+                       "max_num_seqs": args.max_num_seqs, "rows": rows}, f, indent=1)
+    if args.plot:
+        from npuspec.bench.plots import plot_tune
+        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def main(argv=None) -> int:
+    from npuspec.cli.errors import run_command
+
+    p = argparse.ArgumentParser(prog="npuspec tune", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    args = p.parse_args(argv)
+    return run_command(lambda: run(args), "npuspec tune", args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from npuspec.cli import main
+
+sys.exit(main())

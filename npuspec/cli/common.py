@@ -1,0 +1,160 @@
+"""Argument checks shared by the subcommands, each turning a bad value into a UsageError that
+names the flag, and a progress bar that only draws on a terminal."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from npuspec.cli.errors import UsageError, with_field
+
+SPEC_FLAG = "--speculative-config"
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 4}
+
+
+def spec_dict(value: str | dict | None, field: str = SPEC_FLAG) -> dict | None:
+    """`--speculative-config` as a dict: inline JSON (vllm serve's schema) or a path to a .json
+    file; 'none' or '' mean no speculation."""
+    if value is None or isinstance(value, dict):
+        return value
+    text = value.strip()
+    if text.lower() in ("", "none", "null", "off"):
+        return None
+    if not text.startswith("{") and os.path.isfile(os.path.expanduser(text)):
+        with open(os.path.expanduser(text), encoding="utf-8") as f:
+            text = f.read()
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"not valid JSON ({e.msg} at column {e.colno} of {value!r}); write it like "
+                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}' (single quotes "
+                         f"around the JSON in a shell)", field) from None
+    if d is None:
+        return None
+    if not isinstance(d, dict):
+        raise UsageError(f"must be a JSON object, got {type(d).__name__} {d!r}; e.g. "
+                         f"'{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'", field)
+    return d
+
+
+def spec_config(value, field: str = SPEC_FLAG):
+    """Validated npuspec.SpeculativeConfig (or None); errors name the flag and the key."""
+    from npuspec.config import SpeculativeConfig
+
+    d = spec_dict(value, field)
+    if d is None:
+        return None
+    try:
+        return SpeculativeConfig.from_dict(d)
+    except ValueError as e:
+        raise with_field(e, field) from None
+
+
+def model_dir(path: str | None, field: str = "--model") -> str:
+    """A checkpoint directory with a readable config.json ('tiny' = the embedded model)."""
+    from npuspec.models.config import read_config
+    from npuspec.models.loading import TINY_MODEL_DIR, resolve_model_dir
+
+    try:
+        d = resolve_model_dir(path or "tiny")
+        if d == TINY_MODEL_DIR and not os.path.isfile(os.path.join(d, "config.json")):
+            raise FileNotFoundError(
+                f"the embedded model is missing from {d}; reinstall npuspec, or train it with "
+                f"`python -m npuspec.models.train_tiny --out {d}`")
+        read_config(d)
+    except (ValueError, OSError) as e:
+        raise with_field(e, field) from None
+    return d
+
+
+def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
+    """For draft-model methods: the draft's directory, after checking it shares the target's
+    vocabulary (a draft token id must mean the same token to the target)."""
+    if spec is None or not spec.model:
+        return None
+    from npuspec.models.config import read_config
+    from npuspec.models.loading import load_tokenizer
+
+    draft_dir = model_dir(spec.model, f"{field} model")
+    tv, dv = read_config(target_dir).vocab_size, read_config(draft_dir).vocab_size
+    if tv != dv:
+        raise UsageError(f"the draft model {spec.model!r} has vocab_size={dv} but the target has "
+                         f"vocab_size={tv}; speculative decoding needs a draft with the target's "
+                         f"vocabulary (same tokenizer): pick a draft from the target's model family",
+                         f"{field} model")
+    tt, dt = load_tokenizer(target_dir), load_tokenizer(draft_dir)
+    if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
+        raise UsageError(f"the draft model {spec.model!r} has the target's vocab_size ({tv}) but a "
+                         f"different tokenizer.json vocabulary; use a draft trained with the "
+                         f"target's tokenizer", f"{field} model")
+    return draft_dir
+
+
+def positive(s: str) -> int:
+    """argparse type: an int >= 1 (argparse names the flag in its error)."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    return v
+
+
+def int_list(s: str) -> list[int]:
+    """argparse type: comma-separated ints >= 1, e.g. 1,2,4,8."""
+    try:
+        v = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        v = []
+    if not v or min(v) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be comma-separated integers >= 1 such as 1,2,4,8")
+    return v
+
+
+def float_list(s: str) -> list[float]:
+    """argparse type: comma-separated numbers, e.g. 0.8,0.6,0.5."""
+    try:
+        return [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} must be comma-separated numbers such as 0.8,0.6,0.5") from None
+
+
+class Progress:
+    """`label [#####.....] 3/8` on stderr, redrawn in place; silent unless stderr is a TTY."""
+
+    def __init__(self, label: str, total: int, enabled: bool | None = None):
+        self.label, self.total, self.n = label, max(total, 1), 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.t0 = time.perf_counter()
+        self._draw()
+
+    def _draw(self, end: str = "") -> None:
+        if not self.enabled:
+            return
+        width = 24
+        fill = int(width * self.n / self.total)
+        secs = time.perf_counter() - self.t0
+        sys.stderr.write(f"\r{self.label} [{'#' * fill}{'.' * (width - fill)}] "
+                         f"{self.n}/{self.total} {secs:5.1f}s{end}")
+        sys.stderr.flush()
+
+    def update(self, n: int = 1) -> None:
+        self.n = min(self.n + n, self.total)
+        self._draw()
+
+    def close(self) -> None:
+        self.n = self.total
+        self._draw("\n")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        elif self.enabled:
+            sys.stderr.write("\n")

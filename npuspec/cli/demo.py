@@ -1,0 +1,118 @@
+"""Speculative decoding, shown: the embedded model continues a few code prompts twice, greedily,
+without and with speculation (default: ngram prompt lookup), on this machine.
+
+It prints the generated text, checks that both runs emitted exactly the same tokens (greedy
+speculative decoding is lossless), and compares tokens/s, with the mean acceptance length and
+the acceptance by position of the speculative run. Exit status 1 if the outputs differ.
+
+    npuspec demo
+    npuspec demo --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
+    npuspec demo --model ~/models/Qwen3-0.6B --prompts prompts.txt --max-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from npuspec.cli.common import DEFAULT_SPEC, positive
+
+    p.add_argument("--model", default="tiny", help="HF checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help=f"vllm serve --speculative-config schema, inline JSON or a .json file "
+                        f"(default: {json.dumps(DEFAULT_SPEC)})")
+    p.add_argument("--max-tokens", type=positive, default=96, help="new tokens per prompt (default 96)")
+    p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl); "
+                                                   "default: 4 built-in code prompts")
+    p.add_argument("--max-num-seqs", type=positive, default=1,
+                   help="concurrent requests (default 1: one prompt at a time, the latency view)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
+    p.add_argument("--no-text", action="store_true", help="do not print the generated text")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+
+
+def _generate(llm, prompts, max_tokens: int):
+    from npuspec import SamplingParams
+
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return res, time.perf_counter() - t0
+
+
+def _first_diff(a, b) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def run(args) -> int:
+    from npuspec.bench.e2e import aggregate_metrics, make_llm
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.prompts import load_prompts
+
+    t_start = time.perf_counter()
+    mdir = common.model_dir(args.model)
+    spec = common.spec_dict(args.speculative_config) or dict(common.DEFAULT_SPEC)
+    cfg = common.spec_config(spec)
+    common.check_draft(mdir, cfg)
+    prompts = load_prompts(args.prompts)
+    max_len = args.max_tokens + 1024
+    label = f"{cfg.method} K={cfg.num_speculative_tokens}"
+
+    runs = {}
+    with common.Progress("npuspec demo", 4) as bar:
+        for name, s in (("no speculation", None), (label, spec)):
+            t0 = time.perf_counter()
+            llm = make_llm(mdir, s, args.max_num_seqs, max_len, args.enforce_eager)
+            _generate(llm, prompts[:1], 8)  # warm-up: compiles and captures outside the timing
+            warm = time.perf_counter() - t0
+            bar.update()
+            res, secs = _generate(llm, prompts, args.max_tokens)
+            bar.update()
+            runs[name] = (res, secs, warm)
+
+    (base, base_s, base_w), (spec_res, spec_s, spec_w) = runs["no speculation"], runs[label]
+    if not args.no_text:
+        for i, (p, r) in enumerate(zip(prompts, spec_res)):
+            print(f"--- prompt {i + 1} ---")
+            print(f"{p}\033[1m{r.outputs[0].text}\033[0m" if _tty() else p + r.outputs[0].text)
+        print("---")
+    same = [list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(base, spec_res)]
+    m = aggregate_metrics(spec_res)
+    toks = [sum(len(r.outputs[0].token_ids) for r in rs) for rs in (base, spec_res)]
+    rows = [{"mode": "no speculation", "tokens": toks[0], "seconds": base_s, "tok/s": toks[0] / base_s,
+             "warm-up s": base_w, "mean acc len": "-"},
+            {"mode": label, "tokens": toks[1], "seconds": spec_s, "tok/s": toks[1] / spec_s,
+             "warm-up s": spec_w, "mean acc len": m["mean_acceptance_length"]}]
+    print_table(rows, title=f"npuspec demo: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, "
+                            f"max_num_seqs={args.max_num_seqs}")
+    speedup = rows[1]["tok/s"] / rows[0]["tok/s"]
+    acc = m["acceptance_by_position"]
+    print(f"speedup: {speedup:.2f}x   outputs identical: {'yes' if all(same) else 'NO'} "
+          f"({sum(same)}/{len(same)} prompts)")
+    print("acceptance by position: " + "  ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(acc)))
+    print(f"total time: {time.perf_counter() - t_start:.1f}s (including model load and compilation)")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": mdir, "speculative_config": spec, "prompts": prompts,
+                       "max_tokens": args.max_tokens, "identical": all(same), "speedup": speedup,
+                       "rows": rows, "acceptance_by_position": acc, "metrics": m,
+                       "texts": [r.outputs[0].text for r in spec_res],
+                       "token_ids": [list(r.outputs[0].token_ids) for r in spec_res]}, f, indent=1)
+    if not all(same):
+        for i, (a, b) in enumerate(zip(base, spec_res)):
+            if not same[i]:
+                j = _first_diff(list(a.outputs[0].token_ids), list(b.outputs[0].token_ids))
+                print(f"prompt {i + 1}: outputs differ from token {j} on; this is a bug in npuspec, "
+                      f"please report it with this command line")
+        return 1
+    return 0
+
+
+def _tty() -> bool:
+    import sys
+    return sys.stdout.isatty()

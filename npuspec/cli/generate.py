@@ -1,0 +1,82 @@
+"""Generate text with npuspec's offline engine (`npuspec.LLM`) from an HF checkpoint.
+
+The continuations go to stdout (prompt included unless --only-new); a one-line summary
+(tokens/s, mean acceptance length) goes to stderr.
+
+    npuspec generate --prompt "def fib(n):" --max-tokens 64
+    npuspec generate --model ~/models/Qwen3-0.6B --prompt "import os" \\
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from npuspec.cli.common import positive
+
+    p.add_argument("--model", default="tiny", help="HF checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vllm serve --speculative-config schema, inline JSON or a .json file (default: none)")
+    p.add_argument("--max-tokens", type=positive, default=64, help="new tokens per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="per-request seed for sampling")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--max-num-seqs", type=positive, default=8, help="concurrent requests")
+    p.add_argument("--max-model-len", type=positive, default=None, help="context limit (default: prompt + max tokens)")
+    p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
+    p.add_argument("--only-new", action="store_true", help="print only the generated text, not the prompt")
+    p.add_argument("--json", default=None, metavar="PATH", help="write texts, token ids and metrics as JSON")
+
+
+def run(args) -> int:
+    from npuspec import LLM, SamplingParams
+    from npuspec.bench.e2e import aggregate_metrics
+    from npuspec.cli import common
+    from npuspec.cli.errors import UsageError
+    from npuspec.cli.prompts import load_prompts
+
+    mdir = common.model_dir(args.model)
+    cfg = common.spec_config(args.speculative_config)
+    common.check_draft(mdir, cfg)
+    prompts = list(args.prompt) + (load_prompts(args.prompts) if args.prompts else [])
+    if not prompts:
+        raise UsageError("give at least one prompt, e.g. --prompt 'def fib(n):'", "--prompt")
+    if any(not p for p in prompts):
+        raise UsageError("a prompt is empty; pass some text", "--prompt")
+    if args.temperature < 0:
+        raise UsageError(f"{args.temperature} must be >= 0 (0 = greedy)", "--temperature")
+    sp_kw = dict(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    for key in ("top_p", "top_k", "seed"):
+        if getattr(args, key) is not None:
+            sp_kw[key] = getattr(args, key)
+    max_len = args.max_model_len or (4096 + args.max_tokens)
+    llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
+              max_num_seqs=args.max_num_seqs, max_model_len=max_len, enforce_eager=args.enforce_eager)
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, SamplingParams(**sp_kw))
+    secs = time.perf_counter() - t0
+    for i, r in enumerate(res):
+        if len(res) > 1:
+            print(f"--- {i + 1} ---")
+        print(r.outputs[0].text if args.only_new else r.prompt + r.outputs[0].text)
+    sys.stdout.flush()
+    m = aggregate_metrics(res)
+    n = sum(len(r.outputs[0].token_ids) for r in res)
+    mal = m["mean_acceptance_length"]
+    print(f"{n} tokens in {secs:.2f}s ({n / secs:.1f} tok/s)"
+          + (f", mean acceptance length {mal:.2f}" if cfg and mal else ""), file=sys.stderr)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": mdir, "speculative_config": cfg.to_dict() if cfg else None,
+                       "outputs": [{"prompt": r.prompt, "text": r.outputs[0].text,
+                                    "token_ids": list(r.outputs[0].token_ids)} for r in res],
+                       "seconds": secs, "metrics": m}, f, indent=1)
+    return 0

@@ -1,0 +1,118 @@
+"""Print the graph capture plan for a speculative config.
+
+For every K the config can use (one per range of `num_speculative_tokens_per_batch_size`, or
+`num_speculative_tokens`), it lists the capture sizes (token counts, each a multiple of K+1)
+from `npuspec.graphs.plan_capture_sizes`, which batch sizes use that K, how much padding they
+carry on average, and the total graph count. It warns where batches that use a K need more
+tokens than its largest captured size: those steps run eagerly (slow, and counted as
+`eager_fallbacks`).
+
+    npuspec plan --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' --max-num-seqs 64
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from npuspec.cli.common import int_list, positive
+
+    p.add_argument("--speculative-config", required=True, metavar="JSON",
+                   help="speculative config (vllm serve --speculative-config schema), inline JSON or a .json file")
+    p.add_argument("--max-num-seqs", type=positive, default=64, help="most concurrent requests (default 64)")
+    p.add_argument("--capture-sizes", type=int_list, default=None, metavar="N,N,...",
+                   help="token counts to capture (default: NPUSPEC_CAPTURE_SIZES, else the default ladder)")
+    p.add_argument("--device", choices=("npu", "cuda", "cpu"), default=None,
+                   help="plan for this device (default: the one detected); npu enforces K+1 <= 16")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+
+
+def _platform(device: str | None):
+    from npuspec.platform import NPU_MAX_TOKENS_PER_REQUEST, Platform, current_platform
+
+    if device is None:
+        return current_platform()
+    limit = NPU_MAX_TOKENS_PER_REQUEST if device == "npu" else float("inf")
+    runner = {"npu": "acl", "cuda": "cuda", "cpu": "cpu"}[device]
+    return Platform(device, runner, device != "cpu", limit, f"{device} (planned)")
+
+
+def build_plan(cfg, max_num_seqs: int, sizes=None, platform=None) -> dict:
+    """{K: {"sizes", "batches" (using this K), "uncaptured" (batches over the largest size),
+    "padding" (mean fraction of padded tokens)}} plus totals."""
+    from npuspec.graphs import plan_capture_sizes
+
+    per_k = {}
+    for k in cfg.k_values():
+        m = k + 1
+        caps = plan_capture_sizes(k, max_num_seqs, sizes=sizes, platform=platform)
+        batches = [b for b in range(1, max_num_seqs + 1) if cfg.k_for_batch_size(b) == k]
+        uncaptured = [b for b in batches if b * m > caps[-1]]
+        pads = []
+        for b in batches:
+            if b * m <= caps[-1]:
+                padded = next(s for s in caps if s >= b * m)
+                pads.append((padded - b * m) / padded)
+        per_k[k] = {"sizes": caps, "batches": _ranges(batches), "uncaptured": _ranges(uncaptured),
+                    "padding": sum(pads) / len(pads) if pads else 0.0,
+                    "largest_batch": caps[-1] // m}
+    return {"k": per_k, "graphs": sum(len(v["sizes"]) for v in per_k.values()),
+            "max_num_seqs": max_num_seqs}
+
+
+def _ranges(xs: list[int]) -> list[list[int]]:
+    out: list[list[int]] = []
+    for x in xs:
+        if out and out[-1][1] == x - 1:
+            out[-1][1] = x
+        else:
+            out.append([x, x])
+    return out
+
+
+def _fmt_ranges(rs) -> str:
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in rs) or "none"
+
+
+def run(args) -> int:
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.errors import UsageError, with_field
+    from npuspec.config import SpeculativeConfig
+
+    platform = _platform(args.device)
+    d = common.spec_dict(args.speculative_config)
+    if d is None:
+        raise UsageError("planning needs a speculative config, e.g. "
+                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'", "--speculative-config")
+    try:
+        cfg = SpeculativeConfig.from_dict(d, device=platform.device)
+    except ValueError as e:
+        raise with_field(e, "--speculative-config") from None
+    try:
+        plan = build_plan(cfg, args.max_num_seqs, args.capture_sizes, platform)
+    except ValueError as e:  # NPUSPEC_CAPTURE_SIZES garbage, NPU limits: the planner names them
+        raise with_field(e, "--capture-sizes" if args.capture_sizes else "capture plan") from None
+    if args.json:
+        print(json.dumps({"speculative_config": cfg.to_dict(), "device": platform.device,
+                          "max_num_seqs": plan["max_num_seqs"], "graphs": plan["graphs"],
+                          "k": {str(k): v for k, v in plan["k"].items()}}, indent=1))
+    else:
+        rows = [{"K": k, "K+1": k + 1, "graphs": len(v["sizes"]), "batch sizes": _fmt_ranges(v["batches"]),
+                 "largest captured batch": v["largest_batch"], "mean padding": f"{100 * v['padding']:.1f}%",
+                 "capture sizes (tokens)": ",".join(map(str, v["sizes"]))}
+                for k, v in plan["k"].items()]
+        print_table(rows, title=f"capture plan ({platform.device}, max_num_seqs={args.max_num_seqs})")
+        print(f"total graphs: {plan['graphs']}")
+    warned = 0
+    for k, v in plan["k"].items():
+        if v["uncaptured"]:
+            warned += 1
+            print(f"warning: K={k}: batch sizes {_fmt_ranges(v['uncaptured'])} need more than "
+                  f"{v['sizes'][-1]} tokens (the largest capture size) and run eagerly; add capture "
+                  f"sizes up to {v['uncaptured'][-1][1] * (k + 1)} (multiples of {k + 1}) or lower "
+                  f"--max-num-seqs")
+        elif not v["batches"]:
+            print(f"note: K={k} is used by no batch size <= {args.max_num_seqs}; its graphs are never replayed")
+    return 0
