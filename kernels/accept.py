@@ -1,0 +1,178 @@
+"""Narrow verify ops: the pieces of a verify step that npuspec's passes fuse on their own.
+
+When a user's graph holds only part of a verify step (the graph broke at `if n_matches < gamma:`,
+or the user computes the emitted tokens their own way), the passes rewrite that part into one
+of these ops instead of the whole `npuspec::rejection_sample`:
+
+    greedy_accept(draft_ids, target_ids)            -> int64 [...]   accepted-prefix length
+    ratio_accept(p, q, draft_ids, uniforms)         -> int64 [...]   standard test, prefix length
+    residual_probs(p, q, normalize)                 -> float [..., V] clamp(p - q, 0) (normalised)
+    residual_sample(p, q, noise, normalize, sampler)-> int64 [...]   exponential race / Gumbel-max
+
+Every op is a pure function of its tensor inputs (random draws come in as tensors, so the user's
+own draws are kept) and is registered with `torch.library.custom_op` plus a fake impl, so it can
+sit inside captured graphs and Inductor treats it as an opaque call. The arithmetic of each op is
+written to be *bit-identical* to the PyTorch idioms it replaces (same float ops, same order, same
+reductions): `*_ref` is that idiom, spelled the plainest way, and the tests compare op and
+reference with `torch.equal`.
+
+Prefix length: for a bool row a[0..K-1], the number of leading Trues. All spellings users write
+(`a.cumprod(-1).sum(-1)`, `((~a).cumsum(-1) < 1).sum(-1)`, `a.int().cummin(-1).values.sum(-1)`)
+compute exactly this, so one op serves them all.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+NORMALIZE = ("none", "row", "all")  # residual normalisation: none, r / r.sum(-1, keepdim), r / r.sum()
+SAMPLERS = ("race", "gumbel")  # argmax(r / E) ; argmax(log(r) + G)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefix length of a bool mask
+# ---------------------------------------------------------------------------------------------
+def _prefix_len(ok: Tensor) -> Tensor:
+    """ok: bool [..., K] -> int64 [...], the number of leading Trues per row.
+
+    Fused form: the index of the first False (argmax of the mismatch mask), or K if none.
+    """
+    k = ok.shape[-1]
+    if k == 0:
+        return torch.zeros(ok.shape[:-1], dtype=torch.int64, device=ok.device)
+    bad = ~ok  # [..., K]
+    first = bad.to(torch.uint8).argmax(-1)  # [...] first False (0 when none)
+    return torch.where(bad.any(-1), first, torch.full_like(first, k))
+
+
+def prefix_len_ref(ok: Tensor) -> Tensor:
+    return ok.to(torch.int64).cumprod(-1).sum(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# greedy accept length
+# ---------------------------------------------------------------------------------------------
+def _check_ids(name: str, t: Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"npuspec.kernels.{name}: token ids must be int32 or int64, got {t.dtype}; "
+                        f"cast them with .long()")
+
+
+@torch.library.custom_op("npuspec::greedy_accept", mutates_args=())
+def greedy_accept(draft_ids: Tensor, target_ids: Tensor) -> Tensor:
+    """draft_ids, target_ids: int [..., K] (same shape and dtype) -> int64 [...].
+
+    The number of leading positions where the draft equals the target's choice (a -1 draft never
+    equals a token id, so it ends the prefix)."""
+    _check_ids("greedy_accept", draft_ids)
+    assert draft_ids.shape == target_ids.shape and draft_ids.dtype == target_ids.dtype, (
+        draft_ids.shape, target_ids.shape, draft_ids.dtype, target_ids.dtype)
+    return _prefix_len(draft_ids == target_ids)
+
+
+@greedy_accept.register_fake
+def _(draft_ids, target_ids):
+    return draft_ids.new_empty(draft_ids.shape[:-1], dtype=torch.int64)
+
+
+def greedy_accept_ref(draft_ids: Tensor, target_ids: Tensor) -> Tensor:
+    return prefix_len_ref(draft_ids == target_ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# standard (ratio) accept length
+# ---------------------------------------------------------------------------------------------
+def _at_ids(p: Tensor, ids: Tensor) -> Tensor:
+    """p: [..., K, V], ids: [..., K] -> p[..., k, ids[..., k]]  [..., K]"""
+    return p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.library.custom_op("npuspec::ratio_accept", mutates_args=())
+def ratio_accept(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor) -> Tensor:
+    """p, q: float [..., K, V] target/draft probs (q None: one-hot drafts), draft_ids int64 [..., K],
+    uniforms float [..., K] -> int64 [...] accepted-prefix length.
+
+    Position k is accepted iff p(x)/q(x) >= u (q None: p(x) >= u), evaluated exactly as the
+    user's expression is in eager: one float division, one comparison. NaN ratios (0/0) reject."""
+    assert draft_ids.dtype == torch.int64, draft_ids.dtype
+    px = _at_ids(p, draft_ids)  # [..., K]
+    ratio = px if q is None else px / _at_ids(q, draft_ids)
+    return _prefix_len(ratio >= uniforms)
+
+
+@ratio_accept.register_fake
+def _(p, q, draft_ids, uniforms):
+    return draft_ids.new_empty(draft_ids.shape[:-1], dtype=torch.int64)
+
+
+def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor) -> Tensor:
+    px = p.gather(-1, draft_ids[..., None])[..., 0]
+    ratio = px if q is None else px / q.gather(-1, draft_ids[..., None])[..., 0]
+    return prefix_len_ref(uniforms <= ratio)
+
+
+# ---------------------------------------------------------------------------------------------
+# residual distribution and residual sampling
+# ---------------------------------------------------------------------------------------------
+def _residual(p: Tensor, q: Tensor, normalize: str) -> Tensor:
+    if normalize not in NORMALIZE:
+        raise ValueError(f"npuspec.kernels.residual: normalize={normalize!r} must be one of {NORMALIZE}")
+    r = torch.clamp_min(p - q, 0)  # [..., V]
+    if normalize == "row":
+        r = r / r.sum(-1, keepdim=True)
+    elif normalize == "all":
+        r = r / r.sum()
+    return r
+
+
+@torch.library.custom_op("npuspec::residual_probs", mutates_args=())
+def residual_probs(p: Tensor, q: Tensor, normalize: str) -> Tensor:
+    """max(p - q, 0), then divided by its row sum ("row"), by its total ("all") or not ("none").
+    Feeds the user's own `torch.multinomial`, so the user's RNG stream is consumed unchanged."""
+    return _residual(p, q, normalize)
+
+
+@residual_probs.register_fake
+def _(p, q, normalize):
+    return torch.empty_like(torch.broadcast_tensors(p, q)[0], dtype=torch.promote_types(p.dtype, q.dtype))
+
+
+def residual_probs_ref(p: Tensor, q: Tensor, normalize: str) -> Tensor:
+    r = (p - q).clamp(min=0)
+    if normalize == "row":
+        r = r / r.sum(dim=-1, keepdim=True)
+    elif normalize == "all":
+        r = r / r.sum()
+    return r
+
+
+@torch.library.custom_op("npuspec::residual_sample", mutates_args=())
+def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str) -> Tensor:
+    """One token per row from the residual max(p - q, 0) using the caller's draws:
+    sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "gumbel": argmax(log(r) + G) with
+    G ~ Gumbel(0, 1) [..., V]. -> int64 [...]"""
+    if sampler not in SAMPLERS:
+        raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
+    r = _residual(p, q, normalize)  # [..., V]
+    score = r / noise if sampler == "race" else torch.log(r) + noise
+    return score.argmax(-1)
+
+
+@residual_sample.register_fake
+def _(p, q, noise, normalize, sampler):
+    shape = torch.broadcast_shapes(p.shape, q.shape, noise.shape)
+    return p.new_empty(shape[:-1], dtype=torch.int64)
+
+
+def residual_sample_ref(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str) -> Tensor:
+    r = residual_probs_ref(p, q, normalize)
+    if sampler == "race":
+        return torch.argmax(r / noise, dim=-1)
+    return torch.argmax(r.log() + noise, dim=-1)
+
+
+__all__ = ["greedy_accept", "ratio_accept", "residual_probs", "residual_sample",
+           "greedy_accept_ref", "ratio_accept_ref", "residual_probs_ref", "residual_sample_ref",
+           "prefix_len_ref"]

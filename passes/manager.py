@@ -1,0 +1,176 @@
+"""The pass manager: runs the verify patterns over an ATen graph, supersets first.
+
+    manager = PassManager()                  # default_patterns(), in this order:
+        1. greedy_verify   (whole greedy step -> npuspec::rejection_sample)
+        2. greedy_accept   (prefix length     -> npuspec::greedy_accept)
+        3. ratio_accept    (standard test     -> npuspec::ratio_accept)
+        4. residual        (residual resample -> npuspec::residual_sample / residual_probs)
+    n = manager.run(graph, flavor="inductor")   # or "aten"
+
+A superset runs first so that a whole greedy step becomes one rejection_sample call instead of
+an argmax plus a greedy_accept. Each family is compiled into its own Inductor
+`PatternMatcherPass` per *flavor*: the ATen spelling of a pattern depends on the decomposition
+table the graph was traced with (Inductor decomposes softmax, for example), so patterns are
+traced with the same table as the graph they run on:
+
+- "inductor": Inductor's table with `fallback_random=True` (so random ops stay the eager ops);
+  the manager runs as Inductor's `joint_custom_pre_pass` (see `InductorVerifyPass`).
+- "aten": no decompositions; used by the eager lowering on the graph from AOT autograd.
+
+Before matching, `canonicalize` rewrites dim/slice literals into one form (both in the graph and
+in the traced patterns). `counters["verify_patterns_matched"]` moves by the number of
+replacements (and `verify_patterns_matched.<family>` per family). With NPUSPEC_DEBUG_DUMP set,
+each run writes `NNNN_before.txt` / `NNNN_after.txt` there (numbered per process).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import itertools
+import logging
+import os
+import threading
+from typing import Optional, Sequence
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from npuspec import counters, envs
+from npuspec.passes import canonical
+from npuspec.passes.patterns import VerifyPattern, default_patterns
+
+log = logging.getLogger("npuspec.passes")
+
+FLAVORS = ("inductor", "aten")
+_dump_seq = itertools.count(1)
+_lock = threading.Lock()
+
+
+def decomp_table(flavor: str) -> dict:
+    if flavor == "aten":
+        return {}
+    assert flavor == "inductor", flavor
+    from torch._inductor import config as iconfig
+    from torch._inductor.decomposition import select_decomp_table
+    with iconfig.patch(fallback_random=True):
+        return select_decomp_table()
+
+
+def trace_canonical(fn, args, *, get_decomp_fn=None, **_):
+    """Inductor's `fwd_only` trace, then canonical literals (the trace_fn of every pattern)."""
+    from torch._inductor.pattern_matcher import fwd_only
+    gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn or (lambda: {}))
+    canonical.canonicalize(gm.graph)
+    gm.recompile()
+    return gm
+
+
+class _Compiled:
+    """One family's spellings registered into a PatternMatcherPass for one flavor."""
+
+    def __init__(self, pattern: VerifyPattern, flavor: str):
+        from torch._inductor.pattern_matcher import PatternMatcherPass, register_replacement
+        self.uuid = pattern.uuid()
+        self.pass_ = PatternMatcherPass(pass_name=f"npuspec_{pattern.name}")
+        table = decomp_table(flavor)
+        self.names = []
+        for sp in pattern.spellings():
+            ok = register_replacement(
+                sp.search, sp.replace, sp.example(),
+                trace_fn=trace_canonical, pass_dicts=self.pass_,
+                extra_check=pattern.extra_check, skip_duplicates=True,
+                get_decomp_fn=lambda: table, pattern_name=f"{pattern.name}.{sp.name}")
+            if ok:
+                self.names.append(sp.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(key: tuple) -> _Compiled:
+    return _Compiled(_PATTERN_BY_KEY[key], key[1])
+
+
+_PATTERN_BY_KEY: dict = {}
+
+
+def compiled(pattern: VerifyPattern, flavor: str) -> _Compiled:
+    """Registered patterns, cached by (family uuid, flavor): editing a config recompiles."""
+    key = (pattern.uuid(), flavor)
+    with _lock:
+        _PATTERN_BY_KEY[key] = pattern
+        return _compiled(key)
+
+
+def _dump(graph: torch.fx.Graph, tag: str, seq: int) -> None:
+    d = envs.debug_dump()
+    if d is None:
+        return
+    os.makedirs(d, exist_ok=True)
+    path = os.path.join(d, f"{seq:04d}_{tag}.txt")
+    with open(path, "w") as f:
+        f.write(str(graph))
+    log.info("npuspec: wrote %s", path)
+
+
+class PassManager:
+    """Runs verify-pattern families over a graph in order; see the module docstring."""
+
+    def __init__(self, patterns: Optional[Sequence[VerifyPattern]] = None):
+        self.patterns = list(default_patterns() if patterns is None else patterns)
+
+    def run(self, gm_or_graph, flavor: str = "inductor") -> dict:
+        """Rewrite in place. Returns {family name: replacements} (families with 0 left out)."""
+        if flavor not in FLAVORS:
+            raise ValueError(f"PassManager.run: flavor={flavor!r} must be one of {FLAVORS}")
+        graph = gm_or_graph.graph if isinstance(gm_or_graph, torch.fx.GraphModule) else gm_or_graph
+        seq = next(_dump_seq) if envs.debug_dump() else 0
+        if seq:
+            _dump(graph, "before", seq)
+        canonical.canonicalize(graph)
+        found = {}
+        for p in self.patterns:
+            n = compiled(p, flavor).pass_.apply(graph)
+            if n:
+                found[p.name] = n
+                counters.bump(f"verify_patterns_matched.{p.name}", n)
+        total = sum(found.values())
+        if total:
+            counters.bump("verify_patterns_matched", total)
+            graph.eliminate_dead_code()
+            graph.lint()
+            if graph.owning_module is not None:
+                graph.owning_module.recompile()
+        if seq:
+            _dump(graph, "after", seq)
+        log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
+        return found
+
+    def uuid(self) -> str:
+        h = hashlib.sha256(inspect.getsource(inspect.getmodule(PassManager)).encode())
+        h.update(inspect.getsource(canonical).encode())
+        for p in self.patterns:
+            h.update(p.uuid().encode())
+        return h.hexdigest()
+
+
+class InductorVerifyPass(CustomGraphPass):
+    """The manager as Inductor's `joint_custom_pre_pass`.
+
+    It runs on the graph AOT autograd traced with Inductor's decompositions, before Inductor's
+    own joint/post-grad pattern passes rewrite it (those would otherwise fold and reorder the
+    very ops our patterns look for). `uuid()` enters Inductor's FX graph cache key, so editing a
+    pass's source or config invalidates cached compiles, and identical passes hit the cache."""
+
+    def __init__(self, manager: Optional[PassManager] = None):
+        self.manager = manager or PassManager()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.manager.run(graph, flavor="inductor")
+
+    def uuid(self) -> str:
+        return self.manager.uuid()
+
+
+def run_passes(gm: torch.fx.GraphModule, flavor: str = "aten",
+               manager: Optional[PassManager] = None) -> dict:
+    return (manager or PassManager()).run(gm, flavor=flavor)

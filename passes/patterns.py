@@ -1,0 +1,469 @@
+"""The verify-pattern library: one class per verify family.
+
+Each family holds its search patterns (plain PyTorch functions, one per spelling, traced to
+ATen by Inductor's pattern matcher), the replacement (a call to an `npuspec::` op), an
+`extra_check` that guards shapes and dtypes, and a config whose fields change the family's
+`uuid()`. Literals (dims, slice bounds, scalars, dtypes) are checked exactly by the matcher
+after `canonical.canonicalize`, and an intermediate with a user outside the pattern blocks
+the match, so a near miss is left alone and still computes what the user wrote.
+
+Families, in the order the manager runs them (supersets first):
+
+1. GreedyVerify   argmax + accepted prefix + emitted tokens   -> npuspec::rejection_sample
+2. GreedyAccept   eq + cumprod/cumsum/cummin prefix length    -> npuspec::greedy_accept
+3. RatioAccept    p(x)/q(x) vs u + prefix length              -> npuspec::ratio_accept
+4. Residual       clamp(p - q, 0) [normalised] + race/Gumbel/multinomial
+                                                              -> npuspec::residual_sample / residual_probs
+
+Exactness: every replacement is bit-identical to the eager idiom it replaces, for the same
+inputs and the same RNG state (random draws are pattern *inputs*, so the user's own
+torch.rand / exponential_ / Gumbel draws are kept; multinomial stays the user's op).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import itertools
+import json
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.*)
+import npuspec.kernels.accept  # noqa: F401
+
+npuspec_ops = torch.ops.npuspec
+INT_IDS = (torch.int32, torch.int64)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spelling:
+    """One search function, its replacement and tiny example inputs to trace them with."""
+    name: str
+    search: Callable
+    replace: Callable
+    example: Callable[[], list]  # () -> example inputs (fresh tensors)
+
+
+def _val(n):
+    v = n.meta.get("val") if hasattr(n, "meta") else None
+    return v if isinstance(v, Tensor) else None
+
+
+def _static_shape(t: Tensor) -> bool:
+    return all(isinstance(s, int) for s in t.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# prefix-length tails: every spelling of "number of leading Trues" we recognise
+# --------------------------------------------------------------------------------------------
+def tail_cumprod(ok):          # ok: bool [B, K]
+    return ok.cumprod(dim=-1).sum(dim=-1)
+
+
+def tail_cumprod_long(ok):
+    return ok.long().cumprod(dim=1).sum(dim=1)
+
+
+def tail_cumsum_not(ok):       # HF transformers / Leviathan-style
+    return ((~ok).cumsum(dim=-1) < 1).sum(dim=-1)
+
+
+def tail_cumsum_not_all(ok):   # HF transformers' literal spelling: .sum() over everything
+    return ((~ok).cumsum(dim=-1) < 1).sum()
+
+
+def tail_cummin_int(ok):
+    return ok.int().cummin(dim=-1).values.sum(dim=-1)
+
+
+def tail_cummin_long(ok):
+    return ok.long().cummin(dim=-1).values.sum(dim=-1)
+
+
+TAILS = {"cumprod": tail_cumprod, "cumprod_long": tail_cumprod_long, "cumsum_not": tail_cumsum_not,
+         "cumsum_not_all": tail_cumsum_not_all, "cummin_int": tail_cummin_int,
+         "cummin_long": tail_cummin_long}
+# how the op's int64 [B] result maps to what each tail returns
+TAIL_OUT = {"cumsum_not_all": lambda n: n.sum()}
+
+
+def _tail_out(tail: str, n: Tensor) -> Tensor:
+    return TAIL_OUT.get(tail, lambda x: x)(n)
+
+
+def _bind(fn, **fixed):
+    """fn with keyword arguments fixed; its signature keeps only the tensor inputs (the pattern
+    matcher names the pattern's inputs after the signature)."""
+    sig = inspect.signature(fn)
+
+    def bound(*args):
+        return fn(*args, **fixed)
+
+    bound.__signature__ = sig.replace(
+        parameters=[p for n, p in sig.parameters.items() if n not in fixed])
+    bound.__name__ = fn.__name__
+    return bound
+
+
+def _source_hash(*objs) -> str:
+    h = hashlib.sha256()
+    for o in objs:
+        h.update(inspect.getsource(o).encode())
+    return h.hexdigest()
+
+
+class VerifyPattern:
+    """Base: a family with a name, a config dataclass, spellings and an extra_check."""
+
+    name = "base"
+    Config = None
+
+    def __init__(self, config=None):
+        self.config = config if config is not None else self.Config()
+
+    def spellings(self) -> list[Spelling]:
+        raise NotImplementedError
+
+    def extra_check(self, match) -> bool:
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        """Hash of this family's source (class and this module) and its config."""
+        cfg = json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str)
+        src = _source_hash(type(self), inspect.getmodule(type(self)))
+        return hashlib.sha256(f"{self.name}|{src}|{cfg}".encode()).hexdigest()
+
+    def __repr__(self):
+        return f"{type(self).__name__}({self.config})"
+
+
+# --------------------------------------------------------------------------------------------
+# 1. greedy whole verify step -> npuspec::rejection_sample
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GreedyVerifyConfig:
+    enabled: bool = True
+    tails: tuple = ("cumprod", "cumsum_not", "cummin_int")
+    max_k: int = 64  # the fused op handles any K; keep pathological shapes on the eager path
+
+
+def _greedy_op(logits, drafts):
+    out, num = npuspec_ops.rejection_sample(logits, drafts, None, None, None, None, None, None,
+                                            False, None, None, None)
+    return out.to(drafts.dtype), num.to(torch.int64)
+
+
+class GreedyVerify(VerifyPattern):
+    """The whole greedy verify step:
+
+        target = logits.argmax(-1)                                   # [B, K+1]
+        n = (drafts == target[:, :-1]).cumprod(-1).sum(-1)           # [B] (any tail spelling)
+        out = torch.where(arange(K+1) <= n[:, None], target, -1)     # [B, K+1] emitted, -1 padded
+    or, instead of `out`, the one token emitted after the accepted prefix:
+        tok = target.gather(1, n[:, None]).squeeze(1)                # [B]
+
+    Replaced by one `npuspec::rejection_sample` call in greedy mode, whose tokens are exactly
+    `target[:, :n+1]` (accepted drafts equal the argmax, ties resolve to the lowest index in
+    both). `target` and the intermediates must have no other users."""
+
+    name = "greedy_verify"
+    Config = GreedyVerifyConfig
+
+    def spellings(self):
+        out = []
+        for tail in self.config.tails:
+            t = TAILS[tail]
+
+            def s_mask(logits, drafts, t):
+                target = logits.argmax(dim=-1)                       # [B, K+1]
+                n = t(drafts == target[:, :-1])                      # [B]
+                pos = torch.arange(target.shape[1], device=logits.device)
+                return torch.where(pos[None, :] <= n[:, None], target, -1), n
+
+            def r_mask(logits, drafts):
+                tok, num = _greedy_op(logits, drafts)
+                return tok, num - 1
+
+            def s_tok(logits, drafts, t):
+                target = logits.argmax(dim=-1)
+                n = t(drafts == target[:, :-1])
+                return target.gather(1, n[:, None]).squeeze(1), n
+
+            def r_tok(logits, drafts):
+                tok, num = _greedy_op(logits, drafts)
+                n = num - 1
+                return tok.gather(1, n[:, None]).squeeze(1), n
+
+            ex = lambda: [torch.randn(2, 5, 11), torch.randint(0, 11, (2, 4))]  # noqa: E731
+            out.append(Spelling(f"mask_{tail}", _bind(s_mask, t=t), r_mask, ex))
+            out.append(Spelling(f"token_{tail}", _bind(s_tok, t=t), r_tok, ex))
+        return out
+
+    def extra_check(self, match) -> bool:
+        logits, drafts = _val(match.kwargs["logits"]), _val(match.kwargs["drafts"])
+        if logits is None or drafts is None or not self.config.enabled:
+            return False
+        return (logits.dim() == 3 and drafts.dim() == 2 and _static_shape(logits)
+                and logits.dtype in FLOATS and drafts.dtype == torch.int64
+                and drafts.shape[0] == logits.shape[0] and drafts.shape[1] == logits.shape[1] - 1
+                and 1 <= drafts.shape[1] <= self.config.max_k)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. greedy accepted length -> npuspec::greedy_accept
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GreedyAcceptConfig:
+    enabled: bool = True
+    tails: tuple = tuple(TAILS)
+    id_dtypes: tuple = ("int32", "int64")
+
+
+class GreedyAccept(VerifyPattern):
+    """The greedy accepted-prefix length of drafts against target choices:
+
+        n = (drafts == target).cumprod(-1).sum(-1)                       # cumprod of equality
+        n = ((~(drafts == target)).cumsum(-1) < 1).sum(-1)              # cumsum of inequality < 1
+        n = ((~(cand == sel[:, :-1])).cumsum(dim=-1) < 1).sum()         # HF assisted generation
+        n = (drafts == target).int().cummin(-1).values.sum(-1)          # cummin
+        n = ((drafts != target).cumsum(-1) == 0).sum(-1)                # ne + cumsum == 0
+
+    (either operand order of ==). Replaced by `npuspec::greedy_accept(drafts, target)` (summed
+    for the `.sum()` spelling). Both id tensors must be [B, K] with the same integer dtype."""
+
+    name = "greedy_accept"
+    Config = GreedyAcceptConfig
+
+    def spellings(self):
+        out = []
+        ex = lambda: [torch.randint(0, 7, (2, 4)), torch.randint(0, 7, (2, 4))]  # noqa: E731
+        for tail, swap in itertools.product(self.config.tails, (False, True)):
+            t = TAILS[tail]
+
+            def s(drafts, target, t, swap):
+                return t(target == drafts if swap else drafts == target)
+
+            def r(drafts, target, tail):
+                return _tail_out(tail, npuspec_ops.greedy_accept(drafts, target))
+
+            out.append(Spelling(f"{tail}{'_swapped' if swap else ''}", _bind(s, t=t, swap=swap),
+                                _bind(r, tail=tail), ex))
+
+        def s_ne(drafts, target):
+            return ((drafts != target).cumsum(dim=-1) == 0).sum(dim=-1)
+
+        out.append(Spelling("ne_cumsum_eq0", s_ne,
+                            lambda drafts, target: npuspec_ops.greedy_accept(drafts, target), ex))
+        return out
+
+    def extra_check(self, match) -> bool:
+        d, t = _val(match.kwargs["drafts"]), _val(match.kwargs["target"])
+        if d is None or t is None or not self.config.enabled:
+            return False
+        ok_dt = tuple(getattr(torch, n) for n in self.config.id_dtypes)
+        return (d.dim() == 2 and d.shape == t.shape and d.dtype == t.dtype and d.dtype in ok_dt
+                and d.shape[1] >= 1)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. standard rejection test -> npuspec::ratio_accept
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RatioAcceptConfig:
+    enabled: bool = True
+    tails: tuple = ("cumprod", "cumprod_long", "cumsum_not", "cumsum_not_all", "cummin_int")
+    one_hot: bool = True  # also match p(x) >= u without draft probs
+
+
+def _gather_at(p, ids):          # p [B, K, V], ids [B, K] -> [B, K]
+    return p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def _gather_at2(p, ids):         # same value, the `[..., None]` / `[..., 0]` spelling
+    return torch.gather(p, 2, ids[:, :, None])[:, :, 0]
+
+
+def _index_hf(p, ids):           # HF: p[:, torch.arange(K), ids].squeeze(0, 1), B == 1
+    return p[:, torch.arange(ids.shape[1]), ids].squeeze(0, 1)
+
+
+PICKS = {"gather": _gather_at, "gather2": _gather_at2}
+
+
+class RatioAccept(VerifyPattern):
+    """The standard (Leviathan et al.) acceptance test and its accepted-prefix length:
+
+        px = p.gather(-1, ids[..., None]).squeeze(-1)   # [B, K]   p: target probs [B, K, V]
+        qx = q.gather(-1, ids[..., None]).squeeze(-1)   # [B, K]   q: draft probs  [B, K, V]
+        ok = px / qx >= u                               # or  u <= px / qx ;  one-hot: px >= u
+        n = ok.cumprod(-1).sum(-1)                      # any prefix-length spelling
+
+    and HF transformers' `_speculative_sampling` spelling (B = 1):
+        q_i = q[:, torch.arange(K), ids].squeeze(0, 1); p_i = p[:, torch.arange(K), ids].squeeze(0, 1)
+        n = ((~(r_i <= p_i / q_i)).cumsum(dim=-1) < 1).sum()
+
+    The uniforms u are a pattern input (the user's own torch.rand draw stays in the graph).
+    Replaced by `npuspec::ratio_accept(p[:, :K], q, ids, u)`, which evaluates the same
+    division and comparison. p, q must be same-dtype float [B, K, V]; ids int64 [B, K]."""
+
+    name = "ratio_accept"
+    Config = RatioAcceptConfig
+
+    def spellings(self):
+        out = []
+        ex = lambda: [torch.rand(2, 4, 9), torch.rand(2, 4, 9), torch.randint(0, 9, (2, 4)),  # noqa: E731
+                      torch.rand(2, 4)]
+        for (pname, pick), tail, cmp in itertools.product(PICKS.items(), self.config.tails,
+                                                          ("ge", "le")):
+            t = TAILS[tail]
+
+            def s(p, q, ids, u, pick, t, cmp):
+                ratio = pick(p, ids) / pick(q, ids)
+                return t(ratio >= u if cmp == "ge" else u <= ratio)
+
+            def r(p, q, ids, u, tail):
+                return _tail_out(tail, npuspec_ops.ratio_accept(p, q, ids, u))
+
+            out.append(Spelling(f"{pname}_{cmp}_{tail}", _bind(s, pick=pick, t=t, cmp=cmp),
+                                _bind(r, tail=tail), ex))
+            if self.config.one_hot:
+                def s1(p, ids, u, pick, t, cmp):
+                    px = pick(p, ids)
+                    return t(px >= u if cmp == "ge" else u <= px)
+
+                def r1(p, ids, u, tail):
+                    return _tail_out(tail, npuspec_ops.ratio_accept(p, None, ids, u))
+
+                ex1 = lambda: [torch.rand(2, 4, 9), torch.randint(0, 9, (2, 4)), torch.rand(2, 4)]  # noqa: E731
+                out.append(Spelling(f"onehot_{pname}_{cmp}_{tail}",
+                                    _bind(s1, pick=pick, t=t, cmp=cmp), _bind(r1, tail=tail), ex1))
+
+        # HF transformers `_speculative_sampling` (B = 1; p has K+1 rows, q has K)
+        def s_hf(p, q, ids, u):
+            q_i = _index_hf(q, ids)
+            p_i = _index_hf(p, ids)
+            return ((~(u <= p_i / q_i)).cumsum(dim=-1) < 1).sum()
+
+        def r_hf(p, q, ids, u):
+            k = ids.shape[1]
+            return npuspec_ops.ratio_accept(p[:, :k], q, ids, u.view(1, k)).sum()
+
+        ex_hf = lambda: [torch.rand(1, 5, 9), torch.rand(1, 4, 9), torch.randint(0, 9, (1, 4)),  # noqa: E731
+                         torch.rand(4)]
+        out.append(Spelling("hf_speculative_sampling", s_hf, r_hf, ex_hf))
+        return out
+
+    def extra_check(self, match) -> bool:
+        if not self.config.enabled:
+            return False
+        p, ids, u = (_val(match.kwargs.get(k)) for k in ("p", "ids", "u"))
+        q = _val(match.kwargs["q"]) if "q" in match.kwargs else None
+        if p is None or ids is None or u is None or ("q" in match.kwargs and q is None):
+            return False
+        if ids.dtype != torch.int64 or p.dtype not in FLOATS or not u.is_floating_point():
+            return False
+        if p.dim() != 3 or ids.dim() != 2 or not _static_shape(p):
+            return False
+        B, K = ids.shape
+        if q is not None and (q.dtype != p.dtype or q.dim() != 3 or q.shape[2] != p.shape[2]
+                              or tuple(q.shape[:2]) != (B, K)):
+            return False
+        if u.dim() == 1:  # HF spelling: B == 1, p carries the bonus row too
+            return B == 1 and p.shape[0] == 1 and p.shape[1] >= K and tuple(u.shape) == (K,)
+        return tuple(p.shape[:2]) == (B, K) and tuple(u.shape) == (B, K)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. residual resample -> npuspec::residual_sample / npuspec::residual_probs
+# --------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ResidualConfig:
+    enabled: bool = True
+    normalize: tuple = ("none", "row", "all")
+    samplers: tuple = ("race", "gumbel", "multinomial")
+
+
+def _resid(p, q, normalize, clamp):
+    r = torch.clamp(p - q, min=0) if clamp == "clamp" else (p - q).clamp_min(0)
+    if normalize == "row":
+        r = r / r.sum(dim=-1, keepdim=True)
+    elif normalize == "all":
+        r = r / r.sum()
+    return r
+
+
+class Residual(VerifyPattern):
+    """Sampling from the residual distribution max(p - q, 0) after a rejection:
+
+        r = torch.clamp(p - q, min=0)           # or (p - q).clamp_min(0)
+        r = r / r.sum(-1, keepdim=True)         # optional ("row"), or r / r.sum() ("all")
+        tok = (r / E).argmax(-1)                # exponential race, E ~ Exp(1) drawn by the user
+        tok = (r.log() + G).argmax(-1)          # Gumbel-max, G drawn by the user
+        tok = torch.multinomial(r, 1)           # multinomial (the user's op is kept)
+
+    Race and Gumbel become `npuspec::residual_sample(p, q, noise, normalize, sampler)`;
+    multinomial becomes `torch.multinomial(npuspec::residual_probs(p, q, normalize), 1)`, so
+    the multinomial draws the same numbers from the same generator. p, q, noise must share
+    one float dtype; p and q one shape."""
+
+    name = "residual"
+    Config = ResidualConfig
+
+    def spellings(self):
+        out = []
+        ex = lambda: [torch.rand(2, 9), torch.rand(2, 9), torch.rand(2, 9) + 0.1]  # noqa: E731
+        ex2 = lambda: [torch.rand(2, 9), torch.rand(2, 9)]  # noqa: E731
+        for norm, sampler, clamp in itertools.product(self.config.normalize, self.config.samplers,
+                                                      ("clamp", "clamp_min")):
+            if sampler == "multinomial":
+                def s(p, q, norm, clamp):
+                    return torch.multinomial(_resid(p, q, norm, clamp), 1)
+
+                def r(p, q, norm):
+                    return torch.multinomial(npuspec_ops.residual_probs(p, q, norm), 1)
+
+                out.append(Spelling(f"{sampler}_{norm}_{clamp}", _bind(s, norm=norm, clamp=clamp),
+                                    _bind(r, norm=norm), ex2))
+                continue
+
+            def s(p, q, noise, norm, sampler, clamp):
+                res = _resid(p, q, norm, clamp)
+                score = res / noise if sampler == "race" else res.log() + noise
+                return score.argmax(dim=-1)
+
+            def r(p, q, noise, norm, sampler):
+                return npuspec_ops.residual_sample(p, q, noise, norm, sampler)
+
+            out.append(Spelling(f"{sampler}_{norm}_{clamp}",
+                                _bind(s, norm=norm, sampler=sampler, clamp=clamp),
+                                _bind(r, norm=norm, sampler=sampler), ex))
+        return out
+
+    def extra_check(self, match) -> bool:
+        if not self.config.enabled:
+            return False
+        p, q = _val(match.kwargs["p"]), _val(match.kwargs["q"])
+        noise = _val(match.kwargs["noise"]) if "noise" in match.kwargs else None
+        if p is None or q is None or ("noise" in match.kwargs and noise is None):
+            return False
+        if p.dtype not in FLOATS or q.dtype != p.dtype or p.shape != q.shape or p.dim() < 1:
+            return False
+        if noise is not None and (noise.dtype != p.dtype or noise.shape != p.shape):
+            return False
+        if "noise" not in match.kwargs and p.dim() not in (1, 2):  # multinomial takes 1-D/2-D
+            return False
+        return True
+
+
+# The library, supersets first (the manager's order).
+def default_patterns() -> list[VerifyPattern]:
+    return [GreedyVerify(), GreedyAccept(), RatioAccept(), Residual()]
+
+
+__all__ = ["VerifyPattern", "Spelling", "GreedyVerify", "GreedyAccept", "RatioAccept", "Residual",
+           "GreedyVerifyConfig", "GreedyAcceptConfig", "RatioAcceptConfig", "ResidualConfig",
+           "default_patterns", "TAILS"]
