@@ -24,6 +24,7 @@ each run writes `NNNN_before.txt` / `NNNN_after.txt` there (numbered per process
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import inspect
@@ -101,6 +102,19 @@ def compiled(pattern: VerifyPattern, flavor: str) -> _Compiled:
         return _compiled(key)
 
 
+# The last few runs as (flavor, {family: count}, graph text after the passes), newest last:
+# what tests and `npuspec` debugging look at to see which ops a compile produced.
+HISTORY: collections.deque = collections.deque(maxlen=32)
+
+
+def _remove_noop_ops(graph: torch.fx.Graph) -> None:
+    """Inductor's no-op removal (e.g. the full-range slice AOT emits for `n[:, None]`), which
+    the traced patterns went through too; it never adds aliasing between inputs and outputs."""
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+    if all("val" in n.meta for n in graph.find_nodes(op="placeholder")):
+        remove_noop_ops(graph)
+
+
 def _dump(graph: torch.fx.Graph, tag: str, seq: int) -> None:
     d = envs.debug_dump()
     if d is None:
@@ -126,6 +140,7 @@ class PassManager:
         seq = next(_dump_seq) if envs.debug_dump() else 0
         if seq:
             _dump(graph, "before", seq)
+        _remove_noop_ops(graph)
         canonical.canonicalize(graph)
         found = {}
         for p in self.patterns:
@@ -142,6 +157,7 @@ class PassManager:
                 graph.owning_module.recompile()
         if seq:
             _dump(graph, "after", seq)
+        HISTORY.append((flavor, dict(found), str(graph)))
         log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
         return found
 

@@ -1,0 +1,155 @@
+"""Three-way tests per verify family: eager-identical outputs, the expected ops replaced by an
+npuspec:: op, and counters["verify_patterns_matched"] moved by the expected amount."""
+import pytest
+import torch
+
+from passes_helpers import three_way
+
+B, K, V = 5, 4, 37
+
+
+def _greedy_inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    target = logits.argmax(-1)[:, :K]
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.7, target,
+                         torch.randint(0, V, (B, K), generator=g))
+    drafts[0] = target[0]      # one request accepts everything (bonus token)
+    drafts[1, 0] = -1          # one has no draft at all
+    return logits, drafts
+
+
+def _probs(seed=1, rows=K):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(B, rows, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, rows, V, generator=g) * 0.5, -1)
+    ids = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, rows)
+    return p, q, ids
+
+
+# --- 1. whole greedy step -> npuspec::rejection_sample -------------------------------------
+def greedy_step_mask(logits, drafts):
+    target = logits.argmax(dim=-1)                                   # [B, K+1]
+    n = (drafts == target[:, :-1]).cumprod(dim=-1).sum(dim=-1)       # [B]
+    pos = torch.arange(target.shape[1], device=logits.device)
+    return torch.where(pos[None, :] <= n[:, None], target, -1), n
+
+
+def greedy_step_token(logits, drafts):
+    target = torch.argmax(logits, 2)
+    n = ((~(drafts == target[:, :K])).cumsum(1) < 1).sum(1)
+    return target.gather(1, n[:, None]).squeeze(1), n + 1
+
+
+@pytest.mark.parametrize("fn", [greedy_step_mask, greedy_step_token])
+def test_greedy_verify(fn):
+    out, graphs = three_way(fn, _greedy_inputs(), family="greedy_verify",
+                            appear=["npuspec.rejection_sample"],
+                            gone=["aten.argmax", "aten.cumprod", "aten.cumsum"])
+    assert out[1].tolist()[0] == K + (fn is greedy_step_token)   # all accepted -> bonus
+
+
+# --- 2. greedy accepted length -> npuspec::greedy_accept ------------------------------------
+def ga_cumprod(logits, drafts):
+    t = logits.argmax(-1)
+    return t, torch.cumprod(drafts == t[:, :-1], dim=1).sum(dim=1)
+
+
+def ga_cumsum(logits, drafts):
+    t = logits.argmax(-1)
+    return t, ((~(t[:, :-1] == drafts)).cumsum(dim=-1) < 1).sum(-1)   # operands swapped
+
+
+def ga_cummin(logits, drafts):
+    t = logits.argmax(-1)
+    return t, (drafts == t[:, :K]).int().cummin(dim=1)[0].sum(1)
+
+
+def ga_ne(logits, drafts):
+    t = logits.argmax(-1)
+    return t, (drafts.ne(t[:, :-1]).cumsum(-1) == 0).sum(-1)
+
+
+@pytest.mark.parametrize("fn", [ga_cumprod, ga_cumsum, ga_cummin, ga_ne])
+def test_greedy_accept(fn):
+    # `t` is returned, so the whole-step pattern cannot take the argmax: the narrow op matches
+    three_way(fn, _greedy_inputs(1), family="greedy_accept", appear=["npuspec.greedy_accept"],
+              gone=["aten.cumprod", "aten.cumsum", "aten.cummin"])
+
+
+# --- 3. standard rejection test -> npuspec::ratio_accept ------------------------------------
+def ra_gather_ge(p, q, ids):
+    u = torch.rand(ids.shape, dtype=torch.float64).float()
+    px = p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    qx = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    return (px / qx >= u).cumprod(dim=1).sum(dim=1), u
+
+
+def ra_gather_le_cumsum(p, q, ids):
+    u = torch.rand_like(p[..., 0])
+    ratio = torch.gather(p, 2, ids[:, :, None])[:, :, 0] / torch.gather(q, 2, ids[:, :, None])[:, :, 0]
+    return ((~(u <= ratio)).cumsum(-1) < 1).sum(-1)
+
+
+def ra_onehot(p, q, ids):
+    u = torch.rand(ids.shape)
+    px = p.gather(2, ids.unsqueeze(2)).squeeze(2)
+    return (px >= u).long().cumprod(-1).sum(-1)
+
+
+@pytest.mark.parametrize("fn", [ra_gather_ge, ra_gather_le_cumsum, ra_onehot])
+def test_ratio_accept(fn):
+    out, graphs = three_way(fn, _probs(), family="ratio_accept", appear=["npuspec.ratio_accept"],
+                            gone=["aten.gather", "aten.cumprod", "aten.cumsum"])
+    assert "aten.rand" in graphs  # the user's own draw is kept
+
+
+# --- 4. residual resample -> npuspec::residual_sample / residual_probs ---------------------
+def res_race(p, q, ids):
+    e = torch.empty_like(p).exponential_()
+    return (torch.clamp(p - q, min=0) / e).argmax(dim=-1)
+
+
+def res_gumbel_row(p, q, ids):
+    g = -torch.log(-torch.log(torch.rand_like(p)))
+    r = (p - q).clamp_min(0)
+    r = r / r.sum(-1, keepdim=True)
+    return (r.log() + g).argmax(-1)
+
+
+def res_multinomial(p, q, ids):
+    r = torch.clamp(p[:, 0] - q[:, 0], min=0)
+    return torch.multinomial(r / r.sum(dim=-1, keepdim=True), 1)
+
+
+@pytest.mark.parametrize("fn,op", [(res_race, "npuspec.residual_sample"),
+                                   (res_gumbel_row, "npuspec.residual_sample"),
+                                   (res_multinomial, "npuspec.residual_probs")])
+def test_residual(fn, op):
+    out, graphs = three_way(fn, _probs(2), family="residual", appear=[op],
+                            gone=["aten.clamp", "aten.sub"])
+    for draw in ("exponential", "aten.rand", "multinomial"):  # the user's draws stay theirs
+        if draw in fn.__code__.co_names or draw.split(".")[-1] in fn.__code__.co_names:
+            assert draw in graphs
+
+
+# --- the same families through Inductor (a few: Inductor compiles are slow) ---------------
+def inductor_step(logits, drafts, p, q):
+    greedy = greedy_step_mask(logits, drafts)
+    u = torch.rand(drafts.shape)
+    ids = drafts.clamp_min(0)
+    px = p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    qx = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    n = (px / qx >= u).cumprod(dim=-1).sum(dim=-1)
+    e = torch.empty_like(p).exponential_()
+    rec = (torch.clamp(p - q, min=0) / e).argmax(dim=-1)
+    return greedy, n, rec
+
+
+def test_inductor_lowering_matches_all_families(no_fx_cache):
+    logits, drafts = _greedy_inputs(3)
+    p, q, _ = _probs(4)
+    three_way(inductor_step, (logits, drafts, p, q), lowering="inductor", matched=3,
+              appear=["npuspec.rejection_sample", "npuspec.ratio_accept",
+                      "npuspec.residual_sample"],
+              gone=["aten.cumprod", "aten.clamp.default", "aten.argmax"])
