@@ -83,7 +83,11 @@ def require_transformers():
 
 def load_hf(model_dir: str):
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
+
+    transformers.logging.set_verbosity_error()  # no deprecation chatter inside the table
+    transformers.logging.disable_progress_bar()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return model.eval()
@@ -118,11 +122,12 @@ def run_hf(model, prompt_ids: Sequence[Sequence[int]], max_tokens: int, eos: Seq
 # ----------------------------------------------------------------------------------------------
 # npuspec.
 
-def aggregate_metrics(results) -> dict:
-    """Sum the per-request engine metrics into counts for the whole run."""
+def aggregate_metrics(results, engine=None) -> dict:
+    """Counts summed over the requests (in request-steps), times from the engine's wall clock
+    (`llm.metrics`) when given. acceptance_by_position[i] = fraction of request-steps whose
+    draft i+1 was accepted (unconditional), so mean acceptance length = 1 + their sum."""
     steps = drafted = accepted = 0
     by_pos: list[int] = []
-    draft_s = step_s = 0.0
     for r in results:
         m = r.metrics
         steps += m.num_steps
@@ -132,13 +137,14 @@ def aggregate_metrics(results) -> dict:
             if i >= len(by_pos):
                 by_pos.append(0)
             by_pos[i] += a
-        draft_s += m.draft_s
-        step_s += m.step_s
+    src = engine
     return {"request_steps": steps, "drafted": drafted, "accepted": accepted,
             "accepted_by_position": by_pos,
             "acceptance_by_position": [a / steps for a in by_pos] if steps else [],
             "mean_acceptance_length": (steps + accepted) / steps if steps else None,
-            "draft_s": draft_s, "step_s": step_s}
+            "draft_s": src.draft_s if src else sum(r.metrics.draft_s for r in results),
+            "step_s": src.step_s if src else sum(r.metrics.step_s for r in results),
+            "engine_steps": src.num_engine_steps if src else None}
 
 
 def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,
@@ -164,13 +170,7 @@ def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num
     outs = [_cut(r.outputs[0].token_ids, eos) for r in res]
     return {"token_ids": outs, "texts": [r.outputs[0].text for r in res], "seconds": secs,
             "warmup_seconds": warm, "tokens": sum(len(r.outputs[0].token_ids) for r in res),
-            "metrics": aggregate_metrics(res)}
-
-
-def step_latency(model: str, token_counts: Sequence[int], context: int = 256, repeats: int = 5,
-                 enforce_eager: bool = False) -> dict[int, float]:
-    """Median seconds of one decode-step forward of the target over T tokens, for each T."""
-    raise NotImplementedError("step latency probe: waiting for the engine")
+            "metrics": aggregate_metrics(res, llm.metrics)}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import statistics
 import sys
 import time
 from typing import Mapping, Sequence
@@ -160,14 +161,34 @@ def measure_acceptance(model: str, spec: dict, prompts: Sequence[str], max_token
             "draft_s_per_request_step": m["draft_s"] / steps if steps else 0.0}
 
 
-def measure_latency(model: str, token_counts: Sequence[int], context: int, repeats: int,
-                    enforce_eager: bool = False) -> dict[int, float]:
-    """Median seconds of one target forward over T tokens, for each T (rows of K+1 tokens at a
-    context of `context` tokens, the shape of a decode step)."""
-    from npuspec.bench.e2e import step_latency
+def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_len: int, repeats: int,
+                    enforce_eager: bool = False) -> tuple[dict[int, float], list[dict]]:
+    """Median seconds of the engine's own decode step (target forward + fused verify, compiled
+    and replayed from captured graphs, padded to the capture plan exactly as in serving) for B
+    requests at K = 0..k_max. Returns ({token count B*(K+1): seconds}, one row per (B, K)).
 
-    return step_latency(model, token_counts, context=context, repeats=repeats,
-                        enforce_eager=enforce_eager)
+    One engine holds a graph set per K (a batch-size table that lists every K declares them);
+    each timing runs the step on padding rows, which cost what real rows cost (the attention
+    mask spans the whole static cache row, whatever the positions)."""
+    from npuspec.bench.table import median_time
+    from npuspec.bench.e2e import make_llm
+    from npuspec.runtime.scheduler import pad_rows
+
+    table = [[k + 1, k + 1, k] for k in range(k_max + 1)]  # declares K = 0..k_max
+    spec = {"method": "ngram", "num_speculative_tokens": max(k_max, 1),
+            "num_speculative_tokens_per_batch_size": table}
+    llm = make_llm(model, spec if k_max else None, max(batches), max_model_len, enforce_eager)
+    by_tokens: dict[int, list[float]] = {}
+    rows = []
+    for k in range(k_max + 1):
+        sizes = llm._plans.get(k)
+        for b in batches:
+            n = pad_rows(b, sizes, k)
+            inp = llm._inputs(k, [], n, None, None)
+            secs = median_time(lambda: llm._run_step(inp), repeats=repeats, warmup=1)
+            by_tokens.setdefault(b * (k + 1), []).append(secs)
+            rows.append({"batch": b, "K": k, "tokens": b * (k + 1), "padded rows": n, "step ms": secs * 1e3})
+    return {t: statistics.median(v) for t, v in by_tokens.items()}, rows
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,7 +205,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive, default=64, help="largest concurrency to tune for (default 64)")
     p.add_argument("--max-tokens", type=positive, default=128, help="tokens per prompt when measuring acceptance")
     p.add_argument("--prompts", default=None, help="prompt file (.txt/.json/.jsonl); default: the demo prompts")
-    p.add_argument("--context", type=positive, default=256, help="context length for the latency probe (default 256)")
+    p.add_argument("--max-model-len", type=positive, default=None,
+                   help="engine context length for the latency probe (default: fits the prompts + --max-tokens)")
     p.add_argument("--repeats", type=positive, default=5, help="latency repeats per token count (median)")
     p.add_argument("--tolerance", type=float, default=0.01,
                    help="take the smallest K within this fraction of the best tokens/s (default 0.01)")
@@ -254,8 +276,10 @@ def run(args: argparse.Namespace) -> int:
         lat = _read_latency(args.latency_json)
     else:
         mdir = common.model_dir(args.model)
-        counts = sorted({b * (k + 1) for b in ladder for k in range(k_max + 1)})
-        lat = measure_latency(mdir, counts, args.context, args.repeats, args.enforce_eager)
+        max_len = args.max_model_len or common.fit_max_model_len(mdir, load_prompts(args.prompts),
+                                                                 args.max_tokens)
+        lat, lat_rows = measure_latency(mdir, ladder, k_max, max_len, args.repeats, args.enforce_eager)
+        print_table(lat_rows, title="decode step latency (median)")
 
     draft = measured["draft_s_per_request_step"]
     table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft)

@@ -111,9 +111,18 @@ def run_bench(name: str, argv: list[str], debug: bool = False) -> int:
         sys.argv, errors.DEBUG = old, old_debug
 
 
+def _setup_logging(debug: bool) -> None:
+    """Library warnings as `WARNING npuspec.x: ...` lines on stderr (a no-op when the host
+    program, or pytest, already configured logging)."""
+    import logging
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    _setup_logging(debug)
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         return run_bench(argv[1], [a for a in argv[2:] if a != "--debug"], debug)
     try:

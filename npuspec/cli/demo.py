@@ -60,7 +60,7 @@ def run(args) -> int:
     cfg = common.spec_config(spec)
     common.check_draft(mdir, cfg)
     prompts = load_prompts(args.prompts)
-    max_len = args.max_tokens + 1024
+    max_len = common.fit_max_model_len(mdir, prompts, args.max_tokens)
     label = f"{cfg.method} K={cfg.num_speculative_tokens}"
 
     runs = {}
@@ -74,6 +74,7 @@ def run(args) -> int:
             res, secs = _generate(llm, prompts, args.max_tokens)
             bar.update()
             runs[name] = (res, secs, warm)
+            metrics = llm.metrics
 
     (base, base_s, base_w), (spec_res, spec_s, spec_w) = runs["no speculation"], runs[label]
     if not args.no_text:
@@ -82,7 +83,7 @@ def run(args) -> int:
             print(f"{p}\033[1m{r.outputs[0].text}\033[0m" if _tty() else p + r.outputs[0].text)
         print("---")
     same = [list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) for a, b in zip(base, spec_res)]
-    m = aggregate_metrics(spec_res)
+    m = aggregate_metrics(spec_res, metrics)
     toks = [sum(len(r.outputs[0].token_ids) for r in rs) for rs in (base, spec_res)]
     rows = [{"mode": "no speculation", "tokens": toks[0], "seconds": base_s, "tok/s": toks[0] / base_s,
              "warm-up s": base_w, "mean acc len": "-"},

@@ -57,7 +57,7 @@ def run(args) -> int:
     for key in ("top_p", "top_k", "seed"):
         if getattr(args, key) is not None:
             sp_kw[key] = getattr(args, key)
-    max_len = args.max_model_len or (4096 + args.max_tokens)
+    max_len = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
     llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
               max_num_seqs=args.max_num_seqs, max_model_len=max_len, enforce_eager=args.enforce_eager)
     t0 = time.perf_counter()
@@ -68,7 +68,7 @@ def run(args) -> int:
             print(f"--- {i + 1} ---")
         print(r.outputs[0].text if args.only_new else r.prompt + r.outputs[0].text)
     sys.stdout.flush()
-    m = aggregate_metrics(res)
+    m = aggregate_metrics(res, llm.metrics)
     n = sum(len(r.outputs[0].token_ids) for r in res)
     mal = m["mean_acceptance_length"]
     print(f"{n} tokens in {secs:.2f}s ({n / secs:.1f} tok/s)"

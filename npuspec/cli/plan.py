@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,14 +50,16 @@ def build_plan(cfg, max_num_seqs: int, sizes=None, platform=None) -> dict:
         caps = plan_capture_sizes(k, max_num_seqs, sizes=sizes, platform=platform)
         batches = [b for b in range(1, max_num_seqs + 1) if cfg.k_for_batch_size(b) == k]
         uncaptured = [b for b in batches if b * m > caps[-1]]
-        pads = []
+        pads, used = [], set()
         for b in batches:
             if b * m <= caps[-1]:
                 padded = next(s for s in caps if s >= b * m)
                 pads.append((padded - b * m) / padded)
+                used.add(padded)
+        unused = [s for s in caps if s not in used]  # sizes no batch using this K pads to
         per_k[k] = {"sizes": caps, "batches": _ranges(batches), "uncaptured": _ranges(uncaptured),
                     "padding": sum(pads) / len(pads) if pads else 0.0,
-                    "largest_batch": caps[-1] // m}
+                    "largest_batch": caps[-1] // m, "unused": unused}
     return {"k": per_k, "graphs": sum(len(v["sizes"]) for v in per_k.values()),
             "max_num_seqs": max_num_seqs}
 
@@ -91,7 +94,9 @@ def run(args) -> int:
     except ValueError as e:
         raise with_field(e, "--speculative-config") from None
     try:
-        plan = build_plan(cfg, args.max_num_seqs, args.capture_sizes, platform)
+        with warnings.catch_warnings():  # the planner logs the same message (shown once)
+            warnings.simplefilter("ignore")
+            plan = build_plan(cfg, args.max_num_seqs, args.capture_sizes, platform)
     except ValueError as e:  # NPUSPEC_CAPTURE_SIZES garbage, NPU limits: the planner names them
         raise with_field(e, "--capture-sizes" if args.capture_sizes else "capture plan") from None
     if args.json:
@@ -100,19 +105,21 @@ def run(args) -> int:
                           "k": {str(k): v for k, v in plan["k"].items()}}, indent=1))
     else:
         rows = [{"K": k, "K+1": k + 1, "graphs": len(v["sizes"]), "batch sizes": _fmt_ranges(v["batches"]),
-                 "largest captured batch": v["largest_batch"], "mean padding": f"{100 * v['padding']:.1f}%",
+                 "largest captured batch": v["largest_batch"], "never replayed": len(v["unused"]),
+                 "mean padding": f"{100 * v['padding']:.1f}%",
                  "capture sizes (tokens)": ",".join(map(str, v["sizes"]))}
                 for k, v in plan["k"].items()]
         print_table(rows, title=f"capture plan ({platform.device}, max_num_seqs={args.max_num_seqs})")
         print(f"total graphs: {plan['graphs']}")
-    warned = 0
     for k, v in plan["k"].items():
         if v["uncaptured"]:
-            warned += 1
             print(f"warning: K={k}: batch sizes {_fmt_ranges(v['uncaptured'])} need more than "
                   f"{v['sizes'][-1]} tokens (the largest capture size) and run eagerly; add capture "
                   f"sizes up to {v['uncaptured'][-1][1] * (k + 1)} (multiples of {k + 1}) or lower "
                   f"--max-num-seqs")
-        elif not v["batches"]:
+        if not v["batches"]:
             print(f"note: K={k} is used by no batch size <= {args.max_num_seqs}; its graphs are never replayed")
+        elif v["unused"]:
+            print(f"note: K={k} serves batch sizes {_fmt_ranges(v['batches'])}, so {len(v['unused'])} of its "
+                  f"{len(v['sizes'])} graphs (sizes {','.join(map(str, v['unused']))}) are never replayed")
     return 0
