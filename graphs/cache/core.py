@@ -1,0 +1,309 @@
+"""Load-or-compile one backend graph through the shared cache directory.
+
+    fn = cached_lower(gm, example_inputs, opts, lowering.lower)
+
+1. Key the graph (keys.py). No cache_dir: just lower.
+2. A verified entry exists: load it. For Inductor, the entry's executable part is trust-checked,
+   copied into a private 0700 temp dir from the bytes that were hashed, and Inductor is pointed
+   there (its FX graph and AOTAutograd caches then hit: nothing is generated or built).
+3. Otherwise take the key's lock. Whoever gets it re-checks (another process may have published
+   while it waited), quarantines a bad entry, compiles with Inductor pointed at a fresh private
+   dir, then stages and publishes the entry atomically. Waiters that time out
+   (NPUSPEC_CACHE_LOCK_TIMEOUT) compile privately and write nothing.
+Every fault (bad entry, untrusted path, read-only or full directory, lock timeout) is logged
+once, counted, and followed by a correct compile; none raises.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import errno
+import functools
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+from npuspec import counters, envs
+from npuspec.graphs.cache import keys as _keys
+from npuspec.graphs.cache import trust as _trust
+from npuspec.graphs.cache.inductor import inductor_cache_dir, inductor_counters
+from npuspec.graphs.cache.store import CacheCorrupt, CacheDir
+
+log = logging.getLogger("npuspec.cache")
+
+# Lowerings whose own artifacts (pickles, generated code, .so) npuspec caches. torchair's
+# compile cache works per function, not per FX graph, so on npu only npuspec's JSON is cached.
+EXEC_LOWERINGS = ("inductor",)
+
+_logged: set = set()
+_private_dirs: list[str] = []
+_local = threading.local()
+
+
+def _once(level: int, tag: str, msg: str, *args: Any) -> None:
+    if tag in _logged:
+        return
+    _logged.add(tag)
+    log.log(level, msg, *args)
+
+
+def _private_dir() -> str:
+    d = tempfile.mkdtemp(prefix="npuspec-inductor-")  # 0700, local disk
+    _private_dirs.append(d)
+    return d
+
+
+@atexit.register
+def _cleanup_private_dirs() -> None:
+    for d in _private_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class Session:
+    """The cache state of the current backend call (see record_artifact / load_artifact)."""
+    cache: Optional[CacheDir]
+    key: str
+    parts: Any
+    writable: bool = False
+    state: str = "none"  # none | building | published | private | loaded
+    loaded_json: dict = dataclasses.field(default_factory=dict)
+    pending_json: dict = dataclasses.field(default_factory=dict)
+    rejected: bool = False
+    entry_refused: bool = False  # an entry exists that we may not load (trust): do not publish
+
+
+def current() -> Optional[Session]:
+    return getattr(_local, "session", None)
+
+
+# -- JSON artifacts (capture plan, pattern-match results, dynamic-K table, autotune choices,
+#    verify kernel config): recorded by whoever computes them during a backend call --------
+
+def record_artifact(name: str, obj: Any) -> None:
+    """Store a JSON artifact in the current backend call's cache entry (no-op without a cache).
+
+    During lowering it goes into the entry being built; after the entry is published it is
+    added under the key's lock. Never pickle: `obj` must be JSON-serialisable.
+    """
+    if not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"npuspec cache: artifact name {name!r} must be letters, digits, '_' "
+                         f"or '-' (it becomes json/{name}.json)")
+    try:
+        json.dumps(obj)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"npuspec cache: artifact {name!r} is not JSON-serialisable ({e}); "
+                        f"convert tensors and tuples to lists first") from None
+    s = current()
+    if s is None or s.cache is None:
+        return
+    if s.state == "building":
+        s.pending_json[name] = obj
+        return
+    if name in s.loaded_json:
+        return  # the entry already holds it (a warm start computes the same value)
+    s.loaded_json[name] = obj
+    if s.state in ("published", "loaded") and s.writable:
+        try:
+            with s.cache.lock(s.key, timeout=min(envs.cache_lock_timeout(), 30.0)) as got:
+                if got:
+                    s.cache.add_json(s.key, name, obj)
+        except (OSError, CacheCorrupt) as e:
+            _once(logging.WARNING, f"addjson:{s.key}", "npuspec cache: could not add %s to entry "
+                  "%s (%s); it stays in memory", name, s.key[:12], e)
+
+
+def load_artifact(name: str, default: Any = None) -> Any:
+    """A JSON artifact of the current backend call's entry, if a verified one was found."""
+    s = current()
+    if s is None:
+        return default
+    return s.loaded_json.get(name, default)
+
+
+# -- the load-or-compile path ----------------------------------------------------------------
+
+def cached_lower(gm: Any, example_inputs: Sequence[Any], opts: Any,
+                 lower: Callable[[Any, list, Any], Callable]) -> Callable:
+    root = getattr(opts, "cache_dir", None)
+    if not root:
+        _local.session = None
+        return lower(gm, list(example_inputs), opts)
+    parts = _keys.key_parts(gm, example_inputs, opts)
+    key = _keys.cache_key(parts)
+    cache = CacheDir(root, _trust.trusted_gid())
+    sess = Session(cache, key, parts)
+    _local.session = sess
+    executable = getattr(opts, "lowering", None) in EXEC_LOWERINGS
+    try:
+        sess.writable = cache.open()
+    except OSError as e:
+        _once(logging.WARNING, f"open:{cache.root}", "npuspec cache: cannot use %s (%s); "
+              "running without a persistent cache", cache.root, e)
+        return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
+    if not sess.writable:
+        _once(logging.WARNING, f"ro:{cache.root}", "npuspec cache: %s is not writable (read-only "
+              "or full); existing entries are still used, new compilations stay in memory",
+              cache.root)
+    trusted = True
+    if executable:
+        try:
+            _trust.check_root(cache.root)
+        except _trust.CacheTrustError as e:
+            trusted = False
+            sess.rejected = True
+            _once(logging.ERROR, f"trust:{cache.root}", "%s. Compiling without the cache's "
+                  "executable artifacts (npuspec's JSON artifacts are still read).", e)
+    fn = _try_hit(sess, lower, gm, example_inputs, opts, executable, trusted, locked=False)
+    if fn is not None:
+        return fn
+    if not (sess.writable and trusted and not sess.entry_refused):
+        return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
+    timeout = envs.cache_lock_timeout()
+    try:
+        with cache.lock(key, timeout) as got:
+            if got:
+                fn = _try_hit(sess, lower, gm, example_inputs, opts, executable, trusted,
+                              locked=True)
+                if fn is not None:
+                    return fn
+                return _finish_miss(sess, lower, gm, example_inputs, opts, executable,
+                                    publish=not sess.entry_refused)
+    except OSError as e:  # lock file not creatable: behave like a read-only directory
+        _once(logging.WARNING, f"lock:{cache.root}", "npuspec cache: cannot lock %s (%s); "
+              "compiling without writing", cache.root, e)
+        return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
+    _once(logging.WARNING, f"timeout:{key}", "npuspec cache: waited %.0f s for another process "
+          "compiling entry %s (NPUSPEC_CACHE_LOCK_TIMEOUT); compiling privately without writing",
+          timeout, key[:12])
+    return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
+
+
+def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
+             trusted: bool, locked: bool) -> Optional[Callable]:
+    cache, key = sess.cache, sess.key
+    top = cache.entry(key)
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _once(logging.WARNING, f"stat:{key}", "npuspec cache: cannot read %s (%s)", top, e)
+        return None
+    load_exec = executable and trusted
+    priv = _private_dir() if load_exec else None
+    try:
+        res = cache.verify(key, executable=load_exec, copy_exec_to=priv,
+                           trust_check=functools.partial(_trust.check_path, gid=cache.gid))
+    except CacheCorrupt as e:
+        sess.rejected = True
+        if locked and sess.writable:
+            where = cache.quarantine(key, (st.st_dev, st.st_ino))
+            _once(logging.WARNING, f"corrupt:{key}:q", "npuspec cache: entry %s failed "
+                  "verification: %s; moved it to %s and recompiling", key[:12], e, where)
+        else:
+            _once(logging.WARNING, f"corrupt:{key}", "npuspec cache: entry %s failed "
+                  "verification: %s; recompiling", key[:12], e)
+        return None
+    except _trust.CacheTrustError as e:
+        sess.rejected = True
+        sess.entry_refused = True
+        _once(logging.ERROR, f"trust:{key}", "%s. Compiling without this entry.", e)
+        return None
+    except OSError as e:
+        _once(logging.WARNING, f"read:{key}", "npuspec cache: cannot read entry %s (%s); "
+              "recompiling", key[:12], e)
+        return None
+    sess.loaded_json = dict(res["json"])
+    if executable and not load_exec:
+        return None  # JSON read from an untrusted dir; the lowering compiles privately
+    if load_exec and not cache.has_exec(res["manifest"]):
+        return None  # an entry without Inductor artifacts (e.g. from a run that fell back)
+    if load_exec:
+        before = inductor_counters()
+        with inductor_cache_dir(priv, _keys.fingerprint_tag(sess.parts.fingerprint)):
+            fn = lower(gm, list(example_inputs), opts)
+        after = inductor_counters()
+        if after.get("fx_miss", 0) > before.get("fx_miss", 0) or \
+                after.get("aot_miss", 0) > before.get("aot_miss", 0):
+            _once(logging.WARNING, f"inductor-miss:{key}", "npuspec cache: entry %s is valid but "
+                  "Inductor did not find this graph in it and compiled it again (is "
+                  "torch._inductor.config the same in every deployment?)", key[:12])
+            counters.bump("cache_misses")
+            sess.state = "private"
+            return fn
+    else:
+        fn = lower(gm, list(example_inputs), opts)
+    sess.state = "loaded"
+    counters.bump("cache_hits")
+    if sess.rejected:
+        counters.bump("cache_rejected")
+    if sess.writable:
+        try:
+            cache.bump_hits(key)
+        except OSError:
+            pass
+    return fn
+
+
+def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: bool,
+                 publish: bool) -> Callable:
+    """Compile; publish the entry when allowed. Counts one miss (and one rejection if any)."""
+    counters.bump("cache_misses")
+    if sess.rejected:
+        counters.bump("cache_rejected")
+    cache = sess.cache
+    sess.state = "building"
+    sess.pending_json = {}
+    _record_builtin_artifacts(sess, opts)
+    staging = _private_dir() if executable else None
+    if executable:
+        with inductor_cache_dir(staging, _keys.fingerprint_tag(sess.parts.fingerprint)):
+            fn = lower(gm, list(example_inputs), opts)
+    else:
+        fn = lower(gm, list(example_inputs), opts)
+    sess.loaded_json = {**sess.loaded_json, **sess.pending_json}
+    sess.state = "private"
+    if not publish or cache is None:
+        return fn
+    meta = {"platform": _platform_line(sess.parts.fingerprint),
+            "fingerprint": sess.parts.fingerprint, "lowering": sess.parts.lowering,
+            "ks": list(sess.parts.ks)}
+    try:
+        staged = cache.stage(sess.key, sess.pending_json, staging, meta)
+        if cache.publish(sess.key, staged):
+            sess.state = "published"
+        else:
+            log.info("npuspec cache: entry %s was published by another process", sess.key[:12])
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            why = "the disk is full"
+        elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            why = "it is not writable"
+        else:
+            why = "writing failed"
+        _once(logging.WARNING, f"write:{cache.root}:{e.errno}", "npuspec cache: could not write "
+              "entry %s to %s: %s (%s); keeping the compiled graph in memory only",
+              sess.key[:12], cache.root, why, e)
+    return fn
+
+
+def _record_builtin_artifacts(sess: Session, opts: Any) -> None:
+    """What the backend itself knows: the key's components and the dynamic-K table."""
+    sess.pending_json["key"] = sess.parts.to_json()
+    spec = getattr(opts, "speculative_config", None)
+    if spec is not None:
+        sess.pending_json["dynamic_k"] = {
+            "k_values": list(spec.k_values()),
+            "per_batch_size": [list(r) for r in spec.num_speculative_tokens_per_batch_size or ()],
+            "num_speculative_tokens": spec.num_speculative_tokens,
+        }
+
+
+def _platform_line(fp: dict) -> str:
+    name = fp.get("device_name") or fp.get("machine") or ""
+    return f"{fp.get('device')}:{name} torch {fp.get('torch')}"

@@ -1,0 +1,269 @@
+"""Cache keys: what makes two compilations interchangeable (docs/cache.md, "Key derivation").
+
+key = sha256(canonical JSON of KeyParts), where KeyParts holds
+- graph:       sha256 of the graph code (the root GraphModule's `code` plus every nested
+               GraphModule's code, in module order) and of every tensor constant (get_attr)
+- inputs:      dtype / shape / stride / device of each example input (shapes are not in the code)
+- passes:      the pass manager's uuids, in order (each hashes its pass's source and config)
+- capture:     the capture plan: sizes, capture mode, max_num_seqs
+- ks:          the K set (one graph set per K)
+- spec:        the SpeculativeConfig fields that change what gets compiled (COMPILE_FIELDS)
+- lowering:    "inductor" / "eager" / "torchair" and the Inductor mode
+- fingerprint: the platform (see `fingerprint()`)
+
+The backend hooks in before `npuspec.lowering.lower`, which is where the verify passes run;
+hashing the pre-pass code together with the pass uuids names the post-pass graph exactly
+(the passes are deterministic functions of the graph and their config, which the uuids hash).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform as _pyplatform
+import sys
+from typing import Any, Optional, Sequence
+
+# Bump when the layout of an entry or the meaning of a key component changes.
+KEY_FORMAT = 1
+
+# SpeculativeConfig fields that change the compiled graphs or kernels. Proposer-only settings
+# (prompt_lookup_*, suffix_decoding_*) and the draft model path are left out: they run eagerly
+# or are compiled as their own graphs, whose code is hashed when they are compiled.
+COMPILE_FIELDS = (
+    "method",
+    "num_speculative_tokens",
+    "num_speculative_tokens_per_batch_size",
+    "rejection_sample_method",
+    "synthetic_acceptance_rates",
+    "synthetic_acceptance_length",
+    "disable_padded_drafter_batch",
+    "rejection_sampler_config",
+    "dynamic_spec_config",
+)
+
+# CPU feature flags that change the code Inductor's C++ backend emits and can run.
+_ISA_PREFIXES = ("avx", "amx", "fma", "f16c", "sse4", "asimd", "sve", "bf16", "fp16", "vsx", "vx")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyParts:
+    graph: str
+    inputs: tuple = ()
+    passes: tuple = ()
+    capture: Any = None
+    ks: tuple = ()
+    spec: Any = None
+    lowering: Any = None
+    fingerprint: Any = None
+
+    def to_json(self) -> dict:
+        return {"format": KEY_FORMAT, **dataclasses.asdict(self)}
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+
+
+def _json_default(o: Any):
+    if isinstance(o, (tuple, set, frozenset)):
+        return sorted(o) if isinstance(o, (set, frozenset)) else list(o)
+    if dataclasses.is_dataclass(o):
+        return dataclasses.asdict(o)
+    return repr(o)
+
+
+def sha256_hex(data: bytes | str) -> str:
+    if isinstance(data, str):
+        data = data.encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def cache_key(parts: KeyParts) -> str:
+    return sha256_hex(canonical_json(parts.to_json()))
+
+
+# -- components ---------------------------------------------------------------------------
+
+def graph_hash(gm: Any) -> str:
+    """sha256 over the code of `gm` and its nested GraphModules and its tensor constants."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, mod in gm.named_modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            h.update(f"module {name}\n".encode())
+            h.update(mod.code.encode())
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            v = _getattr_path(gm, node.target)
+        except AttributeError:
+            continue
+        if isinstance(v, torch.Tensor):
+            h.update(f"const {node.target} {tensor_meta(v)}\n".encode())
+            if v.device.type != "meta":
+                h.update(v.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _getattr_path(obj: Any, target: str) -> Any:
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tensor_meta(t: Any) -> str:
+    return (f"{t.dtype}|{tuple(str(s) for s in t.shape)}|{tuple(str(s) for s in t.stride())}"
+            f"|{t.device.type}|{int(bool(t.requires_grad))}")
+
+
+def inputs_meta(example_inputs: Sequence[Any]) -> tuple:
+    import torch
+
+    out = []
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            out.append(tensor_meta(x))
+        elif isinstance(x, (int, float, bool)) or x is None:
+            out.append(f"{type(x).__name__}:{x!r}")
+        else:  # SymInt and friends: the symbol, not a value
+            out.append(f"{type(x).__name__}:{x}")
+    return tuple(out)
+
+
+def spec_fields(spec: Any) -> Optional[dict]:
+    """The compile-relevant SpeculativeConfig fields (None without a config)."""
+    if spec is None:
+        return None
+    d = spec.to_dict()
+    return {k: d[k] for k in COMPILE_FIELDS if k in d}
+
+
+def _dist_version(*names: str) -> Optional[str]:
+    for n in names:
+        try:
+            return f"{n}=={importlib.metadata.version(n)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _cpu_isa() -> str:
+    """A short hash of the ISA-relevant CPU flags (C++ kernels are built for them)."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k.strip() in ("flags", "Features", "features"):
+                    flags.update(x for x in v.split() if x.startswith(_ISA_PREFIXES))
+                    break
+    except OSError:
+        pass
+    return sha256_hex(" ".join(sorted(flags)))[:16] if flags else "unknown"
+
+
+def _cann_version() -> str:
+    import torch
+
+    v = getattr(getattr(torch, "version", None), "cann", None)
+    if v:
+        return str(v)
+    for env in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
+        home = os.environ.get(env)  # CANN's own variable, not an NPUSPEC_* setting
+        if not home:
+            continue
+        for rel in ("version.cfg", "ascend_toolkit_install.info", "../version.cfg"):
+            try:
+                with open(os.path.join(home, rel)) as f:
+                    for line in f:
+                        if "version=" in line:
+                            return line.split("version=", 1)[1].strip()
+            except OSError:
+                continue
+    return "unknown"
+
+
+@functools.lru_cache(maxsize=8)
+def _fingerprint(device: str, device_name: str) -> tuple:
+    import torch
+    import npuspec
+
+    fp = {
+        "device": device,
+        "device_name": device_name,
+        "machine": _pyplatform.machine(),
+        "torch": torch.__version__,
+        "triton": _dist_version("triton-ascend", "triton") if device == "npu"
+        else _dist_version("triton", "pytorch-triton"),
+        "npuspec": npuspec.__version__,
+        "python": f"{sys.implementation.name}-{_pyplatform.python_version()}",
+    }
+    if device == "npu":
+        import torch_npu  # only reached on npu (the platform imported it already)
+
+        fp["torch_npu"] = getattr(torch_npu, "__version__", "unknown")
+        fp["cann"] = _cann_version()
+    if device == "cpu":
+        fp["cpu_isa"] = _cpu_isa()
+    if device == "cuda":
+        fp["cuda"] = torch.version.cuda
+    return tuple(sorted(fp.items()))
+
+
+def fingerprint(platform: Any = None) -> dict:
+    """Platform fingerprint: device kind and name, torch (+ torch_npu, CANN on npu), triton or
+    triton-ascend, npuspec, Python; plus the CPU ISA flags on cpu and CUDA version on cuda."""
+    from npuspec.platform import current_platform
+
+    plat = platform or current_platform()
+    return dict(_fingerprint(plat.device, plat.device_name))
+
+
+def fingerprint_tag(fp: dict) -> str:
+    """Short tag for TORCH_COMPILE_CACHE_KEY_TAG (Inductor mixes it into its own keys)."""
+    return "npuspec-" + sha256_hex(canonical_json(fp))[:16]
+
+
+def pass_uuids() -> tuple:
+    """The pass manager's uuids, if the passes package provides them (else empty)."""
+    try:
+        import npuspec.passes as passes
+    except Exception:  # passes missing or broken: the graph hash still covers the code
+        return ()
+    for name in ("pass_uuids", "uuids"):
+        fn = getattr(passes, name, None)
+        if callable(fn):
+            return tuple(str(u) for u in fn())
+    manager = getattr(passes, "PassManager", None)
+    if manager is not None:  # the default manager's uuid hashes its source and every pattern's
+        return (str(manager().uuid()),)
+    return ()
+
+
+def key_parts(gm: Any, example_inputs: Sequence[Any], opts: Any, *,
+              passes: Optional[Sequence[str]] = None, capture: Any = None,
+              platform: Any = None) -> KeyParts:
+    """Build the KeyParts for one backend call (`opts` is a BackendOptions)."""
+    spec = getattr(opts, "speculative_config", None)
+    ks = tuple(spec.k_values()) if spec is not None else ()
+    if capture is None:
+        sizes = getattr(opts, "capture_sizes", None)
+        capture = {"sizes": list(sizes) if sizes else None,
+                   "mode": getattr(opts, "capture", None),
+                   "max_num_seqs": getattr(opts, "max_num_seqs", None)}
+    return KeyParts(
+        graph=graph_hash(gm),
+        inputs=inputs_meta(example_inputs),
+        passes=tuple(passes) if passes is not None else pass_uuids(),
+        capture=capture,
+        ks=ks,
+        spec=spec_fields(spec),
+        lowering={"name": getattr(opts, "lowering", None), "mode": getattr(opts, "mode", None)},
+        fingerprint=fingerprint(platform),
+    )
