@@ -100,4 +100,8 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     opts = BackendOptions.from_dict(options, mode=mode, platform=plat)
     log.info("npuspec: compiling a graph of %d nodes on %s with lowering=%s capture=%s",
              len(gm.graph.nodes), plat.device, opts.lowering, opts.capture)
-    return lowering.lower(gm, list(example_inputs), opts)
+    # Graph cache (npuspec.graphs.cache, docs/cache.md): load the lowered graph from
+    # opts.cache_dir, or lower it and publish it there; without a cache_dir: lowering.lower.
+    from npuspec.graphs.cache import cached_lower
+    compiled = cached_lower(gm, list(example_inputs), opts, lowering.lower)
+    return compiled
