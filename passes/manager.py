@@ -115,6 +115,22 @@ def _remove_noop_ops(graph: torch.fx.Graph) -> None:
         remove_noop_ops(graph)
 
 
+# Every pattern's output node is one of these ops; a graph without any is skipped outright.
+_ANCHORS = ("sum", "argmax", "multinomial", "where", "squeeze", "gather")
+
+
+def _has_anchor(graph: torch.fx.Graph) -> bool:
+    return any(n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0]
+               in _ANCHORS for n in graph.nodes)
+
+
+def _copy(graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A copy of `graph` (node meta included) to dry-run the patterns on."""
+    g = torch.fx.Graph()
+    g.output(g.graph_copy(graph, {}))
+    return torch.fx.GraphModule(graph.owning_module or torch.nn.Module(), g)
+
+
 def _dump(graph: torch.fx.Graph, tag: str, seq: int) -> None:
     d = envs.debug_dump()
     if d is None:
@@ -133,13 +149,33 @@ class PassManager:
         self.patterns = list(default_patterns() if patterns is None else patterns)
 
     def run(self, gm_or_graph, flavor: str = "inductor") -> dict:
-        """Rewrite in place. Returns {family name: replacements} (families with 0 left out)."""
+        """Rewrite in place. Returns {family name: replacements} (families with 0 left out).
+
+        The patterns first run on a copy; the graph itself is touched (no-op removal,
+        canonical literals, replacements) only when something matched, so a graph with
+        nothing to match is lowered exactly as it came."""
         if flavor not in FLAVORS:
             raise ValueError(f"PassManager.run: flavor={flavor!r} must be one of {FLAVORS}")
         graph = gm_or_graph.graph if isinstance(gm_or_graph, torch.fx.GraphModule) else gm_or_graph
         seq = next(_dump_seq) if envs.debug_dump() else 0
         if seq:
             _dump(graph, "before", seq)
+        found = {}
+        if _has_anchor(graph) and self._rewrite(_copy(graph).graph, flavor):
+            found = self._rewrite(graph, flavor)
+        for name, n in found.items():
+            counters.bump(f"verify_patterns_matched.{name}", n)
+        if found:
+            counters.bump("verify_patterns_matched", sum(found.values()))
+            if graph.owning_module is not None:
+                graph.owning_module.recompile()
+        if seq:
+            _dump(graph, "after", seq)
+        HISTORY.append((flavor, dict(found), str(graph)))
+        log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
+        return found
+
+    def _rewrite(self, graph: torch.fx.Graph, flavor: str) -> dict:
         _remove_noop_ops(graph)
         canonical.canonicalize(graph)
         found = {}
@@ -147,18 +183,9 @@ class PassManager:
             n = compiled(p, flavor).pass_.apply(graph)
             if n:
                 found[p.name] = n
-                counters.bump(f"verify_patterns_matched.{p.name}", n)
-        total = sum(found.values())
-        if total:
-            counters.bump("verify_patterns_matched", total)
+        if found:
             graph.eliminate_dead_code()
             graph.lint()
-            if graph.owning_module is not None:
-                graph.owning_module.recompile()
-        if seq:
-            _dump(graph, "after", seq)
-        HISTORY.append((flavor, dict(found), str(graph)))
-        log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
         return found
 
     def uuid(self) -> str:
