@@ -1,0 +1,265 @@
+"""Padding dispatch over one graph set (one K): pad, copy, replay, slice.
+
+A step is measured in *units* u (normally requests; its token count is `tokens_per_unit * u`).
+Every token-carrying input dim has size `coef * u`. The set holds one captured graph per unit
+size; a step with u units replays the smallest captured size u_pad >= u:
+
+    tokens [coef*u] --copy--> static [coef*u_pad] (rows past u refilled with the pad value)
+    replay
+    outputs [coef*u_pad] --narrow--> [coef*u]          (padding rows dropped)
+
+Padding rows are inert for a row-separable step: each row's outputs depend on that row only,
+and draft ids of -1 make the verify op reject every padded draft. A step beyond the largest
+size runs the callable eagerly (counted as eager_fallbacks, logged once per cause).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from npuspec import counters
+from npuspec.graphs.runners import make_runner
+
+log = logging.getLogger("npuspec.graphs")
+
+TOKEN = "token"    # tensor with a token dim: padded copy into a static buffer
+COPY = "copy"      # tensor without a token dim: copied whole into a static buffer
+STATIC = "static"  # tensor passed by address (parameters, buffers, mutated state)
+INT = "int"        # Python int (a Dynamo SymInt): coef*u + const
+CONST = "const"    # anything else, passed as is
+
+_LOGGED: set = set()
+
+
+def fallback(cause: str) -> None:
+    """Count an eager fallback; log its cause the first time it happens."""
+    counters.bump("eager_fallbacks")
+    if cause not in _LOGGED:
+        _LOGGED.add(cause)
+        log.warning("npuspec graphs: running eagerly: %s (logged once; counted in "
+                    "npuspec.counters['eager_fallbacks'])", cause)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    kind: str
+    dim: int = 0      # TOKEN: the token dim
+    coef: int = 1     # TOKEN: size along dim = coef*u; INT: value = coef*u + const
+    const: Any = 0    # INT: constant term
+    pad: Any = 0      # TOKEN: value of the padding rows
+    mutated: bool = False  # TOKEN: the step writes it in place; copy real rows back
+
+
+def token(dim: int = 0, coef: int = 1, pad: Any = 0, mutated: bool = False) -> Slot:
+    return Slot(TOKEN, dim, coef, 0, pad, mutated)
+
+
+@dataclasses.dataclass
+class _Entry:  # one captured size
+    units: int
+    runner: Any
+    args: list
+    outs: list
+
+
+class GraphSet:
+    """Captured graphs of one step function for one K, at several unit sizes.
+
+    fn: the compiled step (called with the static buffers); slots: one Slot per positional arg;
+    unit_sizes: sizes in units (token count / tokens_per_unit); out_dims: per output, the token
+    dim or None (returned whole). capture: True = capture every size on first use (largest
+    first), "lazy" = each size on its first use, False = never (plain calls). exact_only: the step
+    is not row-separable, so only steps whose size is exactly captured replay.
+    clone_outputs: return copies instead of views into the static outputs (which the next replay
+    of that size overwrites).
+    """
+
+    def __init__(self, fn: Callable, slots: Sequence[Slot], unit_sizes: Sequence[int], *,
+                 k: int = 0, tokens_per_unit: int = 1, out_dims: Optional[Sequence] = None,
+                 runner: str = "cpu", capture=True, exact_only: bool = False,
+                 clone_outputs: bool = False, name: str = "step"):
+        assert unit_sizes and all(s >= 1 for s in unit_sizes), unit_sizes
+        assert any(s.kind == TOKEN for s in slots) or len(unit_sizes) == 1, slots
+        self.fn, self.slots, self.k, self.name = fn, list(slots), k, name
+        self.sizes = sorted(set(unit_sizes))
+        self.tokens_per_unit = tokens_per_unit
+        self.out_dims = None if out_dims is None else list(out_dims)
+        self.runner_kind, self.capture_mode = runner, capture
+        self.exact_only, self.clone_outputs = exact_only, clone_outputs
+        self.entries: dict[int, _Entry] = {}
+        self._out_coef: Optional[list] = None
+        self._out_type = tuple
+        self._shared: dict[int, torch.Tensor] = {}  # slot index -> largest static buffer
+        self._token_idx = [i for i, s in enumerate(slots) if s.kind == TOKEN]
+        self._copy_idx = [i for i, s in enumerate(slots) if s.kind == COPY]
+
+    # -- sizes -------------------------------------------------------------------------------
+    def units_of(self, args: Sequence) -> Optional[int]:
+        """u for these inputs, or None when the token dims are not coef*u for one u."""
+        u = None
+        for i in self._token_idx:
+            s = self.slots[i]
+            n = args[i].shape[s.dim]
+            if n % s.coef:
+                return None
+            if u is None:
+                u = n // s.coef
+            elif n != s.coef * u:
+                return None
+        return u if u is not None else self.sizes[0]
+
+    def pick(self, u: int) -> Optional[int]:
+        if self.exact_only:
+            return u if u in self.sizes else None
+        i = bisect.bisect_left(self.sizes, u)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    # -- capture -------------------------------------------------------------------------------
+    def _buffer(self, i: int, like: torch.Tensor, units: int) -> torch.Tensor:
+        s = self.slots[i]
+        shape = list(like.shape)
+        if s.kind == COPY:
+            if i not in self._shared:
+                self._shared[i] = torch.empty_like(like, memory_format=torch.contiguous_format)
+            return self._shared[i]
+        shape[s.dim] = s.coef * units
+        if s.dim == 0:  # every size is a prefix view of the largest one (captured first)
+            big = self._shared.get(i)
+            if big is None or big.shape[0] < shape[0] or list(big.shape[1:]) != shape[1:]:
+                big = self._shared[i] = like.new_empty([s.coef * self.sizes[-1]] + shape[1:])
+            return big[:shape[0]]
+        return like.new_empty(shape)
+
+    def _static_args(self, args: Sequence, units: int) -> list:
+        out = []
+        for i, (s, a) in enumerate(zip(self.slots, args)):
+            if s.kind in (TOKEN, COPY):
+                out.append(self._buffer(i, a, units))
+            elif s.kind == INT:
+                out.append(s.coef * units + s.const)
+            else:  # STATIC / CONST: by reference
+                out.append(a)
+        return out
+
+    def capture(self, units: int, args: Sequence) -> _Entry:
+        """Capture the graph at `units`, using `args` (any size) as shape/dtype templates."""
+        assert units in self.sizes, (units, self.sizes)
+        static = self._static_args(args, units)
+        # Capture on padding rows only: the capture runs of a step with side effects (KV cache
+        # writes) then touch only what padding rows touch (e.g. a scratch slot), never real data.
+        self._fill(static, args, 0, units)
+        runner = make_runner(self.runner_kind)
+        outs = runner.capture(self._typed_fn, static)
+        self._learn_outputs(outs, units)
+        e = self.entries[units] = _Entry(units, runner, static, runner.outs)
+        log.debug("npuspec graphs: captured %s K=%d at %d tokens (%s runner)", self.name, self.k,
+                  units * self.tokens_per_unit, self.runner_kind)
+        return e
+
+    def capture_all(self, args: Sequence) -> None:
+        """Capture every missing size, largest first (the shared pool peaks at the largest)."""
+        for units in reversed(self.sizes):
+            if units not in self.entries:
+                self.capture(units, args)
+
+    def _typed_fn(self, *args):
+        out = self.fn(*args)  # remember the container so results come back the same way
+        self._out_type = type(out) if isinstance(out, (tuple, list)) else None
+        return out
+
+    def _learn_outputs(self, outs: list, units: int) -> None:
+        if self._out_coef is not None:
+            return
+        if self.out_dims is None:
+            self.out_dims = [0 if isinstance(o, torch.Tensor) and o.dim() > 0 else None for o in outs]
+        assert len(self.out_dims) == len(outs), (self.out_dims, len(outs))
+        coefs = []
+        for o, d in zip(outs, self.out_dims):
+            if d is None or not isinstance(o, torch.Tensor):
+                coefs.append(None)
+                continue
+            n = o.shape[d]
+            assert n % units == 0, f"output dim {d} of size {n} is not a multiple of {units} units"
+            coefs.append(n // units)
+        self._out_coef = coefs
+
+    # -- run -----------------------------------------------------------------------------------
+    def _fill(self, static: list, args: Sequence, u: int, units: int) -> None:
+        for i in self._token_idx:
+            s = self.slots[i]
+            buf, a = static[i], args[i]
+            n, total = min(s.coef * u, s.coef * units), s.coef * units
+            if n:
+                buf.narrow(s.dim, 0, n).copy_(a.narrow(s.dim, 0, n))
+            if n < total:
+                buf.narrow(s.dim, n, total - n).fill_(s.pad)
+        for i in self._copy_idx:
+            static[i].copy_(args[i])
+
+    def _check_static(self, e: _Entry, args: Sequence) -> bool:
+        for i, s in enumerate(self.slots):
+            if s.kind == STATIC:
+                a, b = args[i], e.args[i]
+                if a is not b and (a.data_ptr() != b.data_ptr() or a.shape != b.shape
+                                   or a.stride() != b.stride()):
+                    return False
+        return True
+
+    def run(self, *args):
+        u = self.units_of(args)
+        if u is None:
+            fallback(f"{self.name}: token dims are not proportional ({self._sizes_str(args)})")
+            return self.fn(*args)
+        return self.run_units(args, u)
+
+    def run_units(self, args: Sequence, u: int):
+        if self.capture_mode is False:
+            return self.fn(*args)
+        units = self.pick(u)
+        if units is None:
+            why = ("not row-separable and not a captured size" if self.exact_only
+                   else f"above the largest captured size ({self.sizes[-1] * self.tokens_per_unit} tokens)")
+            fallback(f"{self.name} K={self.k}: {u * self.tokens_per_unit} tokens {why}")
+            return self.fn(*args)
+        e = self.entries.get(units)
+        if e is None:
+            if self.capture_mode is True:
+                self.capture_all(args)
+            else:
+                self.capture(units, args)
+            e = self.entries[units]
+        if not self._check_static(e, args):
+            fallback(f"{self.name}: a parameter/buffer input moved or changed shape since capture")
+            return self.fn(*args)
+        self._fill(e.args, args, u, units)
+        outs = e.runner.replay()  # debug mode: the runner asserts the buffers did not move
+        for i in self._token_idx:  # in-place writes of the step go back to the caller's tensor
+            s = self.slots[i]
+            if s.mutated:
+                args[i].copy_(e.args[i].narrow(s.dim, 0, s.coef * u))
+        return self._slice(outs, u)
+
+    def _slice(self, outs: list, u: int):
+        res = []
+        for o, c, d in zip(outs, self._out_coef, self.out_dims):
+            if c is not None:
+                o = o.narrow(d, 0, c * u)
+            if self.clone_outputs and isinstance(o, torch.Tensor):
+                o = o.clone()
+            res.append(o)
+        if self._out_type is None:
+            return res[0]
+        return res if self._out_type is list else tuple(res)
+
+    def _sizes_str(self, args) -> str:
+        return ", ".join(f"arg{i}.shape[{self.slots[i].dim}]={args[i].shape[self.slots[i].dim]}"
+                         for i in self._token_idx)
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        """Captured token counts, ascending."""
+        return sorted(u * self.tokens_per_unit for u in self.entries)

@@ -1,0 +1,380 @@
+"""Which inputs and outputs of a Dynamo graph carry the token dimension (sympy on symbolic shapes).
+
+Dynamo traces a step whose token dims are dynamic (`mark_token_dim`, or automatic dynamic
+shapes), so placeholder shapes are sympy expressions over size symbols. We split the symbols:
+
+- padding symbols: appear only in token dims (e.g. s0 = B, s1 = B*(K+1)); at run time they must
+  all scale together, s_j = a_j * u with u = gcd of their values, and padding raises u;
+- key symbols: appear anywhere else (e.g. K in drafts [B, K] once Dynamo made it dynamic); each
+  distinct value gets its own graph set.
+
+For one key (values of key symbols and the ratio vector a), every shape becomes a polynomial in
+u. A token dim must be `coef*u`; an output whose shape is not linear in u, or that has no token
+dim but is computed from token inputs (a reduction over the batch), makes the step
+non-row-separable, so it is captured at exact sizes only. Dynamo's shape guards and value ranges
+are evaluated at each candidate padded size, and sizes that would break them are dropped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Optional, Sequence
+
+import sympy
+import torch
+
+from npuspec.graphs.dispatch import CONST, COPY, INT, STATIC, TOKEN, Slot
+
+U = sympy.Symbol("u", integer=True, positive=True)
+TOKEN_DIM_ATTR = "_npuspec_token_dim"
+PAD_ATTR = "_npuspec_pad"
+UNBACKED = False
+
+
+def mark_token_dim(tensor: torch.Tensor, dim: int = 0, pad: Any = None) -> torch.Tensor:
+    """Mark `tensor`'s dim `dim` as the token (batch) dimension of a step and make it dynamic.
+
+    One Dynamo graph then serves every batch size (no size-1 specialisation: the dim is made
+    unbacked when it has size <= 1, dynamic otherwise), and the npuspec backend pads this dim to
+    the capture sizes. `pad` is the value of padding rows (default 0; -1 for draft ids of the
+    verify op is picked automatically). Returns the tensor.
+    """
+    d = dim % tensor.dim()
+    setattr(tensor, TOKEN_DIM_ATTR, d)
+    if pad is not None:
+        setattr(tensor, PAD_ATTR, pad)
+    if UNBACKED:
+        torch._dynamo.decorators.mark_unbacked(tensor, d)
+    else:
+        torch._dynamo.mark_dynamic(tensor, d)
+    return tensor
+
+
+def _expr(x) -> sympy.Expr:
+    if isinstance(x, torch.SymInt):
+        return sympy.sympify(x.node.expr)
+    return sympy.Integer(int(x))
+
+
+@dataclasses.dataclass
+class ArgInfo:
+    kind: str                       # TOKEN / COPY / STATIC / INT / CONST
+    shape: tuple = ()               # tensors: sympy exprs
+    dim: Optional[int] = None       # TOKEN: token dim
+    expr: Any = None                # INT: sympy expr
+    pad: Any = 0
+    mutated: bool = False
+
+
+@dataclasses.dataclass
+class GraphLayout:
+    args: list
+    outs: list                      # per output: ("tensor", shape exprs, depends_on_tokens) or ("int", expr) or ("const", None)
+    pad_syms: tuple                 # padding symbols, sorted by name
+    key_syms: tuple                 # key symbols, sorted by name
+    sources: dict                   # symbol -> (arg index, dim or None)
+    guards: list                    # sympy booleans that must hold
+    ranges: dict                    # symbol -> (lo, hi)
+    verify_k: Optional[Any] = None  # sympy expr of K from the verify op, if one is in the graph
+    verify_b: Optional[Any] = None  # sympy expr of the verify op's batch dim
+    reason: str = ""                # why the graph cannot be padded at all ("" = it can)
+
+
+@dataclasses.dataclass
+class KeyLayout:
+    slots: list
+    out_dims: list
+    exact_only: bool
+    k: Optional[int]
+    tokens_per_unit: Optional[int]
+    ok_units: Any                   # callable(units) -> bool (guards hold)
+
+
+# -- graph facts ---------------------------------------------------------------------------------
+_VIEW_METHODS = {"view", "reshape", "narrow", "select", "unsqueeze", "squeeze", "transpose",
+                 "permute", "flatten", "expand", "t", "as_strided", "unflatten", "__getitem__",
+                 "view_as", "unbind", "split", "chunk"}
+
+
+def _target_name(n: torch.fx.Node) -> str:
+    t = n.target
+    return t if isinstance(t, str) else getattr(t, "__name__", str(t))
+
+
+def _alias_base(gm: torch.fx.GraphModule) -> dict:
+    """node -> placeholder it is a view of (views through common view ops only)."""
+    base = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            base[n] = n
+        elif n.op in ("call_method", "call_function") and n.args:
+            name = _target_name(n)
+            if (name in _VIEW_METHODS or n.target is operator.getitem) and isinstance(n.args[0], torch.fx.Node):
+                if n.args[0] in base:
+                    base[n] = base[n.args[0]]
+    return base
+
+
+def _mutated(gm: torch.fx.GraphModule) -> set:
+    """Placeholders the graph writes in place (setitem, x.op_(...), mutating custom ops)."""
+    base = _alias_base(gm)
+    out = set()
+    for n in gm.graph.nodes:
+        written = []
+        if n.op == "call_function" and n.target is operator.setitem:
+            written.append(n.args[0])
+        elif n.op in ("call_method", "call_function"):
+            name = _target_name(n)
+            if name.endswith("_") and not name.startswith("_") and n.args:
+                written.append(n.args[0])
+            schema = getattr(n.target, "_schema", None)
+            if schema is not None:
+                for a, v in zip(schema.arguments, n.args):
+                    if a.alias_info is not None and a.alias_info.is_write:
+                        written.append(v)
+            if "out" in n.kwargs:
+                written.append(n.kwargs["out"])
+        for w in written:
+            if isinstance(w, torch.fx.Node) and w in base:
+                out.add(base[w])
+    return out
+
+
+def _depends_on(gm: torch.fx.GraphModule, roots: set) -> set:
+    dep = set(roots)
+    for n in gm.graph.nodes:
+        if n not in dep and any(a in dep for a in n.all_input_nodes):
+            dep.add(n)
+    return dep
+
+
+def _verify_nodes(gm: torch.fx.GraphModule) -> list:
+    try:
+        op = torch.ops.npuspec.rejection_sample
+    except (AttributeError, RuntimeError):
+        return []
+    targets = {op} | {getattr(op, o) for o in op.overloads()}
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in targets]
+
+
+def _grapharg_example(node: torch.fx.Node):
+    ga = node.meta.get("grapharg")
+    if ga is None:
+        return None
+    try:
+        return ga.example
+    except Exception:  # the weak reference died
+        return None
+
+
+def _is_static_tensor(node: torch.fx.Node, example) -> bool:
+    if isinstance(example, torch.nn.Parameter) or hasattr(example, "_dynamo_static_input_type"):
+        return True
+    ga = node.meta.get("grapharg")
+    src = getattr(ga, "source", None)
+    name = src.name if isinstance(getattr(src, "name", None), str) else (src.name() if src is not None else "")
+    return "_parameters" in name or "_buffers" in name
+
+
+def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(phs) == len(example_inputs), (len(phs), len(example_inputs))
+    mutated = _mutated(gm)
+    verify = _verify_nodes(gm)
+    draft_phs = set()
+    base = _alias_base(gm)
+    for v in verify:
+        d = v.args[1] if len(v.args) > 1 else v.kwargs.get("draft_token_ids")
+        if isinstance(d, torch.fx.Node) and d in base:
+            draft_phs.add(base[d])
+
+    args: list[ArgInfo] = []
+    for n, ex in zip(phs, example_inputs):
+        if isinstance(ex, torch.SymInt):
+            args.append(ArgInfo(INT, expr=_expr(ex)))
+        elif isinstance(ex, torch.Tensor):
+            fake = n.meta.get("example_value", ex)  # example_inputs may be real tensors
+            shape = tuple(_expr(s) for s in fake.shape)
+            real = _grapharg_example(n)
+            if real is None and not isinstance(ex, torch._subclasses.FakeTensor):
+                real = ex
+            dim = getattr(real, TOKEN_DIM_ATTR, None)
+            if dim is None and not _is_static_tensor(n, real) and shape and shape[0].free_symbols:
+                dim = 0  # unmarked but dynamic at dim 0 (automatic dynamic): the batch dim
+            if dim is not None and not shape[dim].free_symbols:
+                dim = None  # marked, but Dynamo specialised it (e.g. size 1): nothing to pad
+            if dim is not None:
+                pad = getattr(real, PAD_ATTR, -1 if n in draft_phs else 0)
+                args.append(ArgInfo(TOKEN, shape, dim, pad=pad, mutated=n in mutated))
+            elif _is_static_tensor(n, real) or n in mutated:
+                args.append(ArgInfo(STATIC, shape))
+            else:
+                args.append(ArgInfo(COPY, shape))
+        else:
+            args.append(ArgInfo(CONST))
+
+    tok_syms, other_syms = set(), set()
+    for a in args:
+        if a.kind == TOKEN:
+            for i, e in enumerate(a.shape):
+                (tok_syms if i == a.dim else other_syms).update(e.free_symbols)
+        elif a.kind in (COPY, STATIC):
+            for e in a.shape:
+                other_syms.update(e.free_symbols)
+    pad_syms = tuple(sorted(tok_syms - other_syms, key=str))
+    int_syms = set()
+    for a in args:
+        if a.kind == INT:
+            int_syms.update(a.expr.free_symbols)
+    key_syms = tuple(sorted((other_syms | int_syms | tok_syms) - set(pad_syms), key=str))
+
+    sources = {}
+    for i, a in enumerate(args):
+        if a.kind == INT and isinstance(a.expr, sympy.Symbol):
+            sources.setdefault(a.expr, (i, None))
+        elif a.shape:
+            for d, e in enumerate(a.shape):
+                if isinstance(e, sympy.Symbol):
+                    sources.setdefault(e, (i, d))
+    reason = ""
+    missing = [s for s in pad_syms + key_syms if s not in sources]
+    if missing:
+        reason = f"size symbols {missing} are not plain input sizes"
+
+    # outputs
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    token_phs = {phs[i] for i, a in enumerate(args) if a.kind == TOKEN}
+    dep = _depends_on(gm, token_phs)
+    raw_outs = out_node.args[0]
+    raw_outs = list(raw_outs) if isinstance(raw_outs, (tuple, list)) else [raw_outs]
+    outs = []
+    for o in raw_outs:
+        ev = o.meta.get("example_value") if isinstance(o, torch.fx.Node) else o
+        if isinstance(ev, torch.Tensor):
+            outs.append(("tensor", tuple(_expr(s) for s in ev.shape), o in dep))
+        elif isinstance(ev, torch.SymInt):
+            outs.append(("int", _expr(ev)))
+        else:
+            outs.append(("const", None))
+
+    shape_env = None
+    from torch._guards import detect_fake_mode
+    fm = detect_fake_mode([n.meta.get("example_value") for n in phs] + list(example_inputs))
+    if fm is not None:
+        shape_env = fm.shape_env
+    guards, ranges = [], {}
+    if shape_env is not None:
+        guards = [g.expr for g in getattr(shape_env, "guards", [])]
+        for s in pad_syms + key_syms:
+            vr = shape_env.var_to_range.get(s)
+            if vr is not None:
+                ranges[s] = (vr.lower, vr.upper)
+
+    vk = vb = None
+    if verify:
+        d = verify[0].args[1] if len(verify[0].args) > 1 else verify[0].kwargs.get("draft_token_ids")
+        dv = d.meta.get("example_value") if isinstance(d, torch.fx.Node) else None
+        if isinstance(dv, torch.Tensor) and dv.dim() == 2:
+            vb, vk = _expr(dv.shape[0]), _expr(dv.shape[1])
+    return GraphLayout(args, outs, pad_syms, key_syms, sources, guards, ranges, vk, vb, reason)
+
+
+# -- one key -------------------------------------------------------------------------------------
+def _linear(e) -> Optional[tuple[int, int]]:
+    """(a, b) with e == a*u + b for integers a, b, else None."""
+    e = sympy.expand(sympy.simplify(e))
+    if e.free_symbols - {U}:
+        return None
+    try:
+        p = sympy.Poly(e, U)
+    except sympy.PolynomialError:
+        return None
+    if p.degree() > 1:
+        return None
+    a, b = p.coeff_monomial(U), p.coeff_monomial(1)
+    if not (a.is_integer and b.is_integer):
+        return None
+    return int(a), int(b)
+
+
+def runtime_values(layout: GraphLayout, args: Sequence) -> dict:
+    vals = {}
+    for s, (i, d) in layout.sources.items():
+        vals[s] = int(args[i]) if d is None else int(args[i].shape[d])
+    return vals
+
+
+def key_of(layout: GraphLayout, vals: dict) -> tuple[tuple, int]:
+    """((ratio, key values), u) for the runtime symbol values."""
+    if not layout.pad_syms:
+        return ((), tuple(vals[s] for s in layout.key_syms)), 1
+    pv = [vals[s] for s in layout.pad_syms]
+    u = 0
+    for v in pv:
+        u = math.gcd(u, v)
+    u = max(u, 1)
+    return (tuple(v // u for v in pv), tuple(vals[s] for s in layout.key_syms)), u
+
+
+def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
+    ratio, kv = key
+    sub = {s: a * U for s, a in zip(layout.pad_syms, ratio)}
+    sub.update(dict(zip(layout.key_syms, kv)))
+    exact = not layout.pad_syms
+    slots = []
+    for a in layout.args:
+        if a.kind == TOKEN:
+            lin = _linear(a.shape[a.dim].subs(sub))
+            rest_ok = all(not sympy.sympify(e).subs(sub).free_symbols
+                          for i, e in enumerate(a.shape) if i != a.dim)
+            if lin is None or lin[1] != 0 or lin[0] < 1 or not rest_ok:
+                exact = True
+                lin = lin if lin is not None and lin[0] >= 1 and lin[1] == 0 else (1, 0)
+            slots.append(Slot(TOKEN, a.dim, lin[0], 0, a.pad, a.mutated))
+        elif a.kind == INT:
+            lin = _linear(a.expr.subs(sub))
+            if lin is None:
+                exact = True
+                lin = (0, 0)
+            slots.append(Slot(INT, 0, lin[0], lin[1]))
+        else:
+            slots.append(Slot(a.kind))
+    out_dims = []
+    for o in layout.outs:
+        if o[0] != "tensor":
+            out_dims.append(None)
+            if o[0] == "int" and sympy.sympify(o[1]).subs(sub).free_symbols:
+                exact = True  # a batch size returned as an int would need rescaling; keep exact
+            continue
+        dims = [i for i, e in enumerate(o[1]) if sympy.sympify(e).subs(sub).free_symbols]
+        if not dims:
+            out_dims.append(None)
+            exact = exact or o[2]  # a batch reduction: padding rows would leak into it
+            continue
+        lin = _linear(o[1][dims[0]].subs(sub))
+        if len(dims) > 1 or lin is None or lin[1] != 0:
+            exact = True
+        out_dims.append(dims[0])
+    k = tpu = None
+    if layout.verify_k is not None:
+        kk = sympy.sympify(layout.verify_k).subs(sub)
+        lb = _linear(sympy.sympify(layout.verify_b).subs(sub))
+        if kk.is_Integer and lb is not None and lb[1] == 0 and lb[0] >= 1:
+            k, tpu = int(kk), (int(kk) + 1) * lb[0]
+
+    guards = [sympy.sympify(g).subs(sub) for g in layout.guards]
+    ranges = [(sympy.sympify(s).subs(sub), lo, hi) for s, (lo, hi) in layout.ranges.items()]
+
+    def ok_units(units: int) -> bool:
+        for g in guards:
+            v = g.subs(U, units)
+            if v is sympy.false or (v.is_Boolean and not bool(v)):
+                return False
+        for e, lo, hi in ranges:
+            v = e.subs(U, units)
+            if v.is_number and not (lo <= v <= hi):
+                return False
+        return True
+
+    return KeyLayout(slots, out_dims, exact, k, tpu, ok_units)

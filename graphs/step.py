@@ -1,0 +1,104 @@
+"""The backend's capture wrapper: one callable per Dynamo graph, one GraphSet per K inside.
+
+    compiled = lowering.lower(gm, example_inputs, opts)
+    return wrap_compiled(gm, example_inputs, compiled, opts, platform)
+
+Dynamo calls the returned StepDispatcher with real-size inputs. Token dims are dynamic
+(`mark_token_dim`), so one Dynamo graph and one compiled callable serve every batch size; the
+dispatcher pads each step to the next captured size and replays. A K that Dynamo keeps static
+(drafts [B, K]) gets its own Dynamo graph, hence its own dispatcher; a K that Dynamo made
+dynamic is a key symbol here, and each value gets its own GraphSet. Either way a swap back to a
+seen K finds its set already captured.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable, Sequence
+
+import torch
+
+from npuspec.graphs.dispatch import TOKEN, GraphSet, fallback
+from npuspec.graphs.layout import analyse, concretize, key_of, runtime_values
+from npuspec.graphs.plan import k_values_of, plan_capture_sizes
+
+log = logging.getLogger("npuspec.graphs")
+
+MAX_KEYS = 16  # graph sets per Dynamo graph; beyond this, new layouts run eagerly (counted)
+_LIVE: "weakref.WeakSet[StepDispatcher]" = weakref.WeakSet()
+
+
+def live_dispatchers() -> list:
+    """Every StepDispatcher still alive (one per Dynamo graph), for introspection and tests."""
+    return list(_LIVE)
+
+
+class StepDispatcher:
+    def __init__(self, compiled: Callable, layout, opts, platform, name: str = "step"):
+        self.compiled, self.layout, self.opts, self.platform = compiled, layout, opts, platform
+        self.name = name
+        self.sets: dict[Any, GraphSet] = {}
+        _LIVE.add(self)
+
+    def __call__(self, *args):
+        if self.layout.reason:
+            fallback(f"{self.name}: cannot pad this graph ({self.layout.reason})")
+            return self.compiled(*args)
+        key, u = key_of(self.layout, runtime_values(self.layout, args))
+        gs = self.sets.get(key)
+        if gs is None:
+            if len(self.sets) >= MAX_KEYS:
+                fallback(f"{self.name}: more than {MAX_KEYS} distinct shape layouts")
+                return self.compiled(*args)
+            gs = self.sets[key] = self._make_set(key, args)
+        return gs.run_units(args, u)
+
+    def _pick_k(self, kl, slots, args) -> int:
+        if kl.k is not None:
+            return kl.k
+        ks = k_values_of(self.opts.speculative_config)
+        if len(ks) == 1:
+            return ks[0]
+        for s, a in zip(slots, args):  # [rows, K+1, ...] token inputs name their K
+            if s.kind == TOKEN and s.dim == 0 and a.dim() >= 2 and a.shape[1] - 1 in ks:
+                return a.shape[1] - 1
+        log.info("npuspec graphs: %s: cannot tell which K of %s this graph runs; planning "
+                 "token sizes without a K+1 multiple", self.name, ks)
+        return 0
+
+    def _make_set(self, key, args) -> GraphSet:
+        kl = concretize(self.layout, key)
+        k = self._pick_k(kl, kl.slots, args)
+        tpu = kl.tokens_per_unit
+        if tpu is None:  # [rows, K+1] inputs: a unit is a request; flat [T] inputs: a token
+            tpu = max([s.coef for s in kl.slots if s.kind == TOKEN] or [1])
+            for s, a in zip(kl.slots, args):
+                if s.kind == TOKEN and s.dim == 0 and a.dim() >= 2 and a.shape[1] == k + 1:
+                    tpu = s.coef * (k + 1)
+                    break
+        if not any(s.kind == TOKEN for s in kl.slots):
+            units = [1]  # nothing to pad: one graph at the traced shape
+        else:
+            sizes = plan_capture_sizes(k, self.opts.max_num_seqs, self.opts.capture_sizes,
+                                       self.platform)
+            units = sorted({-(-s // tpu) for s in sizes})
+            units = [n for n in units if kl.ok_units(n)]
+        if not units:
+            units = [1]
+            kl.exact_only = True
+        log.info("npuspec graphs: %s K=%d: %s graph set at %s tokens (%s)", self.name, k,
+                 self.platform.graph_runner, [n * tpu for n in units],
+                 "exact sizes only" if kl.exact_only else "padded")
+        return GraphSet(self.compiled, kl.slots, units, k=k, tokens_per_unit=tpu,
+                        out_dims=kl.out_dims, runner=self.platform.graph_runner,
+                        capture=self.opts.capture, exact_only=kl.exact_only,
+                        clone_outputs=True, name=self.name)
+
+
+def wrap_compiled(gm: torch.fx.GraphModule, example_inputs: Sequence, compiled: Callable,
+                  opts, platform) -> Callable:
+    """The backend's hook: `compiled` wrapped in padding dispatch, unless capture is off."""
+    if opts.capture is False:
+        return compiled
+    layout = analyse(gm, example_inputs)
+    return StepDispatcher(compiled, layout, opts, platform, name=f"graph{len(gm.graph.nodes)}")
