@@ -104,4 +104,5 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     # opts.cache_dir, or lower it and publish it there; without a cache_dir: lowering.lower.
     from npuspec.graphs.cache import cached_lower
     compiled = cached_lower(gm, list(example_inputs), opts, lowering.lower)
-    return compiled
+    from npuspec.graphs import wrap_compiled  # capture wiring (issue 5): pad, replay, slice
+    return wrap_compiled(gm, example_inputs, compiled, opts, plat)
