@@ -31,12 +31,9 @@ from typing import Sequence
 
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
 
-_LONG = 8        # occurrences of matches >= _LONG tokens come from this index, all of them
-_MID = 3
-_WINDOW = 64     # most recent occurrences used for matches shorter than _LONG
-_LONG_WINDOW = 4096  # safety bound on the long index's scan (pathological repetition)
-_LEVELS = (1, _MID, _LONG)
-_TIE_RECENT = True  # most-frequent-child ties: most recent occurrence (False: first to the count)
+# (n-gram length, how many of its most recent occurrences to read), longest first
+_SEARCH = ((8, 1 << 30), (3, 1 << 30), (1, 1 << 30))
+_LEVELS = tuple(sorted(k for k, _ in _SEARCH))
 
 
 def _as_list(tokens) -> list[int]:
@@ -113,10 +110,15 @@ class _Tree:
                    if seq[i:i + n] == s)
 
 
-def _path(refs, seqs, need: int, denom: int, min_prob: float):
-    """Greedy most-frequent continuation after the occurrences `refs` (oldest first).
+def _age(r):
+    return r[1]
 
-    Returns (tokens, probs); prob_j = (#refs continuing with t1..tj) / denom."""
+
+def _path(refs, seqs, need: int, denom: int, min_prob: float):
+    """Greedy most-frequent continuation after the occurrences `refs` = [(seq id, end)], oldest
+    first. Returns (tokens, probs); prob_j = (#refs continuing with t1..tj) / denom. Ties between
+    equally frequent tokens go to the one that continued the oldest occurrence (measured on the
+    shipped traces: it beats "most recent"; for an edit, the oldest copy is the original)."""
     toks: list[int] = []
     probs: list[float] = []
     cur = [(seqs[sid], e) for sid, e in refs]
@@ -131,24 +133,22 @@ def _path(refs, seqs, need: int, denom: int, min_prob: float):
             probs += [p] * len(tail)
             break
         counts: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for i, (seq, e) in enumerate(cur):
+        t, c = -1, 0
+        for seq, e in cur:  # oldest first: ties go to the token that reached the count first
             q = e + j
             if q < len(seq):
-                t = seq[q]
-                counts[t] = counts.get(t, 0) + 1
-                last[t] = i
-        if not counts:
+                x = seq[q]
+                n = counts[x] = counts.get(x, 0) + 1
+                if n > c:
+                    t, c = x, n
+        if not c:
             break
-        t = max(counts, key=lambda x: (counts[x], last[x]))  # ties: most recent occurrence
-        if not _TIE_RECENT and counts[t] == 1:
-            t = next(iter(counts))  # Arctic's order for count-1 ties: the oldest
-        p = counts[t] / denom
+        p = c / denom
         if p < min_prob:
             break
         toks.append(t)
         probs.append(p)
-        cur = [(seq, e) for seq, e in cur if e + j < len(seq) and seq[e + j] == t]
+        cur = [r for r in cur if r[1] + j < len(r[0]) and r[0][r[1] + j] == t]
     return toks, probs
 
 
@@ -182,6 +182,7 @@ class SuffixProposer:
         self._global = _Tree()                  # responses, FIFO order = self._cached order
         self._cached: dict[str, int] = {}       # req_id -> seq id in the global tree
         self._next_sid = 0
+        self._lim: dict[int, tuple[list[int], list[int]]] = {}
 
     # -- request lifecycle -------------------------------------------------------------------
     def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
@@ -246,77 +247,171 @@ class SuffixProposer:
         if k <= 0:
             return [], []
         ctx = tree.seqs[0]
-        lt, lp, ls = self._draft(tree, ctx, k)
+        lt, lp, ls = self._draft(tree, ctx, k, 0.0, ctx)
         if self._cached:
-            gt, gp, gs = self._draft(self._global, ctx, k)
+            # the global tree must score strictly higher to win: search it only above `ls`
+            sid = self._cached.get(req_id)
+            own = self._global.seqs[sid] if sid is not None else None
+            gt, gp, gs = self._draft(self._global, ctx, k, ls, own)
             if gs > ls:
                 return gt, gp
         return lt, lp
 
-    def _draft(self, tree: _Tree, ctx: list[int], K: int):
-        D = self.max_tree_depth
+    def _limits(self, K: int):
+        """need[m]: token budget of a match of length m; span[lo][hi]: the most tokens any match
+        length in [lo, hi] may draft (budget and depth cap), largest m on ties not needed."""
+        lim = self._lim.get(K)
+        if lim is None:
+            D, f, off = self.max_tree_depth, self.max_spec_factor, self.max_spec_offset
+            need = [max(0, min(K, int(m * f + off + 1e-6))) for m in range(D + 1)]
+            caps = [min(need[m], D - m) for m in range(D + 1)]
+            span = [[max(caps[lo:hi + 1], default=0) for hi in range(D + 1)] for lo in range(D + 1)]
+            lim = self._lim[K] = (need, span)
+        return lim
+
+    def _draft(self, tree: _Tree, ctx: list[int], K: int, floor: float, own=None):
+        """Best (tokens, probs, score) of one tree for the context's tail (see module doc),
+        or ([], [], floor) when nothing scores above `floor`. `own` is the request's own
+        sequence in this tree, whose tail is the context's tail."""
         T = len(ctx)
-        mmax = min(T, D) - 1  # match lengths 1 .. mmax (the context window is the last D)
+        D = self.max_tree_depth
+        upper = min(T, D) - 1  # match lengths 1 .. upper
         best_t: list[int] = []
         best_p: list[float] = []
-        best = 0.0
-        if mmax < 1:
+        best = floor
+        if upper < 1:
             return best_t, best_p, best
-        f, off, pmin = self.max_spec_factor, self.max_spec_offset, self.min_token_prob
-        seqs, index = tree.seqs, tree.index
-        upper = mmax
-        for k in (_LONG, _MID, 1):
+        need, span = self._limits(K)
+        pmin, seqs, index = self.min_token_prob, tree.seqs, tree.index
+        m_lo = 1  # shortest match that could still beat `best` (need[m] > best)
+        while m_lo <= upper and need[m_lo] <= best:
+            m_lo += 1
+        last_key, last_len = None, 0  # the levels often find the same occurrence set again
+        toks: list[int] = []
+        probs: list[float] = []
+        for k, window in _SEARCH:
             if k > upper:
                 continue
-            if min(K, int(upper * f + off + 1e-6)) <= best:
-                break  # no shorter match can beat `best` (and ties keep the longer one)
-            lst = index.get(tuple(ctx[T - k:]))
+            if upper < m_lo:
+                break
+            lst = index.get(tuple(ctx[T - k:]) if k > 1 else (ctx[-1],))
             if lst is None:
                 upper = k - 1
                 continue
-            window = _LONG_WINDOW if k == _LONG else _WINDOW
             refs = lst[-window:] if len(lst) > window else lst
-            # backward match length of each occurrence, capped at `upper`
-            scored = []
+            lo = max(k, m_lo)
+            want = ctx[T - upper:]  # the longest match we look for
+            scored = []  # (match length, age order, seq id, end) of occurrences with L >= lo
             for order, (sid, e) in enumerate(refs):
                 seq = seqs.get(sid)
                 if seq is None:
                     continue  # evicted, not yet compacted
-                L = k
-                while L < upper and e - L >= 0 and seq[e - L] == ctx[T - 1 - L]:
-                    L += 1
-                scored.append((L, order, sid, e))
+                if seq is own and e == len(seq) - 1:
+                    L = min(upper, e + 1)  # the context's own tail matches itself
+                elif e + 1 >= upper and seq[e + 1 - upper:e + 1] == want:
+                    L = upper  # one C-level compare settles the common long match
+                else:
+                    L = k
+                    while L < upper and L <= e and seq[e - L] == ctx[T - 1 - L]:
+                        L += 1
+                if L >= lo:
+                    scored.append((L, order, sid, e))
             if not scored:
                 upper = k - 1
                 continue
             scored.sort(reverse=True)  # longest match first
-            n_in = 0  # occurrences with L >= m, a prefix of `scored`
-            path_for = -1
-            toks: list[int] = []
-            cum: list[float] = []
-            probs: list[float] = []
-            for m in range(upper, k - 1, -1):
-                budget = min(K, int(m * f + off + 1e-6))
-                if budget <= best:
-                    return best_t, best_p, best
-                while n_in < len(scored) and scored[n_in][0] >= m:
-                    n_in += 1
-                if n_in == 0:
-                    continue
-                cap = min(budget, D - m)
-                if path_for != n_in:
-                    occ = sorted(scored[:n_in], key=lambda r: r[1])  # oldest first
-                    need = min(budget, D - k)
-                    toks, probs = _path([(r[2], r[3]) for r in occ], seqs, need, n_in, pmin)
-                    cum = []
-                    acc = 0.0
-                    for p in probs:
-                        acc += p
-                        cum.append(acc)
-                    path_for = n_in
-                n = min(cap, len(toks))
-                score = cum[n - 1] if n else 0.0
-                if score > best:
-                    best, best_t, best_p = score, toks[:n], probs[:n]
+            n_all = len(scored)
+            i = 0
+            while i < n_all:
+                top = scored[i][0]
+                while i < n_all and scored[i][0] >= top:
+                    i += 1
+                # scored[:i] are the occurrences of every match length m in [bottom, top]
+                bottom = scored[i][0] + 1 if i < n_all else lo
+                if need[top] <= best:
+                    break
+                length = min(need[top], D - bottom)
+                if i == 1:
+                    key = [(scored[0][2], scored[0][3])]
+                else:
+                    key = [(r[2], r[3]) for r in sorted(scored[:i], key=_age)]  # oldest first
+                if key != last_key or (length > last_len and len(toks) == last_len):
+                    toks, probs = _path(key, seqs, length, i, pmin)
+                    last_key, last_len = key, length
+                c = span[bottom][top]
+                if c > len(toks):
+                    c = len(toks)
+                if c:
+                    score = sum(probs[:c])
+                    if score > best:
+                        best, best_t, best_p = score, toks[:c], probs[:c]
+                        while m_lo <= upper and need[m_lo] <= best:
+                            m_lo += 1
+            upper = k - 1
+        return best_t, best_p, best
+        need, caps = self._limits(K)
+        pmin, seqs, index = self.min_token_prob, tree.seqs, tree.index
+        D = self.max_tree_depth
+        m_lo = 1  # shortest match that could still beat `best` (need[m] > best)
+        while m_lo <= upper and need[m_lo] <= best:
+            m_lo += 1
+        last_key, last_len = None, 0  # the levels often find the same occurrence set again
+        toks: list[int] = []
+        probs: list[float] = []
+        for k, window in _SEARCH:
+            if k > upper:
+                continue
+            if upper < m_lo:
+                break
+            lst = index.get(tuple(ctx[T - k:]) if k > 1 else (ctx[-1],))
+            if lst is None:
+                upper = k - 1
+                continue
+            refs = lst[-window:] if len(lst) > window else lst
+            lo = max(k, m_lo)
+            scored = []  # (match length, age order, seq id, end) of occurrences with L >= lo
+            for order, (sid, e) in enumerate(refs):
+                seq = seqs.get(sid)
+                if seq is None:
+                    continue  # evicted, not yet compacted
+                else:
+                    L = k
+                    while L < upper and L <= e and seq[e - L] == ctx[T - 1 - L]:
+                        L += 1
+                if L >= lo:
+                    scored.append((L, order, sid, e))
+            if not scored:
+                upper = k - 1
+                continue
+            scored.sort(reverse=True)  # longest match first
+            n_all = len(scored)
+            i = 0
+            while i < n_all:
+                top = scored[i][0]
+                while i < n_all and scored[i][0] >= top:
+                    i += 1
+                # scored[:i] are the occurrences of every match length m in [bottom, top]
+                bottom = scored[i][0] + 1 if i < n_all else lo
+                if need[top] <= best:
+                    break
+                length = min(need[top], D - bottom)
+                key = [(r[2], r[3], r[0]) for r in sorted(scored[:i], key=_age)]  # oldest first
+                if key != last_key or (length > last_len and len(toks) == last_len):
+                    toks, probs = _path(key, seqs, length, i, pmin)
+                    last_key, last_len = key, length
+                n_tok = len(toks)
+                c_best = 0
+                for m in range(top, bottom - 1, -1):  # ties keep the longer match
+                    c = caps[m]
+                    if c > n_tok:
+                        c = n_tok
+                    if c > c_best:
+                        c_best = c
+                if c_best:
+                    score = sum(probs[:c_best])
+                    if score > best:
+                        best, best_t, best_p = score, toks[:c_best], probs[:c_best]
+                        while m_lo <= upper and need[m_lo] <= best:
+                            m_lo += 1
             upper = k - 1
         return best_t, best_p, best
