@@ -31,8 +31,9 @@ from typing import Sequence
 
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
 
-# (n-gram length, how many of its most recent occurrences to read), longest first
-_SEARCH = ((8, 1 << 30), (3, 1 << 30), (1, 1 << 30))
+_H = 4     # exact count table for strings of up to _H tokens: matches of 1 .. _H - 2 tokens
+_LONG = 8  # occurrence index levels: matches >= _LONG tokens, and _H - 1 .. _LONG - 1 tokens
+_SEARCH = ((_LONG, 1 << 30), (_H - 1, 1 << 30))  # (n-gram length, most recent occurrences read)
 _LEVELS = tuple(sorted(k for k, _ in _SEARCH))
 
 
@@ -43,39 +44,50 @@ def _as_list(tokens) -> list[int]:
 
 
 class _Tree:
-    """Token sequences plus n-gram -> [(seq_id, end_pos)] indexes, in insertion order."""
+    """Token sequences, the n-gram -> [(seq id, end)] occurrence indexes (insertion order), and
+    exact counts of every string of up to _H tokens with each one's most frequent next token."""
 
-    __slots__ = ("seqs", "index", "dead")
+    __slots__ = ("seqs", "index", "head", "dead", "live")
 
     def __init__(self):
         self.seqs: dict[int, list[int]] = {}
         self.index: dict[tuple, list[tuple[int, int]]] = {}
+        # s (len < _H) -> [best next token, its count, {next token: count(s + token)}]; the best
+        # is the first token to reach the top count (same rule as _path)
+        self.head: dict[tuple, list] = {}
         self.dead = 0  # refs in `index` that point at evicted sequences
+        self.live = 0
 
     def add_seq(self, sid: int, tokens: list[int]) -> None:
         """Register `tokens` (a list this tree now shares) and index all of it."""
+        new = list(tokens)
+        del tokens[:]
         self.seqs[sid] = tokens
-        index = self.index
-        T = len(tokens)
-        for n in _LEVELS:
-            # keys tokens[s:s+n] end at e = s+n-1; zip builds them in C
-            for key, e in zip(zip(*[tokens[j:T - n + 1 + j] for j in range(n)]), range(n - 1, T)):
-                lst = index.get(key)
-                if lst is None:
-                    index[key] = [(sid, e)]
-                else:
-                    lst.append((sid, e))
+        self.append(sid, tokens, new)
 
     def append(self, sid: int, seq: list[int], new: list[int]) -> None:
-        index = self.index
+        index, head = self.index, self.head
+        self.live += len(new)
         for t in new:
             seq.append(t)
             e = len(seq) - 1
+            tail = seq[-_LONG:]  # [<= _LONG] the last tokens, t last
+            w = len(tail)
+            for n in range(1, min(_H, w) + 1):  # count s + t for the strings s before t
+                parent = tuple(tail[w - n:w - 1])
+                ent = head.get(parent)
+                if ent is None:
+                    head[parent] = [t, 1, {t: 1}]
+                else:
+                    ch = ent[2]
+                    c = ch[t] = ch.get(t, 0) + 1
+                    if c > ent[1]:
+                        ent[0], ent[1] = t, c
             ref = (sid, e)
             for n in _LEVELS:
-                if n > e + 1:
+                if n > w:
                     break
-                key = (t,) if n == 1 else tuple(seq[e - n + 1:])
+                key = tuple(tail[w - n:])
                 lst = index.get(key)
                 if lst is None:
                     index[key] = [ref]
@@ -84,9 +96,26 @@ class _Tree:
 
     def remove_seq(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
-        self.dead += len(seq) * len(_LEVELS)
-        live = sum(len(s) for s in self.seqs.values()) * len(_LEVELS)
-        if self.dead > max(live, 4096):
+        head = self.head
+        for e, t in enumerate(seq):  # undo the counts exactly
+            for n in range(1, min(_H, e + 1) + 1):
+                parent = tuple(seq[e - n + 1:e])
+                ent = head[parent]
+                ch = ent[2]
+                c = ch[t] - 1
+                if c:
+                    ch[t] = c
+                else:
+                    del ch[t]
+                if ent[0] == t:
+                    if not ch:
+                        del head[parent]
+                    else:  # the first maximum in first-seen order
+                        b = max(ch, key=ch.__getitem__)
+                        ent[0], ent[1] = b, ch[b]
+        self.live -= len(seq)
+        self.dead += len(seq)
+        if self.dead > max(self.live, 4096):
             self._compact()
 
     def _compact(self) -> None:
@@ -348,6 +377,30 @@ class SuffixProposer:
                         while m_lo <= upper and need[m_lo] <= best:
                             m_lo += 1
             upper = k - 1
+        # matches of 1 .. _H - 2 tokens: read the exact count table, no scan
+        head = tree.head
+        for m in range(min(upper, _H - 2), 0, -1):
+            if need[m] <= best:
+                break
+            s = tuple(ctx[T - m:])
+            ent = head.get(s[:-1])
+            total = ent[2].get(s[-1]) if ent is not None else None
+            if not total:
+                continue  # no occurrence of s here
+            t_, p_ = [], []
+            for _ in range(min(need[m], D - m, _H - m)):
+                ent = head.get(s)
+                if ent is None:
+                    break
+                p = ent[1] / total
+                if p < pmin:
+                    break
+                t_.append(ent[0])
+                p_.append(p)
+                s += (ent[0],)
+            score = sum(p_)
+            if score > best:
+                best, best_t, best_p = score, t_, p_
         return best_t, best_p, best
         need, caps = self._limits(K)
         pmin, seqs, index = self.min_token_prob, tree.seqs, tree.index
@@ -414,4 +467,28 @@ class SuffixProposer:
                         while m_lo <= upper and need[m_lo] <= best:
                             m_lo += 1
             upper = k - 1
+        # matches of 1 .. _H - 2 tokens: read the exact count table, no scan
+        head = tree.head
+        for m in range(min(upper, _H - 2), 0, -1):
+            if need[m] <= best:
+                break
+            s = tuple(ctx[T - m:])
+            ent = head.get(s[:-1])
+            total = ent[2].get(s[-1]) if ent is not None else None
+            if not total:
+                continue  # no occurrence of s here
+            t_, p_ = [], []
+            for _ in range(min(need[m], D - m, _H - m)):
+                ent = head.get(s)
+                if ent is None:
+                    break
+                p = ent[1] / total
+                if p < pmin:
+                    break
+                t_.append(ent[0])
+                p_.append(p)
+                s += (ent[0],)
+            score = sum(p_)
+            if score > best:
+                best, best_t, best_p = score, t_, p_
         return best_t, best_p, best
