@@ -29,7 +29,10 @@ from npuspec.graphs.dispatch import CONST, COPY, INT, STATIC, TOKEN, Slot
 U = sympy.Symbol("u", integer=True, positive=True)
 TOKEN_DIM_ATTR = "_npuspec_token_dim"
 PAD_ATTR = "_npuspec_pad"
-UNBACKED = False
+UNBACKED = False  # unbacked token dims avoid the size-1 graph but break SDPA/validation tracing
+# (arg index, name, pad) of the verify op's inputs whose padding rows need a specific value.
+VERIFY_PADS = ((1, "draft_token_ids", -1), (5, "top_p", 1.0), (6, "uniforms", 0.5),
+               (7, "exponentials", 1.0))
 
 
 def mark_token_dim(tensor: torch.Tensor, dim: int = 0, pad: Any = None) -> torch.Tensor:
@@ -182,12 +185,14 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
     assert len(phs) == len(example_inputs), (len(phs), len(example_inputs))
     mutated = _mutated(gm)
     verify = _verify_nodes(gm)
-    draft_phs = set()
+    # Inert padding for the verify op's per-request inputs: no draft, harmless draws.
+    verify_pads = {}
     base = _alias_base(gm)
     for v in verify:
-        d = v.args[1] if len(v.args) > 1 else v.kwargs.get("draft_token_ids")
-        if isinstance(d, torch.fx.Node) and d in base:
-            draft_phs.add(base[d])
+        for i, name, pad in VERIFY_PADS:
+            d = v.args[i] if len(v.args) > i else v.kwargs.get(name)
+            if isinstance(d, torch.fx.Node) and d in base:
+                verify_pads[base[d]] = pad
 
     args: list[ArgInfo] = []
     for n, ex in zip(phs, example_inputs):
@@ -205,7 +210,7 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
             if dim is not None and not shape[dim].free_symbols:
                 dim = None  # marked, but Dynamo specialised it (e.g. size 1): nothing to pad
             if dim is not None:
-                pad = getattr(real, PAD_ATTR, -1 if n in draft_phs else 0)
+                pad = getattr(real, PAD_ATTR, verify_pads.get(n, 0))
                 args.append(ArgInfo(TOKEN, shape, dim, pad=pad, mutated=n in mutated))
             elif _is_static_tensor(n, real) or n in mutated:
                 args.append(ArgInfo(STATIC, shape))
