@@ -163,8 +163,10 @@ def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num
 
     inputs = ([{"prompt_token_ids": list(p)} for p in prompt_ids] if prompt_ids is not None
               else list(prompts))
-    longest = max(len(p) for p in prompt_ids) if prompt_ids is not None else 512
-    llm = make_llm(model, spec, max_num_seqs, max_model_len or longest + max_tokens + 32, enforce_eager)
+    if max_model_len is None:
+        from npuspec.cli.common import fit_max_model_len
+        max_model_len = fit_max_model_len(model, prompts if prompt_ids is None else prompt_ids, max_tokens)
+    llm = make_llm(model, spec, max_num_seqs, max_model_len, enforce_eager)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     warm, secs, res = _timed(lambda: llm.generate(inputs, sp), repeats)
     outs = [_cut(r.outputs[0].token_ids, eos) for r in res]

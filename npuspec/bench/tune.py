@@ -7,7 +7,8 @@ The model (all quantities measured, nothing assumed about the hardware):
   E(K)     expected tokens a request emits per step with K drafts
            = 1 + sum_{i=1..K} prod_{j<=i} a_j          (the bonus/recovered token, plus accepts)
   L(T)     latency of one decode step over T = B*(K+1) tokens (measured on a grid of token
-           counts, linear in between, extended by the last slope beyond the largest)
+           counts, made non-decreasing (padding to more tokens is always possible), linear in
+           between, extended by the last slope beyond the largest)
   tps(B,K) = B * E(K) / (L(B*(K+1)) + B*d(K))   (d = drafting cost per request per step)
 
 For each batch size B (= concurrent requests) in 1..max_num_seqs the tuner takes the smallest K
@@ -56,6 +57,17 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
         p *= acceptance[j] if j < len(acceptance) else 0.0
         e += p
     return e
+
+
+def monotone(latency: Mapping[int, float]) -> dict[int, float]:
+    """L(T) = min over T' >= T of the measured L(T'): a step over T tokens can always run padded
+    to T' tokens, so a slower measurement at fewer tokens is noise (or a missing graph) and
+    must not make speculation look cheaper than it is."""
+    out, best = {}, float("inf")
+    for t in sorted(latency, reverse=True):
+        best = min(best, latency[t])
+        out[t] = best
+    return dict(sorted(out.items()))
 
 
 def interpolate(points: Mapping[int, float], x: float) -> float:
@@ -108,6 +120,7 @@ def tune_table(latency: Mapping[int, float], acceptance: Sequence[float], max_nu
                k_max: int | None = None, tolerance: float = 0.01, draft_s=0.0) -> list[list[int]]:
     """The `num_speculative_tokens_per_batch_size` table maximising expected tokens/s."""
     assert max_num_seqs >= 1, max_num_seqs
+    latency = monotone(latency)
     k_max = len(acceptance) if k_max is None else min(k_max, len(acceptance))
     ks = [best_k(latency, acceptance, b, k_max, tolerance, draft_s)[0] for b in range(1, max_num_seqs + 1)]
     return merge_ranges(ks)
@@ -281,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         lat, lat_rows = measure_latency(mdir, ladder, k_max, max_len, args.repeats, args.enforce_eager)
         print_table(lat_rows, title="decode step latency (median)")
 
+    lat = monotone(lat)
     draft = measured["draft_s_per_request_step"]
     table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft)
     rows = []

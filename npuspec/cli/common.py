@@ -94,17 +94,21 @@ def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
 
 
 def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16) -> int | None:
-    """The smallest max_model_len that fits every prompt plus max_tokens (rounded up to 64),
-    capped at the model's max_position_embeddings. A decode step attends over the whole
-    static cache row, so a tight length is a faster step. None when prompts are not text."""
+    """The smallest max_model_len that fits every prompt (text, or a list of token ids) plus
+    max_tokens, rounded up to 64 and capped at the model's max_position_embeddings. A decode
+    step attends over the whole static cache row, so a tight length is a faster step.
+    None (the engine's default) when text prompts meet a checkpoint without a tokenizer."""
     from npuspec.models.config import read_config
     from npuspec.models.loading import load_tokenizer
 
-    tok = load_tokenizer(model_dir)
-    if tok is None or not all(isinstance(p, str) for p in prompts):
-        return None
-    longest = max(len(e.ids) for e in tok.encode_batch(list(prompts)))
-    need = -(-(longest + max_tokens + margin) // 64) * 64
+    texts = [p for p in prompts if isinstance(p, str)]
+    lengths = [len(p) for p in prompts if not isinstance(p, str)]
+    if texts:
+        tok = load_tokenizer(model_dir)
+        if tok is None:
+            return None
+        lengths += [len(e.ids) for e in tok.encode_batch(texts)]
+    need = -(-(max(lengths) + max_tokens + margin) // 64) * 64
     return min(need, read_config(model_dir).max_position_embeddings)
 
 

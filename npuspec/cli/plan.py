@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import warnings
 
 
@@ -116,10 +117,12 @@ def run(args) -> int:
             print(f"warning: K={k}: batch sizes {_fmt_ranges(v['uncaptured'])} need more than "
                   f"{v['sizes'][-1]} tokens (the largest capture size) and run eagerly; add capture "
                   f"sizes up to {v['uncaptured'][-1][1] * (k + 1)} (multiples of {k + 1}) or lower "
-                  f"--max-num-seqs")
+                  f"--max-num-seqs", file=sys.stderr)
         if not v["batches"]:
-            print(f"note: K={k} is used by no batch size <= {args.max_num_seqs}; its graphs are never replayed")
+            print(f"note: K={k} is used by no batch size <= {args.max_num_seqs}; its graphs are never replayed",
+                  file=sys.stderr)
         elif v["unused"]:
             print(f"note: K={k} serves batch sizes {_fmt_ranges(v['batches'])}, so {len(v['unused'])} of its "
-                  f"{len(v['sizes'])} graphs (sizes {','.join(map(str, v['unused']))}) are never replayed")
+                  f"{len(v['sizes'])} graphs (sizes {','.join(map(str, v['unused']))}) are never replayed",
+                  file=sys.stderr)
     return 0

@@ -28,3 +28,50 @@ def tiny_available():
     if not os.path.isfile(os.path.join(TINY_MODEL_DIR, "model.safetensors")):
         pytest.skip("the embedded tiny model has not been trained into npuspec/models/tiny yet")
     return TINY_MODEL_DIR
+
+
+_TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+         "class Queue:\n    def __init__(self):\n        self.items = []\n",
+         "import os\nimport sys\n\nprint(os.getcwd(), sys.argv)\n"] * 4
+
+
+def _save_random(out_dir, tok, *, vocab_size=300, hidden=64, layers=2, heads=4, kv_heads=2, seed=0):
+    """A random-initialised HF checkpoint (config.json, model.safetensors, tokenizer.json)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from npuspec.models.decoder import DecoderLM
+    from npuspec.models.loading import npuspec_to_hf
+
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=hidden // heads, intermediate_size=2 * hidden,
+                      max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=0)
+    torch.manual_seed(seed)
+    model = DecoderLM(cfg)
+    with torch.no_grad():  # peaky logits: greedy falls into loops that ngram drafting catches
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in npuspec_to_hf(model.state_dict(), cfg).items()},
+              os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_hf_dict(), f)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    return str(out_dir)
+
+
+@pytest.fixture(scope="session")
+def rand_ckpts(tmp_path_factory):
+    """(target, draft): small random checkpoints sharing one 300-token BPE tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(_TEXT, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    root = tmp_path_factory.mktemp("cli_ckpt")
+    return (_save_random(root / "target", tok),
+            _save_random(root / "draft", tok, hidden=32, layers=1, heads=2, kv_heads=1, seed=1))

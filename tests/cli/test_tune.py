@@ -35,6 +35,13 @@ def test_interpolate():
     assert tune.interpolate({1: 1.0, 2: 0.5}, 4) == 0.5  # never a negative slope
 
 
+def test_monotone_envelope_and_zero_acceptance():
+    noisy = {1: 0.35, 2: 0.16, 3: 0.13, 4: 0.19, 8: 0.24}  # a slow first probe, as seen on a busy CPU
+    assert tune.monotone(noisy) == {1: 0.13, 2: 0.13, 3: 0.13, 4: 0.19, 8: 0.24}
+    # nothing is ever accepted: speculation cannot win, whatever the noise says
+    assert tune.tune_table(noisy, [0.0, 0.0, 0.0], 2) == [[1, 2, 0]]
+
+
 def test_tokens_per_s_formula():
     lat = {1: 0.010, 8: 0.010, 64: 0.080}  # flat to 8 tokens, then 1.25 ms/token
     a = [0.9, 0.8]
