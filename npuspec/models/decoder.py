@@ -154,12 +154,15 @@ class DecoderLM(nn.Module):
         slot_col = slots[:, None]  # [B, 1], broadcasts against positions [B, T]
 
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = cache.k[i], cache.v[i]  # [S, Hkv, M, D]
+            # Write through the base [L, S, Hkv, M, D] tensor with a tensor layer index: a
+            # write into the view cache.k[i] makes Inductor copy the whole layer cache in and
+            # out of every compiled step; an index_put_ on the graph input is done in place.
+            li = torch.full((1, 1), i, dtype=torch.long, device=slots.device)
 
-            def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
-                k_cache[slot_col, :, positions] = k  # in-place write, [B, T, Hkv, D]
-                v_cache[slot_col, :, positions] = v
-                kk, vv = k_cache[slots], v_cache[slots]  # [B, Hkv, M, D]
+            def attend(q, k, v, li=li, i=i):
+                cache.k[li, slot_col, :, positions] = k  # [B, T, Hkv, D] at (i, slot, :, pos)
+                cache.v[li, slot_col, :, positions] = v
+                kk, vv = cache.k[i][slots], cache.v[i][slots]  # [B, Hkv, M, D]
                 qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
                 o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
                 return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
