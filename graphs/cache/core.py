@@ -74,6 +74,7 @@ class Session:
     loaded_json: dict = dataclasses.field(default_factory=dict)
     pending_json: dict = dataclasses.field(default_factory=dict)
     rejected: bool = False
+    fault: str = ""  # the verification failure to log once
     entry_refused: bool = False  # an entry exists that we may not load (trust): do not publish
 
 
@@ -198,16 +199,15 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     priv = _private_dir() if load_exec else None
     try:
         res = cache.verify(key, executable=load_exec, copy_exec_to=priv,
-                           trust_check=functools.partial(_trust.check_path, gid=cache.gid))
+                           trust_check=functools.partial(_check_entry_path, gid=cache.gid))
     except CacheCorrupt as e:
+        # Logged once when the call settles (_finish_miss), with where the entry went.
         sess.rejected = True
+        sess.fault = f"npuspec cache: entry {key[:12]} failed verification: {e}; recompiling"
         if locked and sess.writable:
             where = cache.quarantine(key, (st.st_dev, st.st_ino))
-            _once(logging.WARNING, f"corrupt:{key}:q", "npuspec cache: entry %s failed "
-                  "verification: %s; moved it to %s and recompiling", key[:12], e, where)
-        else:
-            _once(logging.WARNING, f"corrupt:{key}", "npuspec cache: entry %s failed "
-                  "verification: %s; recompiling", key[:12], e)
+            if where:
+                sess.fault += f" (the entry was moved to {where})"
         return None
     except _trust.CacheTrustError as e:
         sess.rejected = True
@@ -242,6 +242,8 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     counters.bump("cache_hits")
     if sess.rejected:
         counters.bump("cache_rejected")
+    if sess.fault:
+        _once(logging.WARNING, f"corrupt:{key}", "%s", sess.fault)
     if sess.writable:
         try:
             cache.bump_hits(key)
@@ -250,12 +252,18 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     return fn
 
 
+def _check_entry_path(path: str, recursive: bool, gid) -> None:
+    _trust.check_path(path, gid=gid, recursive_fix=recursive)
+
+
 def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: bool,
                  publish: bool) -> Callable:
     """Compile; publish the entry when allowed. Counts one miss (and one rejection if any)."""
     counters.bump("cache_misses")
     if sess.rejected:
         counters.bump("cache_rejected")
+    if sess.fault:
+        _once(logging.WARNING, f"corrupt:{sess.key}", "%s", sess.fault)
     cache = sess.cache
     sess.state = "building"
     sess.pending_json = {}

@@ -194,7 +194,7 @@ class CacheDir:
 
     def verify(self, key: str, *, executable: bool,
                copy_exec_to: Optional[str] = None,
-               trust_check: Optional[Callable[[str], None]] = None) -> dict:
+               trust_check: Optional[Callable[[str, bool], None]] = None) -> dict:
         """Check every file against the manifest; return {"manifest", "json": {name: obj}}.
 
         With `executable`, the executable part is trust-checked (every dir and file) and copied,
@@ -205,7 +205,7 @@ class CacheDir:
         top = self.entry(key)
         st = os.lstat(top)
         if executable and trust_check:
-            trust_check(top)
+            trust_check(top, True)
         m = self.read_manifest(key)
         files: dict = m["files"]
         listed = set(files)
@@ -223,9 +223,9 @@ class CacheDir:
                 continue
             path = os.path.join(top, rel)
             if is_exec and trust_check:
-                trust_check(path)
+                trust_check(path, False)
                 for parent in _parents_within(top, rel):
-                    trust_check(parent)
+                    trust_check(parent, False)
             digest, size, data = sha256_file(path)
             want = files[rel]
             if size != want.get("size"):

@@ -88,8 +88,9 @@ def check_path(path: str, st: Optional[os.stat_result] = None, *,
                  if gid is not None else
                  "; to share a cache between accounts, set NPUSPEC_CACHE_TRUSTED_GROUP to a "
                  "group containing them")
+        you = f"you ({who}, uid {uid})" + ("" if uid == 0 else " or root")
         raise CacheTrustError(path, f"it is owned by {_user(st.st_uid)} (uid {st.st_uid}), "
-                                    f"not by you ({who}, uid {uid}) or root",
+                                    f"not by {you}",
                               f"chown {r}{who} {path}{extra}")
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IWOTH:

@@ -1,0 +1,79 @@
+"""Shared helpers for the graph-cache tests.
+
+Most tests call `cached_lower` directly on a small FX graph, so they exercise the cache without
+Dynamo or Inductor compile times. `fake_inductor` stands in for the Inductor lowering: it reads
+and writes a file under TORCHINDUCTOR_CACHE_DIR exactly as Inductor's caches would, which shows
+where the cache pointed Inductor (a private copy of the entry, never the shared directory).
+"""
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from npuspec.backend import BackendOptions
+from npuspec.graphs.cache import core
+
+WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
+
+
+class Tiny(torch.nn.Module):
+    def forward(self, x, drafts):
+        target = (x * 2 + 1).argmax(-1)                                  # [B, K+1]
+        return (target[:, :-1] == drafts).int().cumprod(-1).sum(-1)      # [B]
+
+
+def tiny_graph(seed_shape=(2, 4, 8)):
+    gm = torch.fx.symbolic_trace(Tiny())
+    x = torch.randn(*seed_shape)
+    d = torch.randint(0, seed_shape[-1], seed_shape[:1] + (seed_shape[1] - 1,))
+    return gm, [x, d]
+
+
+def opts(cache_dir, lowering="eager", **kw):
+    return dataclasses.replace(BackendOptions(), cache_dir=str(cache_dir), lowering=lowering, **kw)
+
+
+@dataclasses.dataclass
+class FakeInductor:
+    """A lowering that behaves like Inductor's on-disk cache: load if present, else 'compile'."""
+    loaded: int = 0
+    compiled: int = 0
+    dirs: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, gm, example_inputs, o):
+        d = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        self.dirs.append(d)
+        p = os.path.join(d, "fxgraph", "ab", "graph.bin")
+        if os.path.exists(p):
+            with open(p, "rb") as f:
+                assert f.read() == b"compiled-graph", p
+            self.loaded += 1
+        else:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            with open(p, "wb") as f:
+                f.write(b"compiled-graph")
+            self.compiled += 1
+        return gm.forward
+
+
+def eager_lower(gm, example_inputs, o):
+    return gm.forward
+
+
+def run_worker(out, cache_dir, lowering, *extra, env=None, user=None, timeout=300):
+    cmd = [sys.executable, WORKER, str(out), str(cache_dir), lowering, *map(str, extra)]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + cmd
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_worker(proc, timeout=300):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
