@@ -140,21 +140,23 @@ class HFLookup:
         del self.buf[rid], self.n[rid]
 
 
-def drafters(a, k_max: int) -> dict:
-    """name -> factory of a fresh adapter; peers only when importable."""
+def drafters(a, k_max: int, only=()) -> dict:
+    """name -> factory of a fresh adapter; peers only when importable (and wanted)."""
     out = {
         "ngram": lambda: Ours(NgramProposer(a.prompt_lookup_min, a.prompt_lookup_max)),
         "suffix": lambda: Ours(SuffixProposer(a.max_tree_depth, a.max_cached_requests,
                                               a.max_spec_factor, a.min_token_prob)),
     }
     try:
-        import arctic_inference.suffix_decoding  # noqa: F401
-        out["arctic-suffix"] = lambda: ArcticSuffix(a)
+        if not only or "arctic-suffix" in only:
+            import arctic_inference.suffix_decoding  # noqa: F401
+            out["arctic-suffix"] = lambda: ArcticSuffix(a)
     except ImportError:
         pass
     try:
-        import transformers.generation.candidate_generator  # noqa: F401
-        out["hf-lookup"] = lambda: HFLookup(a, k_max)
+        if not only or "hf-lookup" in only:
+            import transformers.generation.candidate_generator  # noqa: F401
+            out["hf-lookup"] = lambda: HFLookup(a, k_max)
     except ImportError:
         pass
     return out
@@ -268,9 +270,9 @@ def main(argv=None):
     except (ValueError, AssertionError):
         ap.error(f"-k {a.k!r}: give one or more ints >= 1, comma separated (e.g. -k 4,8,16)")
     paths = a.traces or [os.path.join(TRACES_DIR, f) for f in TRACE_FILES]
-    names = drafters(a, max(ks))
-    if a.only:
-        want = a.only.split(",")
+    want = [w for w in a.only.split(",") if w]
+    names = drafters(a, max(ks), want)
+    if want:
         unknown = [w for w in want if w not in names]
         if unknown:
             ap.error(f"--only {unknown}: known (installed) drafters are {sorted(names)}")

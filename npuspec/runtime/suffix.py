@@ -27,6 +27,7 @@ Most-frequent-child ties go to the token whose occurrence is the most recent.
 """
 from __future__ import annotations
 
+import gc
 from typing import Sequence
 
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
@@ -63,7 +64,14 @@ class _Tree:
         new = list(tokens)
         del tokens[:]
         self.seqs[sid] = tokens
-        self.append(sid, tokens, new)
+        paused = gc.isenabled() and len(new) > 256
+        if paused:  # a prompt adds thousands of small acyclic containers; skip GC passes
+            gc.disable()
+        try:
+            self.append(sid, tokens, new)
+        finally:
+            if paused:
+                gc.enable()
 
     def append(self, sid: int, seq: list[int], new: list[int]) -> None:
         index, head = self.index, self.head
