@@ -344,7 +344,7 @@ class SuffixProposer:
                 if seq is None:
                     continue  # evicted, not yet compacted
                 if seq is own and e == len(seq) - 1:
-                    L = min(upper, e + 1)  # the context's own tail matches itself
+                    continue  # the context's own tail: no continuation, not evidence
                 elif e + 1 >= upper and seq[e + 1 - upper:e + 1] == want:
                     L = upper  # one C-level compare settles the common long match
                 else:
@@ -393,6 +393,8 @@ class SuffixProposer:
             s = tuple(ctx[T - m:])
             ent = head.get(s[:-1])
             total = ent[2].get(s[-1]) if ent is not None else None
+            if total and own is not None and len(own) >= m:
+                total -= 1  # minus the context's own tail
             if not total:
                 continue  # no occurrence of s here
             t_, p_ = [], []
