@@ -1,0 +1,150 @@
+"""Draft-model proposer: a second, smaller checkpoint with the target's vocabulary.
+
+It keeps its own static KV cache (one slot per running request, plus scratch) and, per step:
+1. catches up on the tokens the target emitted since its last step (one batched forward over
+   at most a few tokens per request, right-padded: padding lands past each request's length,
+   invisible until overwritten);
+2. drafts K tokens autoregressively, one [B, 1] forward each.
+
+Draft token i of a request is sampled from q_i = softmax(draft_logits / T) with the request's
+temperature T (argmax for greedy requests), using the request's own generator, so the standard
+(Leviathan) rejection path gets x_i ~ q_i and the q_i themselves: losslessness holds end to
+end. Each position also reports a confidence, the max of softmax(draft_logits) (the DFlash
+choice for a drafter without a confidence head), which the confidence budget turns into a
+per-request draft allowance.
+
+`propose()` (the plain DESIGN §3.4 protocol) drafts greedily; the engine calls `draft()` to
+get probabilities and confidences too.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
+
+CONF_MIN = 1e-6
+_BATCHED_CATCH_UP = 16  # longer backlogs are prefilled per request
+
+
+@dataclasses.dataclass
+class _State:
+    slot: int
+    tokens: list[int]     # full context: prompt + emitted
+    cached: int           # tokens whose K/V are in the draft cache
+
+
+@dataclasses.dataclass
+class Drafts:
+    tokens: np.ndarray            # int64 [B, K], -1 = none
+    probs: Optional[torch.Tensor]  # float32 [B, K, V] (q_i), None when not asked for
+    conf: np.ndarray              # float64 [B, K] in [1e-6, 1]
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device="cpu"):
+        self.model = model
+        self.device = torch.device(device)
+        self.cache = model.allocate_cache(num_slots + 1, max_len)
+        self.scratch = num_slots
+        self.free = list(range(num_slots - 1, -1, -1))
+        self.reqs: dict[str, _State] = {}
+        self.vocab_size = model.config.vocab_size
+
+    # -- protocol ---------------------------------------------------------------------------
+    def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
+        if req_id in self.reqs:
+            raise duplicate_request("start_request", req_id)
+        if not self.free:
+            raise RuntimeError(f"DraftModelProposer: no free draft cache slot for {req_id!r}; "
+                               f"raise num_slots (it must be >= max_num_seqs)")
+        self.reqs[req_id] = _State(self.free.pop(), list(prompt), 0)
+
+    def extend(self, req_id: str, new_tokens: Sequence[int]) -> None:
+        st = self.reqs.get(req_id)
+        if st is None:
+            raise unknown_request("extend", req_id)
+        st.tokens.extend(int(t) for t in new_tokens)
+
+    def stop_request(self, req_id: str) -> None:
+        st = self.reqs.pop(req_id, None)
+        if st is None:
+            raise unknown_request("stop_request", req_id)
+        self.free.append(st.slot)
+
+    def propose(self, req_ids: Sequence[str], max_tokens) -> list[list[int]]:
+        ks = per_request_k(req_ids, max_tokens)
+        k = max(ks, default=0)
+        if k == 0:
+            return [[] for _ in req_ids]
+        d = self.draft(req_ids, k, want_probs=False)
+        return [[int(t) for t in row[:kk]] for row, kk in zip(d.tokens, ks)]
+
+    # -- batched drafting -------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, req_ids: Sequence[str], k: int, temperature: Optional[np.ndarray] = None,
+              generators: Optional[Sequence[Optional[torch.Generator]]] = None,
+              want_probs: bool = True) -> Drafts:
+        """K draft tokens per request. temperature [B] (0 = greedy; None = all greedy);
+        generators[b] draws request b's samples (required for rows with temperature > 0)."""
+        B = len(req_ids)
+        states = [self.reqs[r] for r in req_ids]
+        slots = torch.tensor([s.slot for s in states], dtype=torch.int64, device=self.device)
+        temp = np.zeros(B) if temperature is None else np.asarray(temperature, dtype=np.float64)
+        random_rows = [b for b in range(B) if temp[b] > 0]
+        t = torch.tensor(np.where(temp > 0, temp, 1.0), dtype=torch.float32,
+                         device=self.device)[:, None]  # [B, 1]
+        logits = self._catch_up(states, slots)  # [B, V]
+        toks = np.empty((B, k), dtype=np.int64)
+        conf = np.empty((B, k), dtype=np.float64)
+        probs = []
+        pos = torch.tensor([len(s.tokens) for s in states], dtype=torch.int64, device=self.device)
+        for i in range(k):
+            p1 = torch.softmax(logits, dim=-1)                 # [B, V] at T = 1
+            q = p1 if not random_rows else torch.softmax(logits / t, dim=-1)
+            x = q.argmax(dim=-1)                               # [B]
+            for b in random_rows:  # exponential race with the request's own draws
+                e = torch.empty(q.shape[1], device=self.device).exponential_(
+                    generator=generators[b])
+                x[b] = (q[b] / e).argmax()
+            conf[:, i] = p1.max(dim=-1).values.clamp_(CONF_MIN, 1.0).double().cpu().numpy()
+            toks[:, i] = x.cpu().numpy()
+            if want_probs:
+                probs.append(q)
+            if i + 1 < k:
+                logits = self.model(x[:, None], (pos + i)[:, None], slots, self.cache)[:, 0]
+        return Drafts(toks, torch.stack(probs, dim=1).float() if want_probs else None, conf)
+
+    def _catch_up(self, states: list[_State], slots: torch.Tensor) -> torch.Tensor:
+        """Feed every request's uncached tokens; return the logits after its last token [B, V].
+
+        A request with a long backlog (a new prompt) is first prefilled on its own, so the
+        batched forward stays a few tokens wide instead of padding everyone to the prompt."""
+        for s in states:
+            if len(s.tokens) - s.cached > _BATCHED_CATCH_UP:
+                ids = torch.tensor(s.tokens[s.cached:-1], dtype=torch.int64, device=self.device)
+                pos = torch.arange(s.cached, len(s.tokens) - 1, device=self.device)
+                slot = torch.tensor([s.slot], dtype=torch.int64, device=self.device)
+                self.model(ids[None], pos[None], slot, self.cache)
+                s.cached = len(s.tokens) - 1
+        new = [s.tokens[s.cached:] for s in states]
+        T = max(len(n) for n in new)
+        assert T >= 1, "draft() needs at least one new token per request (the last emitted one)"
+        B = len(states)
+        ids = np.zeros((B, T), dtype=np.int64)
+        pos = np.empty((B, T), dtype=np.int64)
+        for b, (s, n) in enumerate(zip(states, new)):
+            ids[b, :len(n)] = n
+            pos[b] = s.cached + np.arange(T)
+        # padding positions past the cache end are clamped to its last entry, which no real
+        # token ever occupies (the cache is allocated K+1 longer than max_model_len)
+        np.minimum(pos, self.cache.max_len - 1, out=pos)
+        last = torch.tensor([len(n) - 1 for n in new], dtype=torch.int64, device=self.device)
+        logits = self.model(torch.from_numpy(ids).to(self.device),
+                            torch.from_numpy(pos).to(self.device), slots, self.cache)  # [B, T, V]
+        for s in states:
+            s.cached = len(s.tokens)
+        return logits[torch.arange(B, device=self.device), last]
