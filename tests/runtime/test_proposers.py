@@ -207,10 +207,10 @@ def test_suffix_matches_brute_force(data):
 
 
 def test_suffix_counts_and_adaptive_length():
-    p = SuffixProposer(max_cached_requests=0, min_token_prob=0.3)
+    p = SuffixProposer(max_cached_requests=0, min_token_prob=0.4)
     # "1 2" occurred 3 times before the context's own tail (which is not counted): followed by
     # 3, 3 and 4; no longer suffix ("7 1 2", ...) occurred before, so m = 2 with a budget of
-    # min(K, 2 * factor) = 2 tokens; the second, "1 2 3" -> 9 or 8, has 1/3 < 0.3
+    # min(K, 2 * factor) = 2 tokens; the second, "1 2 3" -> 9 or 8, has 1/3 < 0.4
     p.start_request("a", [1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 4, 7, 1, 2])
     toks, probs = p.propose_with_probs("a", 8)
     assert toks == [3] and probs == [pytest.approx(2 / 3)]
