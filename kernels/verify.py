@@ -19,9 +19,9 @@ The op is split in two so that every implementation shares the same decisions:
 
 Float contract (what "identical" means). All math is float32. Per element, every
 implementation computes exactly: z = logit / t, masked to -inf below the top-k/top-p threshold;
-e = exp(z - max z); p = e / S with S = sum(e); race score e / max(E, FLT_MIN) (one-hot
-residual: the draft token's score set to 0) or max(w * p - q, 0) / max(E, FLT_MIN) (residual
-with draft probs); argmax takes the lowest index among ties. Divisions, max, comparisons and
+e = exp(z - max z); p = e / S with S = sum(e); race score e * R (one-hot
+residual: the draft token's score set to 0) or max(w * p - q, 0) * R (residual with draft
+probs), where R = 1 / max(E, FLT_MIN) is computed once per request; argmax takes the lowest index among ties. Divisions, max, comparisons and
 argmax are exactly reproducible everywhere. Two things are not: `exp` (different vector math
 libraries may differ in the last ulp) and the order of the sums S, rho and H. So for the same
 draws the implementations return identical tokens unless a comparison (p/q vs u, block test,
@@ -181,12 +181,12 @@ def reference_row_stats(logits: Tensor, xpad: Tensor, draft_probs: Optional[Tens
         S = e.sum(-1, keepdim=True)                             # [B, K+1, 1]
         p = e / S
         px = torch.where(has, p.gather(-1, xs).squeeze(-1), 0.0)
-        E = exponentials.float().clamp_min(FLT_MIN)[:, None, :]  # [B, 1, V]
-        race_p = (e / E).argmax(-1)
+        R = (1.0 / exponentials.float().clamp_min(FLT_MIN))[:, None, :]  # [B, 1, V]
+        race_p = (e * R).argmax(-1)
         if draft_probs is None:
             qx = has.float()
             onehot = torch.arange(V, device=l.device) == xpad[..., None]  # [B, K+1, V]
-            sr = torch.where(onehot, 0.0, e / E)
+            sr = torch.where(onehot, 0.0, e * R)
             race_r = torch.where(sr.amax(-1) > 0, sr.argmax(-1), -1)
         else:
             q = torch.cat([draft_probs.float(), l.new_zeros(B, 1, V)], dim=1)  # [B, K+1, V]
@@ -196,7 +196,7 @@ def reference_row_stats(logits: Tensor, xpad: Tensor, draft_probs: Optional[Tens
                 w = torch.cat([w, w.new_ones(B, 1)], dim=1)[..., None]        # [B, K+1, 1]
                 r = torch.clamp_min(w * p - q, 0.0)             # [B, K+1, V]
                 rho = r.sum(-1)
-                sr = r / E
+                sr = r * R
                 race_r = torch.where(sr.amax(-1) > 0, sr.argmax(-1), -1)
     if entropy:
         et = torch.exp(l - rawmax[..., None])
@@ -321,7 +321,7 @@ def _pick_impl(device: torch.device) -> str:
     if _FORCED_IMPL[0] is not None:
         return _FORCED_IMPL[0]
     if device.type == "cpu":
-        return "reference"  # the fused CPU lowering lands next
+        return "cpu"
     from npuspec.platform import triton_available
     return "triton" if triton_available(device.type) else "reference"
 
