@@ -1,29 +1,34 @@
 """Suffix decoding (SuffixDecoding, arXiv 2411.04975; Arctic Inference), pure Python.
 
-What it computes (the same quantities as Arctic Inference's suffix trees):
+What it computes (the quantities of Arctic Inference's suffix trees, DESIGN.md §4):
   * two "trees": one per request over its own tokens (prompt + what it emitted so far), and one
     global tree over the responses of previous and running requests, FIFO-evicted once more than
     `max_cached_requests` responses are cached (0 disables the global tree);
-  * count(s) = number of occurrences of the token string s (|s| <= max_tree_depth) in a tree;
+  * count(s) = occurrences of the token string s in a tree, not counting the context's own tail
+    (it has no continuation, so it is no evidence; Arctic counts it, which halves every
+    probability of a string seen once before -- leaving it out measured better on all K);
   * for the last m tokens s of the context (m = 1 .. min(len, depth) - 1): follow the most frequent
     continuation t1, t2, ... where token j has probability count(s t1..tj) / count(s) (the running
-    product of the child/parent count ratios), while it stays >= min_token_prob, for at most
+    product of child/parent count ratios) while it stays >= min_token_prob, for at most
     min(K, floor(m * max_spec_factor + max_spec_offset)) tokens and m + j <= max_tree_depth;
   * score = the sum of those probabilities; the best m wins (ties: the longer match), and the
     better tree wins (ties: the request's own tree).
+Ties between equally frequent next tokens go to the token that reached that count first (time
+order); on the shipped traces this beat both "most recent" and "oldest occurrence".
 
-How (why it is not a pointer-based suffix tree): a Python suffix tree with counts must touch up to
-`max_tree_depth` nodes per appended token (every suffix ending there), ~20 us per token per tree in
-CPython. Instead each tree keeps its token sequences plus three occurrence indexes (the 1-, 3- and
-8-gram ending at each position -> where it ends), so `extend` is O(1) per token. `propose` derives
-the counts above lazily from the occurrences of the context's tail: the 8-gram index yields every
-occurrence of a match of length >= 8 (exact counts), the shorter indexes those of shorter matches.
+How (why this is not a pointer-based suffix tree): a Python suffix tree with counts touches up to
+`max_tree_depth` nodes per appended token (every suffix ending there), ~20 us per token per tree
+in CPython. Instead each tree keeps its token sequences and
+  * exact counts of every string of up to _H = 4 tokens, with each one's most frequent next token
+    (a small trie updated in O(_H) per token): matches of 1-2 tokens read it directly;
+  * occurrence indexes (3-gram and 8-gram ending at each position -> where): `propose` finds the
+    occurrences of a 3..7-token (8+-token) match through the 3-gram (8-gram) index, extends each
+    backwards to its full match length, and derives the counts above from those occurrences.
 The search walks m from long to short and stops once min(K, m * factor + offset) cannot beat the
-best score so far, so a confident long match never looks at the (large) short-match sets. Counts
-for matches shorter than 8 come from at most the `_WINDOW` most recent occurrences (the only
-approximation; these drafts are short by construction, <= m * factor tokens).
-
-Most-frequent-child ties go to the token whose occurrence is the most recent.
+best score so far, so a confident long match never reads the larger short-match sets. Results
+equal a brute-force scan of every occurrence (tests/runtime/test_proposers.py), with one
+documented limit: a 1- or 2-token match drafts at most _H - m tokens (3 or 2), which binds only
+when max_spec_factor > 1 or max_spec_offset > 0.
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ _H = 4     # exact count table for strings of up to _H tokens: matches of 1 .. _
 _LONG = 8  # occurrence index levels: matches >= _LONG tokens, and _H - 1 .. _LONG - 1 tokens
 _SEARCH = ((_LONG, 1 << 30), (_H - 1, 1 << 30))  # (n-gram length, most recent occurrences read)
 _LEVELS = tuple(sorted(k for k, _ in _SEARCH))
+_B = 32  # bits per token in a packed string key: key(s + t) = key(s) << _B | t, key(()) = 1
+_MASK = (1 << _B) - 1
 
 
 def _as_list(tokens) -> list[int]:
@@ -44,18 +51,38 @@ def _as_list(tokens) -> list[int]:
     return list(tokens)
 
 
+def _key(s: Sequence[int]) -> int:
+    """The packed key of a token string (tests and debugging)."""
+    k = 1
+    for t in s:
+        k = (k << _B) | t
+    return k
+
+
+def _check_ids(where: str, toks: list[int]) -> None:
+    if toks and (min(toks) < 0 or max(toks) > _MASK):
+        bad = min(toks) if min(toks) < 0 else max(toks)
+        raise ValueError(f"{where}: token id {bad} is outside [0, 2**{_B}); pass the model's "
+                         "token ids (non-negative ints)")
+
+
 class _Tree:
-    """Token sequences, the n-gram -> [(seq id, end)] occurrence indexes (insertion order), and
-    exact counts of every string of up to _H tokens with each one's most frequent next token."""
+    """Token sequences plus, keyed by packed strings (a 1 bit, then _B bits per token):
+    exact counts of every string of 1.._H tokens, each shorter string's most frequent next
+    token, and the _H-1 / _LONG-token occurrence indexes (insertion order)."""
 
-    __slots__ = ("seqs", "index", "head", "dead", "live")
+    __slots__ = ("seqs", "state", "index", "cnt", "best", "kids", "dead", "live")
 
-    def __init__(self):
+    def __init__(self, evictable: bool = False):
         self.seqs: dict[int, list[int]] = {}
-        self.index: dict[tuple, list[tuple[int, int]]] = {}
-        # s (len < _H) -> [best next token, its count, {next token: count(s + token)}]; the best
-        # is the first token to reach the top count (same rule as _path)
-        self.head: dict[tuple, list] = {}
+        self.state: dict[int, list[int]] = {}  # sid -> [key of its last j tokens, j = 0.._LONG]
+        self.index: dict[int, list[int]] = {}  # key -> [sid << 32 | end position]
+        self.cnt: dict[int, int] = {}  # key of a string of 1.._H tokens -> occurrences
+        # key of a string of 0.._H-1 tokens -> the next token that reached the top count first
+        self.best: dict[int, int] = {}
+        # key -> next tokens in first-seen order; only a tree that evicts needs it (to re-pick
+        # `best` after a count goes down)
+        self.kids: dict[int, list[int]] | None = {} if evictable else None
         self.dead = 0  # refs in `index` that point at evicted sequences
         self.live = 0
 
@@ -64,8 +91,9 @@ class _Tree:
         new = list(tokens)
         del tokens[:]
         self.seqs[sid] = tokens
+        self.state[sid] = [1] + [0] * _LONG
         paused = gc.isenabled() and len(new) > 256
-        if paused:  # a prompt adds thousands of small acyclic containers; skip GC passes
+        if paused:  # a prompt adds many small objects, none cyclic; skip the GC passes
             gc.disable()
         try:
             self.append(sid, tokens, new)
@@ -74,53 +102,65 @@ class _Tree:
                 gc.enable()
 
     def append(self, sid: int, seq: list[int], new: list[int]) -> None:
-        index, head = self.index, self.head
+        index, cnt, best, kids = self.index, self.cnt, self.best, self.kids
+        st = self.state[sid]
         self.live += len(new)
+        base = sid << 32
         for t in new:
+            e = len(seq)
             seq.append(t)
-            e = len(seq) - 1
-            tail = seq[-_LONG:]  # [<= _LONG] the last tokens, t last
-            w = len(tail)
-            for n in range(1, min(_H, w) + 1):  # count s + t for the strings s before t
-                parent = tuple(tail[w - n:w - 1])
-                ent = head.get(parent)
-                if ent is None:
-                    head[parent] = [t, 1, {t: 1}]
-                else:
-                    ch = ent[2]
-                    c = ch[t] = ch.get(t, 0) + 1
-                    if c > ent[1]:
-                        ent[0], ent[1] = t, c
-            ref = (sid, e)
+            top = e + 1 if e < _LONG else _LONG
+            for j in range(top, 0, -1):  # st[j] = key of the last j tokens, now ending with t
+                st[j] = (st[j - 1] << _B) | t
+            for j in range(1, (top if top < _H else _H) + 1):
+                key = st[j]
+                c = cnt[key] = cnt.get(key, 0) + 1
+                parent = key >> _B
+                b = best.get(parent)
+                if b is None:
+                    best[parent] = t
+                elif b != t and c > cnt[(parent << _B) | b]:
+                    best[parent] = t
+                if c == 1 and kids is not None:
+                    lst = kids.get(parent)
+                    if lst is None:
+                        kids[parent] = [t]
+                    else:
+                        lst.append(t)
             for n in _LEVELS:
-                if n > w:
+                if n > top:
                     break
-                key = tuple(tail[w - n:])
-                lst = index.get(key)
+                lst = index.get(st[n])
                 if lst is None:
-                    index[key] = [ref]
+                    index[st[n]] = [base | e]
                 else:
-                    lst.append(ref)
+                    lst.append(base | e)
 
     def remove_seq(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
-        head = self.head
-        for e, t in enumerate(seq):  # undo the counts exactly
-            for n in range(1, min(_H, e + 1) + 1):
-                parent = tuple(seq[e - n + 1:e])
-                ent = head[parent]
-                ch = ent[2]
-                c = ch[t] - 1
+        del self.state[sid]
+        cnt, best, kids = self.cnt, self.best, self.kids
+        assert kids is not None, "only the global tree evicts"
+        st = [1] + [0] * _H
+        for e, t in enumerate(seq):  # replay the keys and undo the counts exactly
+            top = e + 1 if e < _H else _H
+            for j in range(top, 0, -1):
+                st[j] = (st[j - 1] << _B) | t
+            for j in range(1, top + 1):
+                key = st[j]
+                parent = key >> _B
+                c = cnt[key] - 1
                 if c:
-                    ch[t] = c
+                    cnt[key] = c
                 else:
-                    del ch[t]
-                if ent[0] == t:
-                    if not ch:
-                        del head[parent]
-                    else:  # the first maximum in first-seen order
-                        b = max(ch, key=ch.__getitem__)
-                        ent[0], ent[1] = b, ch[b]
+                    del cnt[key]
+                    kids[parent].remove(t)
+                if best[parent] == t:  # re-pick: the first maximum in first-seen order
+                    lst = kids[parent]
+                    if lst:
+                        best[parent] = max(lst, key=lambda x: cnt[(parent << _B) | x])
+                    else:
+                        del best[parent], kids[parent]
         self.live -= len(seq)
         self.dead += len(seq)
         if self.dead > max(self.live, 4096):
@@ -130,7 +170,7 @@ class _Tree:
         seqs = self.seqs
         new = {}
         for key, lst in self.index.items():
-            kept = [r for r in lst if r[0] in seqs]
+            kept = [r for r in lst if r >> 32 in seqs]
             if kept:
                 new[key] = kept
         self.index = new
@@ -216,7 +256,7 @@ class SuffixProposer:
         self.min_token_prob = float(min_token_prob)
         self.max_spec_offset = float(max_spec_offset)
         self._local: dict[str, _Tree] = {}      # req_id -> tree over its prompt + output
-        self._global = _Tree()                  # responses, FIFO order = self._cached order
+        self._global = _Tree(evictable=True)    # responses, FIFO order = self._cached order
         self._cached: dict[str, int] = {}       # req_id -> seq id in the global tree
         self._next_sid = 0
         self._lim: dict[int, tuple[list[int], list[int]]] = {}
@@ -225,8 +265,10 @@ class SuffixProposer:
     def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
         if req_id in self._local:
             raise duplicate_request("SuffixProposer.start_request", req_id)
+        toks = _as_list(prompt)
+        _check_ids("SuffixProposer.start_request", toks)
         tree = _Tree()
-        tree.add_seq(0, _as_list(prompt))
+        tree.add_seq(0, toks)
         self._local[req_id] = tree
         if self.max_cached_requests == 0:
             return
@@ -245,6 +287,7 @@ class SuffixProposer:
         if tree is None:
             raise unknown_request("SuffixProposer.extend", req_id)
         new = _as_list(new_tokens)
+        _check_ids("SuffixProposer.extend", new)
         tree.append(0, tree.seqs[0], new)
         sid = self._cached.get(req_id)
         if sid is not None:  # still cached (it may have been evicted while running)
@@ -284,12 +327,13 @@ class SuffixProposer:
         if k <= 0:
             return [], []
         ctx = tree.seqs[0]
-        lt, lp, ls = self._draft(tree, ctx, k, 0.0, ctx)
+        qk = tree.state[0]  # packed keys of the context's last 0.._LONG tokens
+        lt, lp, ls = self._draft(tree, ctx, qk, k, 0.0, ctx)
         if self._cached:
             # the global tree must score strictly higher to win: search it only above `ls`
             sid = self._cached.get(req_id)
             own = self._global.seqs[sid] if sid is not None else None
-            gt, gp, gs = self._draft(self._global, ctx, k, ls, own)
+            gt, gp, gs = self._draft(self._global, ctx, qk, k, ls, own)
             if gs > ls:
                 return gt, gp
         return lt, lp
@@ -306,7 +350,7 @@ class SuffixProposer:
             lim = self._lim[K] = (need, span)
         return lim
 
-    def _draft(self, tree: _Tree, ctx: list[int], K: int, floor: float, own=None):
+    def _draft(self, tree: _Tree, ctx: list[int], qk: list[int], K: int, floor: float, own=None):
         """Best (tokens, probs, score) of one tree for the context's tail (see module doc),
         or ([], [], floor) when nothing scores above `floor`. `own` is the request's own
         sequence in this tree, whose tail is the context's tail."""
@@ -331,7 +375,7 @@ class SuffixProposer:
                 continue
             if upper < m_lo:
                 break
-            lst = index.get(tuple(ctx[T - k:]) if k > 1 else (ctx[-1],))
+            lst = index.get(qk[k])
             if lst is None:
                 upper = k - 1
                 continue
@@ -339,7 +383,9 @@ class SuffixProposer:
             lo = max(k, m_lo)
             want = ctx[T - upper:]  # the longest match we look for
             scored = []  # (match length, age order, seq id, end) of occurrences with L >= lo
-            for order, (sid, e) in enumerate(refs):
+            for order, ref in enumerate(refs):
+                sid = ref >> 32
+                e = ref & 0xFFFFFFFF
                 seq = seqs.get(sid)
                 if seq is None:
                     continue  # evicted, not yet compacted
@@ -386,28 +432,27 @@ class SuffixProposer:
                             m_lo += 1
             upper = k - 1
         # matches of 1 .. _H - 2 tokens: read the exact count table, no scan
-        head = tree.head
+        cnt, bnext = tree.cnt, tree.best
         for m in range(min(upper, _H - 2), 0, -1):
             if need[m] <= best:
                 break
-            s = tuple(ctx[T - m:])
-            ent = head.get(s[:-1])
-            total = ent[2].get(s[-1]) if ent is not None else None
+            key = qk[m]
+            total = cnt.get(key, 0)
             if total and own is not None and len(own) >= m:
                 total -= 1  # minus the context's own tail
             if not total:
                 continue  # no occurrence of s here
             t_, p_ = [], []
             for _ in range(min(need[m], D - m, _H - m)):
-                ent = head.get(s)
-                if ent is None:
+                b = bnext.get(key)
+                if b is None:
                     break
-                p = ent[1] / total
+                key = (key << _B) | b
+                p = cnt[key] / total
                 if p < pmin:
                     break
-                t_.append(ent[0])
+                t_.append(b)
                 p_.append(p)
-                s += (ent[0],)
             score = sum(p_)
             if score > best:
                 best, best_t, best_p = score, t_, p_

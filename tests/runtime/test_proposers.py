@@ -130,6 +130,12 @@ def test_constructor_errors_name_the_value():
         SuffixProposer(max_spec_factor=0)
     with pytest.raises(ValueError, match="min_token_prob=1.5"):
         SuffixProposer(min_token_prob=1.5)
+    p = SuffixProposer()
+    with pytest.raises(ValueError, match="token id -3"):
+        p.start_request("a", [1, -3])
+    p.start_request("a", [1])
+    with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
+        p.extend("a", [2 ** 32])
 
 
 # -- ngram --------------------------------------------------------------------------------
@@ -251,10 +257,12 @@ def test_suffix_global_tree_fifo_eviction_and_disable():
     p.extend("q", resp[2][:4])
     assert p.propose(["q"], 4) == [resp[2][4:8]]  # r2 is still cached
     # eviction undoes the counts exactly: the count table equals one built from the survivors
-    fresh = suffix_mod._Tree()
+    fresh = suffix_mod._Tree(evictable=True)
     for sid in sorted(p._global.seqs):
         fresh.add_seq(sid, list(p._global.seqs[sid]))
-    assert {k: v[2] for k, v in p._global.head.items()} == {k: v[2] for k, v in fresh.head.items()}
+    assert p._global.cnt == fresh.cnt
+    assert {k: sorted(v) for k, v in p._global.kids.items()} == \
+        {k: sorted(v) for k, v in fresh.kids.items()}
     off = SuffixProposer(max_cached_requests=0)
     off.start_request("a", [1])
     off.extend("a", resp[0])
@@ -274,9 +282,11 @@ def test_suffix_eviction_compacts_the_index():
     refs = sum(len(v) for v in g.index.values())
     assert refs <= 2 * len(suffix_mod._LEVELS) * (g.live + max(g.live, 4096))
     for key, lst in g.index.items():
-        for sid, e in lst:
+        n = (key.bit_length() - 1) // suffix_mod._B  # tokens in the packed key
+        for ref in lst:
+            sid, e = ref >> 32, ref & 0xFFFFFFFF
             if sid in g.seqs:
-                assert tuple(g.seqs[sid][e - len(key) + 1:e + 1]) == key
+                assert suffix_mod._key(g.seqs[sid][e - n + 1:e + 1]) == key
 
 
 def test_suffix_counts_match_scans():
@@ -284,10 +294,11 @@ def test_suffix_counts_match_scans():
     seq = [1, 2, 1, 2, 3, 1, 2, 1, 3, 3, 2, 1]
     p.start_request("a", seq)
     tree = p._local["a"]
-    for s, parent in [((1,), ()), ((1, 2), (1,)), ((2, 1, 3), (2, 1)), ((3, 3, 2, 1), (3, 3, 2))]:
-        assert tree.head[parent][2][s[-1]] == tree.count(s)
-    # best next token of "1": 2 follows it 3 times, 3 once
-    assert tree.head[(1,)][:2] == [2, 3]
+    key = suffix_mod._key
+    for s in [(1,), (1, 2), (2, 1, 3), (3, 3, 2, 1), (2, 3, 1, 2)]:
+        assert tree.cnt[key(s)] == tree.count(s)
+    # best next token of "1": 2 follows it 3 times, 3 once; of "1 2": 1 and 3 tie, 1 was first
+    assert tree.best[key((1,))] == 2 and tree.best[key((1, 2))] == 1
 
 
 # -- traces and the replay bench ----------------------------------------------------------
