@@ -1,0 +1,76 @@
+"""Whole processes on one cache directory: cold then warm (Inductor), and eight cold starts at
+once. Each worker compiles a tiny verify step with torch.compile(backend="npuspec")."""
+import json
+import os
+import time
+
+from npuspec.graphs.cache import CacheDir
+
+from cache_helpers import run_worker, wait_worker
+
+
+def result(path):
+    with open(path) as f:
+        r = json.load(f)
+    r["counters"] = {k: v for k, v in r["counters"].items() if k.startswith("cache_")}
+    return r
+
+
+def test_cold_then_warm_process_inductor(tmp_path):
+    cache = tmp_path / "cache"
+    wait_worker(run_worker(tmp_path / "cold.json", cache, "inductor"))
+    cold = result(tmp_path / "cold.json")
+    assert cold["equal"] and cold["counters"].get("cache_misses") == 1, cold
+    assert cold["inductor"].get("fxgraph_cache_miss") == 1, cold  # it really compiled
+    (key,) = CacheDir(str(cache)).keys()
+    CacheDir(str(cache)).verify(key, executable=True)
+
+    wait_worker(run_worker(tmp_path / "warm.json", cache, "inductor"))
+    warm = result(tmp_path / "warm.json")
+    assert warm["equal"], warm
+    assert warm["counters"].get("cache_hits") == 1 and "cache_misses" not in warm["counters"], warm
+    # compiled nothing: Inductor's FX-graph and AOTAutograd caches hit, no codegen, no C++ build
+    assert warm["inductor"].get("fxgraph_cache_hit") == 1, warm
+    assert not warm["inductor"].get("fxgraph_cache_miss"), warm
+    assert warm["aot"].get("autograd_cache_hit") == 1 and not warm["aot"].get("autograd_cache_miss")
+    assert CacheDir(str(cache)).hits(key) == 1
+
+    # a flipped byte in a compiled shared object: rejected, quarantined, rebuilt, still correct
+    top = os.path.join(cache, "entries", key, "inductor")
+    so = sorted(os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith(".so"))[0]
+    with open(so, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    wait_worker(run_worker(tmp_path / "bad.json", cache, "inductor"))
+    bad = result(tmp_path / "bad.json")
+    assert bad["equal"], bad
+    assert bad["counters"] == {"cache_misses": 1, "cache_rejected": 1}, bad
+    assert len(os.listdir(cache / "quarantine")) == 1
+    CacheDir(str(cache)).verify(key, executable=True)
+
+
+def test_eight_cold_processes_at_once(tmp_path):
+    """Two keys (two batch sizes) compiled by eight processes started together: one compile per
+    key in total, the others wait on the lock and load; one valid entry per key; all equal eager.
+    Lowering is eager with a 1.5 s delay, so the compile is long enough for the others to wait
+    (Inductor would add minutes on two cores and nothing to what this checks)."""
+    cache = tmp_path / "cache"
+    start = time.time() + 12.0  # every interpreter is up and importing by then
+    procs = [run_worker(tmp_path / f"w{i}.json", cache, "eager", "--start", start,
+                        "--slow", 1.5, "--shapes", 2) for i in range(8)]
+    for p in procs:
+        wait_worker(p)
+    res = [result(tmp_path / f"w{i}.json") for i in range(8)]
+    assert all(r["equal"] for r in res), res
+    misses = sum(r["counters"].get("cache_misses", 0) for r in res)
+    hits = sum(r["counters"].get("cache_hits", 0) for r in res)
+    assert (misses, hits) == (2, 14), [r["counters"] for r in res]
+    assert not any(r["counters"].get("cache_rejected") for r in res)
+    c = CacheDir(str(cache))
+    keys = c.keys()
+    assert len(keys) == 2, keys
+    for k in keys:
+        c.verify(k, executable=True)
+    assert os.listdir(cache / "tmp") == [] and os.listdir(cache / "quarantine") == []
