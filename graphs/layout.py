@@ -50,7 +50,7 @@ def mark_token_dim(tensor: torch.Tensor, dim: int = 0, pad: Any = None) -> torch
     if UNBACKED:
         torch._dynamo.decorators.mark_unbacked(tensor, d)
     else:
-        torch._dynamo.mark_dynamic(tensor, d)
+        torch._dynamo.maybe_mark_dynamic(tensor, d)  # no error when Dynamo specialises size 1
     return tensor
 
 
@@ -329,7 +329,9 @@ def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
     exact = not layout.pad_syms
     slots = []
     for a in layout.args:
-        if a.kind == TOKEN:
+        if a.kind == TOKEN and not sympy.sympify(a.shape[a.dim]).subs(sub).free_symbols:
+            slots.append(Slot(COPY))  # its size depends on key symbols only (e.g. K+1 at B=1)
+        elif a.kind == TOKEN:
             lin = _linear(a.shape[a.dim].subs(sub))
             rest_ok = all(not sympy.sympify(e).subs(sub).free_symbols
                           for i, e in enumerate(a.shape) if i != a.dim)
@@ -365,8 +367,10 @@ def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
     if layout.verify_k is not None:
         kk = sympy.sympify(layout.verify_k).subs(sub)
         lb = _linear(sympy.sympify(layout.verify_b).subs(sub))
-        if kk.is_Integer and lb is not None and lb[1] == 0 and lb[0] >= 1:
-            k, tpu = int(kk), (int(kk) + 1) * lb[0]
+        if kk.is_Integer:
+            k = int(kk)
+            if lb is not None and lb[1] == 0 and lb[0] >= 1:
+                tpu = (k + 1) * lb[0]  # tokens per unit: K+1 per verified request
 
     guards = [sympy.sympify(g).subs(sub) for g in layout.guards]
     ranges = [(sympy.sympify(s).subs(sub), lo, hi) for s, (lo, hi) in layout.ranges.items()]

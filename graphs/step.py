@@ -59,6 +59,9 @@ class StepDispatcher:
         ks = k_values_of(self.opts.speculative_config)
         if len(ks) == 1:
             return ks[0]
+        coefs = [s.coef for s in slots if s.kind == TOKEN]
+        if coefs and max(coefs) % min(coefs) == 0 and max(coefs) // min(coefs) - 1 in ks:
+            return max(coefs) // min(coefs) - 1  # flat tokens [B*(K+1)] next to rows [B, ...]
         for s, a in zip(slots, args):  # [rows, K+1, ...] token inputs name their K
             if s.kind == TOKEN and s.dim == 0 and a.dim() >= 2 and a.shape[1] - 1 in ks:
                 return a.shape[1] - 1

@@ -1,0 +1,178 @@
+"""torch.compile(step, backend="npuspec"): the dispatcher inside the backend's callable."""
+import random
+
+import pytest
+import torch
+
+from npuspec.graphs import CaptureSizeWarning, live_dispatchers, mark_token_dim
+from npuspec.kernels import rejection_sample
+
+V = 13
+EMB = torch.randn(40, V, generator=torch.Generator().manual_seed(0))
+
+
+def verify_step(tokens, drafts, temp, uniforms, exps):
+    B, K = drafts.shape
+    logits = EMB[tokens].view(B, K + 1, V) * 1.5
+    return rejection_sample(logits, drafts, temperature=temp, uniforms=uniforms, exponentials=exps)
+
+
+def make_inputs(B, K, gen, mark=True):
+    tokens = torch.randint(0, 40, (B * (K + 1),), generator=gen)
+    drafts = torch.randint(0, V, (B, K), generator=gen)
+    drafts[0, -1] = -1
+    temp = torch.rand(B, generator=gen) * (torch.rand(B, generator=gen) < 0.5)
+    uniforms = torch.rand(B, K, generator=gen, dtype=torch.float64).float()
+    exps = torch.empty(B, V).exponential_(generator=gen)
+    args = (tokens, drafts, temp, uniforms, exps)
+    if mark:
+        for a in args:
+            mark_token_dim(a)
+    return args
+
+
+def same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def compile_step(fn=verify_step, **options):
+    opts = {"lowering": "eager", "max_num_seqs": 16,
+            "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    opts.update(options)
+    return torch.compile(fn, backend="npuspec", options=opts)
+
+
+def _new_dispatchers(before):
+    return [d for d in live_dispatchers() if id(d) not in before]
+
+
+def toy_step(tokens, drafts, temp):
+    """Cheap row-separable stand-in for a model + verify step (the 1000-step test)."""
+    B, K = drafts.shape
+    logits = EMB[tokens].view(B, K + 1, V) * temp[:, None, None]
+    return logits.argmax(-1), (drafts >= 0).sum(-1) + logits.amax(-1).sum(-1)
+
+
+DYNAMIC_K = {"method": "ngram", "num_speculative_tokens": 3,
+             "num_speculative_tokens_per_batch_size": [[1, 4, 3], [5, 8, 2], [9, 16, 1]]}
+
+
+def test_random_batches_and_k_swaps_capture_once(fresh_dynamo, delta):
+    """1000 steps, random B and K: after one warm-up per (K, B=1 / B>1), nothing is captured
+    or compiled again, every replay matches eager, and captures = one per size per K."""
+    before = {id(d) for d in live_dispatchers()}
+    stats = torch._dynamo.utils.counters["stats"]
+    f = compile_step(toy_step, speculative_config=DYNAMIC_K)
+    gen, rng = torch.Generator().manual_seed(1), random.Random(1)
+    ks = (1, 2, 3)
+    for K in ks:  # warm-up: Dynamo graphs for dynamic B (and K), and the size-1 graphs
+        for B in (2, 1):
+            args = make_inputs(B, K, gen)[:3]
+            assert same(f(*args), toy_step(*args))
+    graphs0, warm = stats["unique_graphs"], delta()
+    for _ in range(1000):
+        B, K = rng.randint(1, 16), rng.choice(ks)
+        args = make_inputs(B, K, gen)[:3]
+        assert same(f(*args), toy_step(*args)), (B, K)
+    d = delta()
+    assert stats["unique_graphs"] == graphs0  # no recompiles
+    assert d["graphs_captured"] == warm["graphs_captured"]  # no captures after warm-up
+    assert d["graph_replays"] == warm["graph_replays"] + 1000 and "eager_fallbacks" not in d
+    sets = [gs for disp in _new_dispatchers(before) for gs in disp.sets.values()]
+    assert sum(len(gs.entries) for gs in sets) == d["graphs_captured"]
+    padded, single = {}, 0
+    for gs in sets:
+        assert sorted(gs.entries) == gs.sizes  # capture=True: every planned size, once
+        if any(s.kind == "token" for s in gs.slots):
+            assert gs.k not in padded  # one padded set per K
+            padded[gs.k] = gs.captured_sizes
+        else:
+            assert gs.sizes == [1]  # a Dynamo graph specialised to B=1: one exact graph
+            single += 1
+    # the K+1 ladder up to max_num_seqs=16 requests (1 request is Dynamo's size-1 graph)
+    assert padded == {K: [r * (K + 1) for r in (2, 4, 8, 16)] for K in ks}
+    assert single == len(ks)  # one per K (K is a key of the size-1 graph once Dynamo made it dynamic)
+
+
+def test_capture_off_and_lazy(fresh_dynamo, delta):
+    gen = torch.Generator().manual_seed(2)
+    off = compile_step(capture=False)
+    for B in (3, 5):
+        args = make_inputs(B, 3, gen)
+        assert same(off(*args), verify_step(*args))
+    assert "graphs_captured" not in delta() and "graph_replays" not in delta()
+    torch._dynamo.reset()
+    lazy = compile_step(capture="lazy")
+    for B in (3, 3, 7):
+        args = make_inputs(B, 3, gen)
+        assert same(lazy(*args), verify_step(*args))
+    assert delta()["graphs_captured"] == 2  # 4 and 8 requests, nothing else
+
+
+def test_verify_inputs_get_inert_pads(fresh_dynamo):
+    before = {id(d) for d in live_dispatchers()}
+    f = compile_step()
+    args = make_inputs(3, 3, torch.Generator().manual_seed(3))
+    f(*args)
+    (disp,) = _new_dispatchers(before)
+    (gs,) = disp.sets.values()
+    toks = [s for s in gs.slots if s.kind == "token"]
+    assert sorted((s.coef, s.pad) for s in toks) == [(1, -1), (1, 0), (1, 0.5), (1, 1.0), (4, 0)]
+    assert gs.k == 3 and gs.tokens_per_unit == 4
+
+
+def test_beyond_largest_runs_eagerly(fresh_dynamo, delta):
+    f = compile_step(max_num_seqs=4)
+    gen = torch.Generator().manual_seed(4)
+    for B in (2, 9, 9):
+        args = make_inputs(B, 3, gen)
+        assert same(f(*args), verify_step(*args))
+    assert delta()["eager_fallbacks"] == 2
+
+
+def test_capture_sizes_option_rounds_once(fresh_dynamo, delta):
+    f = compile_step(capture_sizes=[8, 10, 16])
+    args = make_inputs(3, 3, torch.Generator().manual_seed(5))
+    with pytest.warns(CaptureSizeWarning, match="10->12"):
+        assert same(f(*args), verify_step(*args))
+    assert delta()["graphs_captured"] == 3
+
+
+def test_not_row_separable_is_exact_only(fresh_dynamo, delta):
+    def pooled(x):
+        return x * 2, x.sum(0)  # the sum mixes rows: padding would change it
+
+    f = compile_step(pooled, speculative_config=None)
+    for B in (2, 3, 4, 3):
+        x = mark_token_dim(torch.randn(B, 5))
+        out = f(x)
+        assert torch.equal(out[0], x * 2) and torch.allclose(out[1], x.sum(0))
+    d = delta()
+    # exact sizes of the K=0 ladder (1, 2, 4, 8, 16 requests) replay; B=3 runs eagerly
+    assert d["eager_fallbacks"] == 2 and d["graph_replays"] == 2
+
+
+def test_static_graph_captured_once(fresh_dynamo, delta):
+    f = compile_step(lambda x, w: (x @ w).relu(), speculative_config=None)
+    x, w = torch.randn(4, 6), torch.randn(6, 3)
+    for _ in range(3):
+        assert torch.equal(f(x, w), (x @ w).relu())
+    d = delta()
+    assert d["graphs_captured"] == 1 and d["graph_replays"] == 3
+
+
+def test_inductor_lowering_pads_and_matches(fresh_dynamo, delta):
+    def step(tokens, drafts):
+        B, K = drafts.shape
+        h = torch.tanh(EMB[tokens].view(B, K + 1, V) * 0.7)
+        return h.argmax(-1), (h.amax(-1) > 0.5).sum(-1) + (drafts >= 0).sum(-1)
+
+    f = compile_step(step, lowering="inductor")
+    gen = torch.Generator().manual_seed(6)
+    for B in (2, 5, 3, 8, 11):
+        tokens = mark_token_dim(torch.randint(0, 40, (B * 4,), generator=gen))
+        drafts = mark_token_dim(torch.randint(-1, V, (B, 3), generator=gen))
+        out, ref = f(tokens, drafts), step(tokens, drafts)
+        assert same(out, ref), B
+    d = delta()
+    assert d["graph_replays"] == 5 and d["graphs_captured"] == 4  # 2, 4, 8, 16 requests
