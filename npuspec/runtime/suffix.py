@@ -110,8 +110,8 @@ class _Tree:
             e = len(seq)
             seq.append(t)
             top = e + 1 if e < _LONG else _LONG
-            for j in range(top, 0, -1):  # st[j] = key of the last j tokens, now ending with t
-                st[j] = (st[j - 1] << _B) | t
+            # st[j] = key of the last j tokens, now ending with t (st[0] = key of "" stays 1)
+            st[1:top + 1] = [(k << _B) | t for k in st[:top]]
             for j in range(1, (top if top < _H else _H) + 1):
                 key = st[j]
                 c = cnt[key] = cnt.get(key, 0) + 1
