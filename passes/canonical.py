@@ -8,7 +8,9 @@ in both graphs first:
 
 - dims become non-negative (`d % rank`; `unsqueeze` uses rank + 1);
 - `slice(x, dim, start, end, step)` gets explicit start/end clamped into [0, size];
-- `select(x, dim, index)` gets a non-negative index.
+- `select(x, dim, index)` gets a non-negative index;
+- `a <= b` becomes `b >= a` and `a < b` becomes `b > a` (tensor-tensor compares; identical
+  results, NaN included), so `u <= ratio` and `ratio >= u` are one pattern.
 
 The rewrite never changes what a node computes. Nodes whose input rank or size is unknown
 (no `meta["val"]`) or symbolic are left alone.
@@ -35,6 +37,7 @@ _DIM_ARG = {
     aten.max.dim: (1, 0), aten.min.dim: (1, 0), aten.index_select.default: (1, 0),
     aten.sort.default: (1, 0), aten.topk.default: (2, 0),
 }
+_FLIP = {aten.le.Tensor: aten.ge.Tensor, aten.lt.Tensor: aten.gt.Tensor}
 # op -> index of a list-of-dims argument
 _DIMS_ARG = {
     aten.sum.dim_IntList: 1, aten.amax.default: 1, aten.amin.default: 1,
@@ -119,7 +122,10 @@ def canonicalize(graph: Graph) -> Graph:
         if node.op != "call_function" or node.kwargs and any(k in node.kwargs for k in ("dim", "dims")):
             continue
         t = node.target
-        if t is aten.slice.Tensor:
+        if t in _FLIP and len(node.args) == 2 and not node.kwargs:
+            node.target = _FLIP[t]
+            node.args = (node.args[1], node.args[0])
+        elif t is aten.slice.Tensor:
             _canon_slice(node)
         elif t is aten.select.int:
             _canon_select(node)

@@ -20,7 +20,7 @@ traced with the same table as the graph they run on:
 Before matching, `canonicalize` rewrites dim/slice literals into one form (both in the graph and
 in the traced patterns). `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family). With NPUSPEC_DEBUG_DUMP set,
-each run writes `NNNN_before.txt` / `NNNN_after.txt` there (numbered per process).
+each run writes `NNNN_1_before.txt` / `NNNN_2_after.txt` there (numbered per process).
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ class PassManager:
         graph = gm_or_graph.graph if isinstance(gm_or_graph, torch.fx.GraphModule) else gm_or_graph
         seq = next(_dump_seq) if envs.debug_dump() else 0
         if seq:
-            _dump(graph, "before", seq)
+            _dump(graph, "1_before", seq)
         found = {}
         if _has_anchor(graph) and self._rewrite(_copy(graph).graph, flavor):
             found = self._rewrite(graph, flavor)
@@ -170,7 +170,7 @@ class PassManager:
             if graph.owning_module is not None:
                 graph.owning_module.recompile()
         if seq:
-            _dump(graph, "after", seq)
+            _dump(graph, "2_after", seq)
         HISTORY.append((flavor, dict(found), str(graph)))
         log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
         return found

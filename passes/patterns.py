@@ -53,6 +53,26 @@ def _val(n):
     return v if isinstance(v, Tensor) else None
 
 
+def _is_random(n) -> bool:
+    t = getattr(n, "target", None)
+    return (getattr(n, "op", None) == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in t.tags)
+
+
+def _draw_order_ok(match) -> bool:
+    """A draw inside a pattern is remade where the replacement goes (before the pattern's
+    output). That keeps the user's RNG stream only if no other random op runs in between."""
+    draws = [n for n in match.nodes if _is_random(n)]
+    if not draws:
+        return True
+    nodes = list(draws[0].graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    lo = min(pos[d] for d in draws)
+    hi = min(pos[o] for o in match.output_nodes() if o is not None)
+    inside = set(match.nodes)
+    return not any(_is_random(n) and n not in inside for n in nodes[lo + 1:hi])
+
+
 def _static_shape(t: Tensor) -> bool:
     return all(isinstance(s, int) for s in t.shape)
 
@@ -62,6 +82,10 @@ def _static_shape(t: Tensor) -> bool:
 # --------------------------------------------------------------------------------------------
 def tail_cumprod(ok):          # ok: bool [B, K]
     return ok.cumprod(dim=-1).sum(dim=-1)
+
+
+def tail_cumprod_int(ok):      # Medusa-style: mask.int(), then torch.cumprod
+    return torch.cumprod(ok.int(), dim=1).sum(dim=1)
 
 
 def tail_cumprod_long(ok):
@@ -84,7 +108,7 @@ def tail_cummin_long(ok):
     return ok.long().cummin(dim=-1).values.sum(dim=-1)
 
 
-TAILS = {"cumprod": tail_cumprod, "cumprod_long": tail_cumprod_long, "cumsum_not": tail_cumsum_not,
+TAILS = {"cumprod": tail_cumprod, "cumprod_int": tail_cumprod_int, "cumprod_long": tail_cumprod_long, "cumsum_not": tail_cumsum_not,
          "cumsum_not_all": tail_cumsum_not_all, "cummin_int": tail_cummin_int,
          "cummin_long": tail_cummin_long}
 # how the op's int64 [B] result maps to what each tail returns
@@ -147,7 +171,7 @@ class VerifyPattern:
 @dataclasses.dataclass(frozen=True)
 class GreedyVerifyConfig:
     enabled: bool = True
-    tails: tuple = ("cumprod", "cumsum_not", "cummin_int")
+    tails: tuple = ("cumprod", "cumprod_long", "cumsum_not", "cummin_int")
     max_k: int = 64  # the fused op handles any K; keep pathological shapes on the eager path
 
 
@@ -193,6 +217,12 @@ class GreedyVerify(VerifyPattern):
                 n = t(drafts == target[:, :-1])
                 return target.gather(1, n[:, None]).squeeze(1), n
 
+            def s_fill(logits, drafts, t):
+                target = logits.argmax(dim=-1)
+                n = t(drafts == target[:, :-1])
+                pos = torch.arange(target.shape[1], device=logits.device)
+                return target.masked_fill(pos[None, :] > n[:, None], -1), n
+
             def r_tok(logits, drafts):
                 tok, num = _greedy_op(logits, drafts)
                 n = num - 1
@@ -201,6 +231,7 @@ class GreedyVerify(VerifyPattern):
             ex = lambda: [torch.randn(2, 5, 11), torch.randint(0, 11, (2, 4))]  # noqa: E731
             out.append(Spelling(f"mask_{tail}", _bind(s_mask, t=t), r_mask, ex))
             out.append(Spelling(f"token_{tail}", _bind(s_tok, t=t), r_tok, ex))
+            out.append(Spelling(f"fill_{tail}", _bind(s_fill, t=t), r_mask, ex))
         return out
 
     def extra_check(self, match) -> bool:
@@ -317,8 +348,8 @@ class RatioAccept(VerifyPattern):
         out = []
         ex = lambda: [torch.rand(2, 4, 9), torch.rand(2, 4, 9), torch.randint(0, 9, (2, 4)),  # noqa: E731
                       torch.rand(2, 4)]
-        for (pname, pick), tail, cmp in itertools.product(PICKS.items(), self.config.tails,
-                                                          ("ge", "le")):
+        # `u <= ratio` needs no spelling of its own: canonicalize() turns it into `ratio >= u`
+        for (pname, pick), tail, cmp in itertools.product(PICKS.items(), self.config.tails, ("ge",)):
             t = TAILS[tail]
 
             def s(p, q, ids, u, pick, t, cmp):
@@ -342,27 +373,54 @@ class RatioAccept(VerifyPattern):
                 out.append(Spelling(f"onehot_{pname}_{cmp}_{tail}",
                                     _bind(s1, pick=pick, t=t, cmp=cmp), _bind(r1, tail=tail), ex1))
 
+        # The draw made from the ratio itself, `u = torch.rand_like(ratio)`: the ratio then has
+        # a second user, so the draw must be inside the pattern. The replacement makes the same
+        # draw (same count, dtype and generator) right where the pattern ends; `_draw_order_ok`
+        # refuses the match when another random op runs in between.
+        for tail in ("cumprod", "cumsum_not"):
+            def s_d(p, q, ids, t):
+                ratio = _gather_at(p, ids) / _gather_at(q, ids)
+                return t(ratio >= torch.rand_like(ratio))
+
+            def r_d(p, q, ids, tail):
+                u = torch.rand_like(ids, dtype=p.dtype)
+                return _tail_out(tail, npuspec_ops.ratio_accept(p, q, ids, u))
+
+            ex_d = lambda: ex()[:3]  # noqa: E731
+            out.append(Spelling(f"gather_draw_{tail}", _bind(s_d, t=TAILS[tail]),
+                                _bind(r_d, tail=tail), ex_d))
+
         # HF transformers `_speculative_sampling` (B = 1; p has K+1 rows, q has K)
-        def s_hf(p, q, ids, u):
+        def s_hf(p, q, ids):
             q_i = _index_hf(q, ids)
             p_i = _index_hf(p, ids)
-            return ((~(u <= p_i / q_i)).cumsum(dim=-1) < 1).sum()
+            probability_ratio = p_i / q_i
+            r_i = torch.rand_like(probability_ratio)
+            return ((~(r_i <= probability_ratio)).cumsum(dim=-1) < 1).sum()
 
-        def r_hf(p, q, ids, u):
+        def r_hf(p, q, ids):
             k = ids.shape[1]
+            u = torch.rand_like(ids[0], dtype=p.dtype)  # the K draws rand_like(ratio) made
             return npuspec_ops.ratio_accept(p[:, :k], q, ids, u.view(1, k)).sum()
 
-        ex_hf = lambda: [torch.rand(1, 5, 9), torch.rand(1, 4, 9), torch.randint(0, 9, (1, 4)),  # noqa: E731
-                         torch.rand(4)]
+        ex_hf = lambda: [torch.rand(1, 5, 9), torch.rand(1, 4, 9), torch.randint(0, 9, (1, 4))]  # noqa: E731
         out.append(Spelling("hf_speculative_sampling", s_hf, r_hf, ex_hf))
         return out
 
     def extra_check(self, match) -> bool:
         if not self.config.enabled:
             return False
-        p, ids, u = (_val(match.kwargs.get(k)) for k in ("p", "ids", "u"))
+        p, ids = _val(match.kwargs.get("p")), _val(match.kwargs.get("ids"))
         q = _val(match.kwargs["q"]) if "q" in match.kwargs else None
-        if p is None or ids is None or u is None or ("q" in match.kwargs and q is None):
+        u = _val(match.kwargs["u"]) if "u" in match.kwargs else None
+        if p is None or ids is None or ("q" in match.kwargs and q is None):
+            return False
+        if "u" not in match.kwargs:  # the draw is inside the pattern
+            if not _draw_order_ok(match):
+                return False
+            B, K = ids.shape
+            u = torch.empty(K if B == 1 and p.shape[1] != K else (B, K), dtype=p.dtype)
+        if u is None:
             return False
         if ids.dtype != torch.int64 or p.dtype not in FLOATS or not u.is_floating_point():
             return False

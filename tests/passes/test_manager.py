@@ -1,0 +1,130 @@
+"""The pass manager: order, uuid() cache keys, debug dumps, configs, the Inductor cache."""
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from npuspec import counters
+from npuspec.passes import (GreedyAccept, GreedyVerify, InductorVerifyPass, PassManager, RatioAccept,
+                            Residual, default_patterns, manager)
+from passes_helpers import aten_graph, compact, compile_npuspec, three_way
+
+
+def count(logits, drafts):
+    t = logits.argmax(-1)
+    return t, (drafts == t[:, :-1]).cumprod(dim=-1).sum(dim=-1)
+
+
+def step(logits, drafts):
+    t = logits.argmax(-1)
+    n = (drafts == t[:, :-1]).cumprod(dim=-1).sum(dim=-1)
+    return t.gather(1, n[:, None]).squeeze(1), n
+
+
+def _args(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, 17, generator=g)
+    return logits, logits.argmax(-1)[:, :4].clone()
+
+
+def test_order_is_supersets_first():
+    assert [p.name for p in default_patterns()] == [
+        "greedy_verify", "greedy_accept", "ratio_accept", "residual"]
+    # the whole step wins over the narrow count when both could apply
+    gm = aten_graph(step, *_args())
+    assert PassManager().run(gm, flavor="aten") == {"greedy_verify": 1}
+    # ... and with the superset left out, the narrow op takes the count
+    gm = aten_graph(step, *_args())
+    assert PassManager([GreedyAccept()]).run(gm, flavor="aten") == {"greedy_accept": 1}
+    assert "npuspec.greedy_accept" in compact(gm)
+
+
+def test_uuid_hashes_config_and_source():
+    p = GreedyAccept()
+    assert p.uuid() == GreedyAccept().uuid()                      # deterministic
+    edited = GreedyAccept(dataclasses.replace(p.config, id_dtypes=("int64",)))
+    assert edited.uuid() != p.uuid()                              # config edit -> new uuid
+    assert PassManager([edited]).uuid() != PassManager([p]).uuid()
+    assert (InductorVerifyPass(PassManager([edited])).uuid()
+            != InductorVerifyPass(PassManager([p])).uuid())
+
+    class PatchedGreedyAccept(GreedyAccept):                     # source edit -> new uuid
+        def extra_check(self, match):
+            return False
+
+    assert PatchedGreedyAccept().uuid() != p.uuid()
+    uuids = {q.uuid() for q in (GreedyVerify(), GreedyAccept(), RatioAccept(), Residual())}
+    assert len(uuids) == 4
+
+
+def test_config_is_honoured():
+    args = _args(1)
+    off = GreedyAccept(dataclasses.replace(GreedyAccept().config, enabled=False))
+    gm = aten_graph(count, *args)
+    assert PassManager([off]).run(gm, flavor="aten") == {}
+    only64 = GreedyAccept(dataclasses.replace(GreedyAccept().config, id_dtypes=("int32",)))
+    gm = aten_graph(count, *args)                                  # int64 ids: now refused
+    assert PassManager([only64]).run(gm, flavor="aten") == {}
+    gm = aten_graph(count, *args)
+    assert PassManager([GreedyAccept()]).run(gm, flavor="aten") == {"greedy_accept": 1}
+    assert torch.equal(gm(*args)[1], count(*args)[1])
+
+
+def test_debug_dump_writes_numbered_before_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPUSPEC_DEBUG_DUMP", str(tmp_path))
+    gm = aten_graph(count, *_args())
+    PassManager().run(gm, flavor="aten")
+    gm2 = aten_graph(lambda x: x.sin(), torch.randn(3))
+    PassManager().run(gm2, flavor="aten")
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 4 and files[0].endswith("_before.txt") and files[1].endswith("_after.txt")
+    assert int(files[2][:4]) == int(files[0][:4]) + 1            # numbered per run
+    first = [(tmp_path / f).read_text() for f in files[:2]]
+    assert "aten.cumprod" in first[0] and "npuspec.greedy_accept" not in first[0]
+    assert "npuspec.greedy_accept" in first[1] and "aten.cumprod" not in first[1]
+    last = [(tmp_path / f).read_text() for f in files[2:]]
+    assert last[0] == last[1]                                      # nothing matched: unchanged
+
+
+def test_no_verify_graph_compiles_and_runs_unchanged():
+    def mlp(x, w):
+        h = torch.relu(x @ w)
+        return h.argmax(-1), h.sum(-1)
+    x, w = torch.randn(4, 6), torch.randn(6, 5)
+    for lowering in ("eager", "inductor"):
+        torch._dynamo.reset()
+        got, graphs = three_way(mlp, (x, w), lowering=lowering, matched=0, gone=["npuspec."],
+                                float_tol=1e-5)
+    assert manager.HISTORY[-1][1] == {}
+
+
+def test_bad_flavor_names_the_value():
+    with pytest.raises(ValueError, match="flavor='torchair'"):
+        PassManager().run(aten_graph(count, *_args()), flavor="torchair")
+
+
+def test_inductor_fx_graph_cache_hits_and_keys_on_pass_uuid(tmp_path, monkeypatch):
+    """The passes are part of Inductor's FX graph cache key: a second compile of the same graph
+    hits the cache; a pass whose config changed misses it."""
+    from torch._dynamo.utils import counters as dcounters
+    from torch._inductor import config
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    args = _args(2)
+
+    def compile_once():
+        torch._dynamo.reset()
+        before = dict(dcounters["inductor"])
+        got = compile_npuspec(count, "inductor")(*args)
+        assert torch.equal(got[1], count(*args)[1])
+        after = dcounters["inductor"]
+        return {k: after[k] - before.get(k, 0) for k in ("fxgraph_cache_hit", "fxgraph_cache_miss")}
+
+    with config.patch(fx_graph_cache=True, fx_graph_remote_cache=False):
+        c0 = counters.snapshot()
+        assert compile_once() == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
+        assert counters.delta(c0).get("verify_patterns_matched") == 1
+        assert compile_once() == {"fxgraph_cache_hit": 1, "fxgraph_cache_miss": 0}
+        edited = [GreedyAccept(dataclasses.replace(GreedyAccept().config, id_dtypes=("int64",)))]
+        monkeypatch.setattr(manager, "default_patterns", lambda: edited)
+        assert compile_once() == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
