@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="npuspec concurrency (HF rows always run one prompt at a time)")
     p.add_argument("--enforce-eager", action="store_true", help="npuspec without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
+    from npuspec.cli.common import add_threads_flag
+    add_threads_flag(p)
     p.add_argument("--plot", default=None, metavar="PATH.png", help="bar chart of tokens/s (needs matplotlib)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
@@ -222,6 +224,7 @@ def run(args) -> int:
         from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")
     mdir = common.model_dir(args.model)
+    common.set_threads(args.threads)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
              "prompt_lookup_max": args.ngram}
     ngram = common.spec_dict(args.speculative_config) or ngram

@@ -209,6 +209,7 @@ def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_le
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from npuspec.cli import common
     from npuspec.cli.common import float_list, positive
 
     p.add_argument("--model", default="tiny", help="target checkpoint directory (default: the embedded tiny model)")
@@ -229,6 +230,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the latency probe: a JSON object {token_count: seconds}")
     p.add_argument("--enforce-eager", action="store_true", help="measure without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements and table as JSON")
+    common.add_threads_flag(p)
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="plot tokens/s against concurrency for each fixed K and the tuned table (needs matplotlib)")
 
@@ -264,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.tolerance < 1.0:
         raise UsageError(f"{args.tolerance} must be in [0, 1)", "--tolerance")
     k_max = cfg.num_speculative_tokens
+    if args.acceptance is None or args.latency_json is None:
+        common.set_threads(args.threads)
     if args.plot:
         from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")

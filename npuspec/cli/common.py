@@ -112,6 +112,18 @@ def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16
     return min(need, read_config(model_dir).max_position_embeddings)
 
 
+def add_threads_flag(p) -> None:
+    p.add_argument("--threads", type=positive, default=None,
+                   help="torch CPU threads (default: torch's choice); 1 gives steadier timings on a busy machine")
+
+
+def set_threads(n: int | None) -> int:
+    import torch
+    if n is not None:
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def positive(s: str) -> int:
     """argparse type: an int >= 1 (argparse names the flag in its error)."""
     try:

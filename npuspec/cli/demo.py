@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
     p.add_argument("--no-text", action="store_true", help="do not print the generated text")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    from npuspec.cli.common import add_threads_flag
+    add_threads_flag(p)
 
 
 def _generate(llm, prompts, max_tokens: int):
@@ -55,11 +57,12 @@ def run(args) -> int:
     from npuspec.cli.prompts import load_prompts
 
     t_start = time.perf_counter()
-    mdir = common.model_dir(args.model)
     spec = common.spec_dict(args.speculative_config) or dict(common.DEFAULT_SPEC)
     cfg = common.spec_config(spec)
+    mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
     prompts = load_prompts(args.prompts)
+    threads = common.set_threads(args.threads)
     max_len = common.fit_max_model_len(mdir, prompts, args.max_tokens)
     label = f"{cfg.method} K={cfg.num_speculative_tokens}"
 
@@ -90,7 +93,7 @@ def run(args) -> int:
             {"mode": label, "tokens": toks[1], "seconds": spec_s, "tok/s": toks[1] / spec_s,
              "warm-up s": spec_w, "mean acc len": m["mean_acceptance_length"]}]
     print_table(rows, title=f"npuspec demo: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, "
-                            f"max_num_seqs={args.max_num_seqs}")
+                            f"max_num_seqs={args.max_num_seqs}, {threads} threads")
     speedup = rows[1]["tok/s"] / rows[0]["tok/s"]
     acc = m["acceptance_by_position"]
     print(f"speedup: {speedup:.2f}x   outputs identical: {'yes' if all(same) else 'NO'} "

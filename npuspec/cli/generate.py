@@ -43,8 +43,8 @@ def run(args) -> int:
     from npuspec.cli.errors import UsageError
     from npuspec.cli.prompts import load_prompts
 
-    mdir = common.model_dir(args.model)
     cfg = common.spec_config(args.speculative_config)
+    mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
     prompts = list(args.prompt) + (load_prompts(args.prompts) if args.prompts else [])
     if not prompts:
