@@ -141,19 +141,23 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="output directory (HF format)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--intermediate", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=384)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=1200)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1: on a shared machine oversubscribed OpenMP is several times slower)")
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--save-every", type=int, default=100, help="write a checkpoint every N steps (0: only at the end)")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after N steps of the --steps schedule (0: run all); reproduces an intermediate checkpoint")
     p.add_argument("--max-files", type=int, default=0, help="use only the first N files (0 = all; for smoke runs)")
     return p.parse_args(argv)
 
@@ -195,7 +199,8 @@ def main(argv=None):
     print(f"model: {n_params / 1e6:.2f}M params, {args.steps} steps of {args.batch}x{args.seq_len} tokens", flush=True)
 
     t_train = time.time()
-    for step in range(args.steps):
+    last = min(args.steps, args.stop_after or args.steps)
+    for step in range(last):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         x, y = next(data)
@@ -205,18 +210,24 @@ def main(argv=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == last - 1:
             el = time.time() - t_train
             print(f"step {step:5d} loss {loss.item():.3f} lr {opt.param_groups[0]['lr']:.2e} "
                   f"{(step + 1) * args.batch * args.seq_len / el:.0f} tok/s {el:.0f}s", flush=True)
+        if step + 1 == last or (args.save_every and (step + 1) % args.save_every == 0):
+            checkpoint(model, cfg, tok, val, args, step + 1, len(train), time.time() - t_train)
+    print(f"wrote {args.out} in {time.time() - t0:.0f}s", flush=True)
+
+
+def checkpoint(model, cfg, tok, val, args, steps_done, train_tokens, seconds):
+    """Save an HF checkpoint after `steps_done` steps, then sample from the saved weights."""
     model.eval()
     val_loss = evaluate(model, val, args.seq_len)
-    print(f"val loss {val_loss:.3f}, train time {time.time() - t_train:.0f}s", flush=True)
-
-    meta = {"script": "python -m npuspec.models.train_tiny", "args": {k: v for k, v in vars(args).items() if k != "out"},
-            "python": sys.version.split()[0], "torch": torch.__version__,
-            "train_tokens": len(train), "val_loss": round(val_loss, 4),
-            "train_seconds": round(time.time() - t_train)}
+    model.train()
+    meta = {"script": "python -m npuspec.models.train_tiny",
+            "args": {k: v for k, v in vars(args).items() if k not in ("out", "save_every")},
+            "steps_done": steps_done, "python": sys.version.split()[0], "torch": torch.__version__,
+            "train_tokens": train_tokens, "val_loss": round(val_loss, 4), "train_seconds": round(seconds)}
     save(model, cfg, tok, args.out, meta)
     # samples come from the saved (fp16-rounded) weights, i.e. exactly what ships
     from npuspec.models.loading import load_model
@@ -225,9 +236,9 @@ def main(argv=None):
     with open(os.path.join(args.out, "samples.txt"), "w") as f:
         for s in samples:
             f.write(s + "\n" + "-" * 40 + "\n")
+    print(f"checkpoint after {steps_done} steps: val loss {val_loss:.3f}", flush=True)
     for s in samples:
-        print(s, "\n" + "-" * 40)
-    print(f"wrote {args.out} in {time.time() - t0:.0f}s", flush=True)
+        print(s, "\n" + "-" * 40, flush=True)
 
 
 if __name__ == "__main__":
