@@ -124,7 +124,8 @@ class ModelConfig:
 
 def _rope_theta(d: dict[str, Any], source: str) -> float:
     # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
-    for key in ("rope_parameters", "rope_scaling"):
+    theta = d.get("rope_theta")
+    for key in ("rope_scaling", "rope_parameters"):
         params = d.get(key)
         if params is None:
             continue
@@ -135,8 +136,8 @@ def _rope_theta(d: dict[str, Any], source: str) -> float:
             raise ValueError(f"{source}: {key}.rope_type={rope_type!r} is not supported; only plain "
                              f"RoPE is (set {key} to null or rope_type 'default').")
         if params.get("rope_theta") is not None:
-            return params["rope_theta"]
-    return d.get("rope_theta", 10000.0)
+            theta = params["rope_theta"]
+    return 10000.0 if theta is None else theta
 
 
 def read_config(model_dir: str) -> ModelConfig:
