@@ -40,9 +40,8 @@ def trusted_gid() -> Optional[int]:
     try:
         return grp.getgrnam(g).gr_gid
     except KeyError:
-        raise CacheTrustError(
-            "NPUSPEC_CACHE_TRUSTED_GROUP", f"group {g!r} does not exist",
-            "set NPUSPEC_CACHE_TRUSTED_GROUP to an existing group name or gid, or unset it") from None
+        raise ValueError(f"NPUSPEC_CACHE_TRUSTED_GROUP={g!r}: no such group; set it to an "
+                         f"existing group name or numeric gid, or unset it") from None
 
 
 def _user(uid: int) -> str:
