@@ -143,9 +143,10 @@ extern "C" void npuspec_row_stats(
       for (int64_t j = 0; j < K1; ++j) {
         const int64_t r = b * K1 + j;
         const float* f = (const float*)logits + r * V;
-        if (dtype == 1) {  // bfloat16 -> float32 (exact)
-          const c10::BFloat16* src = (const c10::BFloat16*)logits + r * V;
-          for (int64_t v = 0; v < V; ++v) fbuf[v] = static_cast<float>(src[v]);
+        if (dtype == 1) {  // bfloat16 -> float32 is exact: the bf16 bits are the high half
+          const uint16_t* src = (const uint16_t*)logits + r * V;
+          uint32_t* dst = (uint32_t*)fbuf.data();
+          for (int64_t v = 0; v < V; ++v) dst[v] = uint32_t(src[v]) << 16;
           f = fbuf.data();
         } else if (dtype == 2) {
           const c10::Half* src = (const c10::Half*)logits + r * V;

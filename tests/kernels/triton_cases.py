@@ -1,0 +1,49 @@
+"""Run the Triton verify kernel on a few awkward cases and compare with the reference and the
+fused CPU lowering (torch.equal). Meant to run with TRITON_INTERPRET=1 (on CPU) or on a GPU;
+exits non-zero on the first mismatch. Used by test_verify.py in a subprocess, because
+TRITON_INTERPRET must be set before triton is imported."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_verify import MODES, make_case, mode_kwargs  # noqa: E402
+
+from npuspec.kernels.verify import rejection_sample_reference  # noqa: E402
+
+# (B, K, V): V not a power of two, K from 1 to 15, one row wider than a vocab block
+CASES = [(3, 1, 7), (5, 15, 7), (4, 3, 1000), (2, 2, 32000), (1, 7, 5003)]
+
+
+def main(device: str = "cpu") -> int:
+    n = 0
+    for ci, (B, K, V) in enumerate(CASES):
+        for mi, mode in enumerate(MODES):
+            if V >= 5000 and mode not in ("standard", "block_q", "entropy"):
+                continue  # the interpreter is slow; the big rows cover the common paths
+            seed = 100 * ci + mi
+            logits, x, q, t, u, e = make_case(B, K, V, seed, draft_probs=True,
+                                              dtype=torch.bfloat16 if mi % 3 == 0 else torch.float32)
+            kw, qq = mode_kwargs(mode, K, t, q, B, V, torch.Generator().manual_seed(seed))
+            args = dict(uniforms=u, exponentials=e, **kw)
+            ref = rejection_sample_reference(logits, x, qq, **args)
+            dev = lambda a: a.to(device) if isinstance(a, torch.Tensor) else a  # noqa: E731
+            tri = rejection_sample_reference(dev(logits), dev(x), dev(qq), impl="triton",
+                                             **{k: dev(v) for k, v in args.items()})
+            outs = [("triton", tri)]
+            if device == "cpu":
+                outs.append(("cpu", rejection_sample_reference(logits, x, qq, impl="cpu", **args)))
+            for name, o in outs:
+                if not all(torch.equal(a, b.cpu()) for a, b in zip(ref, o)):
+                    print(f"MISMATCH {name} B={B} K={K} V={V} mode={mode}\nref={ref}\n{name}={o}")
+                    return 1
+            n += 1
+    print(f"all equal: {n} cases")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "cpu"))
