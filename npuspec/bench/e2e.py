@@ -9,22 +9,24 @@ In one process, greedy, on the same token ids (the checkpoint's tokenizer.json):
                     LLM(model, draft_model K)                       (with --draft-model)
 HF's prompt lookup and assisted generation take one sequence at a time, so every system runs
 the prompts one after another (npuspec with max_num_seqs=1) unless --max-num-seqs says
-otherwise. Each measurement is the median over --repeats of the wall time for all prompts,
-after one warm-up pass (compilation, caches) whose time is reported separately.
-Output identity is checked per prompt against HF greedy, up to and including the first EOS.
+otherwise. Every row is built and warmed up first (load, compilation, graph capture, one
+pass: reported as "warm-up s"), then the rows are timed round-robin --repeats times and each
+figure is the median wall time for all prompts. Output identity is checked per prompt, up to
+and including the first EOS, against HF greedy and against the same system's greedy row.
 
     npuspec bench e2e --max-tokens 128 --json e2e.json --plot e2e.png
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform as _platform
 import statistics
 import sys
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 SCHEMA = "npuspec.bench.e2e/1"
 
@@ -56,17 +58,44 @@ def encode(model_dir: str, prompts: Sequence[str]) -> list[list[int]]:
     return ids
 
 
-def _timed(fn, repeats: int) -> tuple[float, float, object]:
-    """(warm-up seconds, median seconds over `repeats`, last result)."""
-    t0 = time.perf_counter()
-    out = fn()
-    warm = time.perf_counter() - t0
-    ts = []
-    for _ in range(repeats):
+class Runner:
+    """One row of the benchmark: `setup()` builds the system (load, compile, capture), then each
+    `run()` generates every prompt and returns {"token_ids", "tokens", "metrics"}."""
+
+    def __init__(self, system: str, method: str, k: int, setup: Callable[[], Callable[[], dict]]):
+        self.system, self.method, self.k, self._setup = system, method, k, setup
+        self.times: list[float] = []
+        self.result: dict = {}
+        self.warmup_seconds = 0.0
+
+    def warm_up(self) -> None:
         t0 = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t0)
-    return warm, statistics.median(ts), out
+        self._run = self._setup()
+        self.result = self._run()
+        self.warmup_seconds = time.perf_counter() - t0
+
+    def timed(self) -> None:
+        t0 = time.perf_counter()
+        self.result = self._run()
+        self.times.append(time.perf_counter() - t0)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.times)
+
+
+def run_interleaved(runners: Sequence[Runner], repeats: int, progress=None) -> None:
+    """Warm every row up, then time them round-robin `repeats` times, so a change in machine
+    load hits every row alike (medians are taken per row)."""
+    for r in runners:
+        r.warm_up()
+        if progress:
+            progress.update()
+    for _ in range(repeats):
+        for r in runners:
+            r.timed()
+            if progress:
+                progress.update()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,30 +122,32 @@ def load_hf(model_dir: str):
     return model.eval()
 
 
-def run_hf(model, prompt_ids: Sequence[Sequence[int]], max_tokens: int, eos: Sequence[int],
-           repeats: int, **gen_kwargs) -> dict:
-    """generate() one prompt at a time (prompt lookup and assisted generation need batch 1)."""
-    import torch
+def hf_runner(model_fn: Callable[[], object], prompt_ids: Sequence[Sequence[int]], max_tokens: int,
+              eos: Sequence[int], **gen_kwargs) -> Callable[[], Callable[[], dict]]:
+    """setup for a Runner: generate() one prompt at a time (prompt lookup and assisted
+    generation take batch size 1); model_fn() -> the HF model (gen_kwargs values may be
+    callables, e.g. the assistant model's loader, called at setup)."""
+    def setup():
+        import torch
 
-    pad = eos[0] if eos else 0
-    gc = model.generation_config
-    kw = dict(max_new_tokens=max_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
-              pad_token_id=pad, eos_token_id=list(eos) if eos else None)
-    kw.update(gen_kwargs)
-    gc.temperature = gc.top_p = gc.top_k = None  # no sampling-only settings: plain greedy
+        model = model_fn()
+        pad = eos[0] if eos else 0
+        gc = model.generation_config
+        gc.temperature = gc.top_p = gc.top_k = None  # no sampling-only settings: plain greedy
+        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
+                  eos_token_id=list(eos) if eos else None)
+        kw.update({k: v() if callable(v) else v for k, v in gen_kwargs.items()})
 
-    def once():
-        outs = []
-        with torch.inference_mode():
-            for ids in prompt_ids:
-                x = torch.tensor([list(ids)], dtype=torch.long)
-                y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
-                outs.append(_cut(y[0, x.shape[1]:].tolist(), eos))
-        return outs
-
-    warm, secs, outs = _timed(once, repeats)
-    return {"token_ids": outs, "seconds": secs, "warmup_seconds": warm,
-            "tokens": sum(len(o) for o in outs)}
+        def run():
+            outs = []
+            with torch.inference_mode():
+                for ids in prompt_ids:
+                    x = torch.tensor([list(ids)], dtype=torch.long)
+                    y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
+                    outs.append(_cut(y[0, x.shape[1]:].tolist(), eos))
+            return {"token_ids": outs, "tokens": sum(len(o) for o in outs), "metrics": None}
+        return run
+    return setup
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,24 +186,36 @@ def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: in
                max_model_len=max_model_len, enforce_eager=enforce_eager)
 
 
-def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
-                repeats: int = 1, enforce_eager: bool = False, prompt_ids=None, eos=(),
-                max_model_len: int | None = None) -> dict:
-    """LLM.generate over all prompts (text, or token ids when given) with greedy sampling."""
-    from npuspec import SamplingParams
-
-    inputs = ([{"prompt_token_ids": list(p)} for p in prompt_ids] if prompt_ids is not None
-              else list(prompts))
-    if max_model_len is None:
+def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
+                   enforce_eager: bool = False, eos=(), max_model_len: int | None = None
+                   ) -> Callable[[], Callable[[], dict]]:
+    """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids)."""
+    def setup():
+        from npuspec import SamplingParams
         from npuspec.cli.common import fit_max_model_len
-        max_model_len = fit_max_model_len(model, prompts if prompt_ids is None else prompt_ids, max_tokens)
-    llm = make_llm(model, spec, max_num_seqs, max_model_len, enforce_eager)
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    warm, secs, res = _timed(lambda: llm.generate(inputs, sp), repeats)
-    outs = [_cut(r.outputs[0].token_ids, eos) for r in res]
-    return {"token_ids": outs, "texts": [r.outputs[0].text for r in res], "seconds": secs,
-            "warmup_seconds": warm, "tokens": sum(len(r.outputs[0].token_ids) for r in res),
-            "metrics": aggregate_metrics(res, llm.metrics)}
+
+        inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+        llm = make_llm(model, spec, max_num_seqs,
+                       max_model_len or fit_max_model_len(model, prompts, max_tokens), enforce_eager)
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+        def run():
+            res = llm.generate(inputs, sp)
+            return {"token_ids": [_cut(r.outputs[0].token_ids, eos) for r in res],
+                    "texts": [r.outputs[0].text for r in res],
+                    "tokens": sum(len(r.outputs[0].token_ids) for r in res),
+                    "metrics": aggregate_metrics(res, llm.metrics)}
+        return run
+    return setup
+
+
+def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
+                repeats: int = 1, enforce_eager: bool = False, eos=()) -> dict:
+    """One npuspec row on its own (used by `npuspec tune`): result of the last timed pass."""
+    r = Runner("npuspec", "", 0, npuspec_runner(model, spec, prompts, max_tokens, max_num_seqs,
+                                                 enforce_eager, eos))
+    run_interleaved([r], repeats)
+    return dict(r.result, seconds=r.seconds, warmup_seconds=r.warmup_seconds)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,46 +280,52 @@ def run(args) -> int:
     ids = encode(mdir, prompts)
     eos = list(read_config(mdir).eos_token_ids)
 
-    runs = []  # (system, method, K, result)
-    hf = load_hf(mdir)
-    runs.append(("hf", "greedy", 0, run_hf(hf, ids, args.max_tokens, eos, args.repeats)))
-    runs.append(("hf", "prompt lookup", args.k, run_hf(
-        hf, ids, args.max_tokens, eos, args.repeats, prompt_lookup_num_tokens=args.k,
-        max_matching_ngram_size=args.ngram)))
+    hf = functools.lru_cache(None)(lambda: load_hf(mdir))
+    runners = [Runner("hf", "greedy", 0, hf_runner(hf, ids, args.max_tokens, eos)),
+               Runner("hf", "prompt lookup", args.k, hf_runner(
+                   hf, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k,
+                   max_matching_ngram_size=args.ngram))]
     if args.draft_model:
-        assistant = load_hf(common.model_dir(args.draft_model, "--draft-model"))
-        assistant.generation_config.num_assistant_tokens = args.k
-        assistant.generation_config.num_assistant_tokens_schedule = "constant"
-        runs.append(("hf", "assisted", args.k, run_hf(hf, ids, args.max_tokens, eos, args.repeats,
-                                                      assistant_model=assistant)))
-        del assistant
-    del hf
-    kw = dict(max_num_seqs=args.max_num_seqs, repeats=args.repeats, enforce_eager=args.enforce_eager,
-              prompt_ids=ids, eos=eos)
-    runs.append(("npuspec", "greedy", 0, run_npuspec(mdir, None, None, args.max_tokens, **kw)))
-    runs.append(("npuspec", ngram["method"], ngram.get("num_speculative_tokens", 0),
-                 run_npuspec(mdir, ngram, None, args.max_tokens, **kw)))
+        def assistant():
+            m = load_hf(common.model_dir(args.draft_model, "--draft-model"))
+            m.generation_config.num_assistant_tokens = args.k
+            m.generation_config.num_assistant_tokens_schedule = "constant"
+            return m
+        runners.append(Runner("hf", "assisted", args.k, hf_runner(hf, ids, args.max_tokens, eos,
+                                                                  assistant_model=assistant)))
+    kw = dict(max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, eos=eos)
+    runners.append(Runner("npuspec", "greedy", 0, npuspec_runner(mdir, None, ids, args.max_tokens, **kw)))
+    runners.append(Runner("npuspec", ngram["method"], common.spec_config(ngram).num_speculative_tokens,
+                          npuspec_runner(mdir, ngram, ids, args.max_tokens, **kw)))
     if draft_spec:
-        runs.append(("npuspec", "draft_model", args.k, run_npuspec(mdir, draft_spec, None, args.max_tokens, **kw)))
+        runners.append(Runner("npuspec", "draft_model", args.k,
+                              npuspec_runner(mdir, draft_spec, ids, args.max_tokens, **kw)))
+    with common.Progress("bench e2e", len(runners) * (1 + args.repeats)) as bar:
+        run_interleaved(runners, args.repeats, bar)
 
-    ref = runs[0][3]["token_ids"]
+    ref = runners[0].result["token_ids"]
+    ref_tps = runners[0].result["tokens"] / runners[0].seconds
+    own_greedy = {r.system: r.result["token_ids"] for r in runners if r.method == "greedy"}
     base_tps = {}
     rows = []
-    for system, method, k, r in runs:
-        tps = r["tokens"] / r["seconds"]
-        base_tps.setdefault((system, method), tps)
-        m = r.get("metrics") or {}
-        rows.append({"system": system, "method": method, "K": k, "tokens": r["tokens"],
-                     "seconds": r["seconds"], "warmup_seconds": r["warmup_seconds"], "tokens_per_s": tps,
-                     "vs_hf_greedy": tps / (runs[0][3]["tokens"] / runs[0][3]["seconds"]),
-                     "identical_prompts": _identical(r["token_ids"], ref),
-                     "identical": _identical(r["token_ids"], ref) == len(ref),
+    for r in runners:
+        res = r.result
+        tps = res["tokens"] / r.seconds
+        base_tps.setdefault((r.system, r.method), tps)
+        m = res.get("metrics") or {}
+        rows.append({"system": r.system, "method": r.method, "K": r.k, "tokens": res["tokens"],
+                     "seconds": r.seconds, "warmup_seconds": r.warmup_seconds, "tokens_per_s": tps,
+                     "vs_hf_greedy": tps / ref_tps,
+                     "identical_prompts": _identical(res["token_ids"], ref),
+                     "identical": _identical(res["token_ids"], ref) == len(ref),
+                     "identical_to_own_greedy": _identical(res["token_ids"], own_greedy[r.system]) == len(ref),
                      "mean_acceptance_length": m.get("mean_acceptance_length"),
                      "acceptance_by_position": m.get("acceptance_by_position")})
     ratios = _ratios(base_tps, ngram["method"])
     print_table([{"system": r["system"], "method": r["method"], "K": r["K"], "tokens": r["tokens"],
                   "median s": r["seconds"], "warm-up s": r["warmup_seconds"], "tok/s": r["tokens_per_s"],
                   "x HF greedy": r["vs_hf_greedy"], "same as HF greedy": f"{r['identical_prompts']}/{len(ref)}",
+                  "same as own greedy": "yes" if r["identical_to_own_greedy"] else "NO",
                   "mean acc len": "-" if r["mean_acceptance_length"] is None else r["mean_acceptance_length"]}
                  for r in rows],
                 title=f"bench e2e: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, "
