@@ -398,7 +398,8 @@ def _parents_within(top: str, rel: str) -> list[str]:
 
 
 def _skip_exec_file(rel: str) -> bool:
-    """Lock files and Inductor's own temp files are not artifacts."""
+    """Lock files and Inductor's own half-written temp files (".<pid>.<tid>.tmp") are not
+    artifacts."""
     name = os.path.basename(rel)
-    return (rel.split(os.sep)[0] == "locks" or name.endswith(".lock") or ".tmp" in name
-            or name.startswith("tmp"))
+    return (rel.split(os.sep)[0] == "locks" or name.endswith(".lock")
+            or (name.startswith(".") and name.endswith(".tmp")))
