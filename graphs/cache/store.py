@@ -22,6 +22,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
 import stat
@@ -376,6 +377,10 @@ class CacheDir:
                     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     got = True
                 except OSError as e:
+                    if e.errno == errno.ENOLCK:  # e.g. an NFS mount with `nolock`
+                        _log_no_locks(self.root)
+                        got = True  # go on unlocked: the atomic rename still keeps one entry
+                        break
                     if e.errno not in (errno.EAGAIN, errno.EACCES):
                         raise
                     if time.monotonic() >= deadline:
@@ -386,6 +391,18 @@ class CacheDir:
             if fd >= 0:
                 os.close(fd)  # closing the descriptor drops the lockf lock
             tl.release()
+
+
+_no_lock_logged: set = set()
+
+
+def _log_no_locks(root: str) -> None:
+    if root not in _no_lock_logged:
+        _no_lock_logged.add(root)
+        logging.getLogger("npuspec.cache").warning(
+            "npuspec cache: %s does not support fcntl locks (ENOLCK); processes may compile the "
+            "same key at once (one entry still wins). Mount it with locking (e.g. NFS without "
+            "`nolock`) to avoid duplicate work.", root)
 
 
 def _parents_within(top: str, rel: str) -> list[str]:
