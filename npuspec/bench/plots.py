@@ -1,4 +1,5 @@
-"""`--plot PATH.png` figures for `bench e2e`, `bench verify` and `tune` (matplotlib, optional).
+"""`--plot PATH.png` figures for `bench e2e` and `tune` (matplotlib, optional; `bench verify`
+draws its own time-vs-batch figure in npuspec/bench/verify.py).
 
 Every function takes plain numbers (what the bench already printed) and a path, and writes
 one PNG with the Agg backend, so it works headless.
@@ -92,30 +93,4 @@ def plot_e2e(path: str, rows: Sequence[Mapping], acceptance: Mapping[str, Sequen
         _acceptance_axis(ax2, [])
         ax2.set_xticks(range(1, max(len(a) for a in acceptance.values()) + 1))
         ax2.legend(fontsize=8)
-    _save(fig, path)
-
-
-def plot_verify(path: str, rows: Sequence[Mapping], x: str = "B", y: str = "us", bound: str = "bound_us",
-                group: str = "K") -> None:
-    """Verify time against batch size, one line per `group` value (K), with the bandwidth bound
-    (the time to read the logits once at the measured peak bandwidth) dashed in the same colour."""
-    plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault(r.get(group), []).append(r)
-    for i, (g, rs) in enumerate(sorted(groups.items(), key=lambda kv: str(kv[0]))):
-        rs = sorted(rs, key=lambda r: r[x])
-        color = f"C{i % 10}"
-        ax.plot([r[x] for r in rs], [r[y] for r in rs], "o-", color=color, label=f"{group}={g}")
-        if all(r.get(bound) is not None for r in rs):
-            ax.plot([r[x] for r in rs], [r[bound] for r in rs], "--", color=color, alpha=0.6,
-                    label=f"{group}={g} bandwidth bound")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("verify time (us)")
-    ax.set_title("verify time vs batch")
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
     _save(fig, path)

@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     _setup_logging(debug)
+    argv = [a for a in argv if a != "--debug"]  # accepted anywhere, also inside `cache ls`
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
-        return run_bench(argv[1], [a for a in argv[2:] if a != "--debug"], debug)
+        return run_bench(argv[1], argv[2:], debug)
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # --help, --version, or argparse's own usage error (exit 2)
