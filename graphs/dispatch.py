@@ -95,8 +95,10 @@ class GraphSet:
         self._out_type = tuple
         self._shared: dict[int, torch.Tensor] = {}  # slot index -> largest static buffer
         self._copied: dict[int, tuple] = {}  # COPY slot -> (source, its _version, buffer)
+        self._dirty: dict[tuple, int] = {}  # (slot, buffer address) -> rows that may be non-pad
         self._token_idx = [i for i, s in enumerate(slots) if s.kind == TOKEN]
         self._copy_idx = [i for i, s in enumerate(slots) if s.kind == COPY]
+        self._static_idx = [i for i, s in enumerate(slots) if s.kind == STATIC]
 
     # -- sizes -------------------------------------------------------------------------------
     def units_of(self, args: Sequence) -> Optional[int]:
@@ -152,7 +154,7 @@ class GraphSet:
         static = self._static_args(args, units)
         # Capture on padding rows only: the capture runs of a step with side effects (KV cache
         # writes) then touch only what padding rows touch (e.g. a scratch slot), never real data.
-        self._fill(static, args, 0, units)
+        self._fill_pad(static, args)
         runner = make_runner(self.runner_kind)
         outs = runner.capture(self._typed_fn, static)
         self._learn_outputs(outs, units)
@@ -189,15 +191,28 @@ class GraphSet:
         self._out_coef = coefs
 
     # -- run -----------------------------------------------------------------------------------
-    def _fill(self, static: list, args: Sequence, u: int, units: int) -> None:
+    def _fill_pad(self, static: list, args: Sequence) -> None:
+        """Capture-time content: every token row is a padding row."""
         for i in self._token_idx:
-            s = self.slots[i]
-            buf, a = static[i], args[i]
-            n, total = min(s.coef * u, s.coef * units), s.coef * units
-            if n:
-                buf.narrow(s.dim, 0, n).copy_(a.narrow(s.dim, 0, n))
-            if n < total:
-                buf.narrow(s.dim, n, total - n).fill_(s.pad)
+            static[i].fill_(self.slots[i].pad)
+            self._dirty[(i, static[i].data_ptr())] = 0
+        for i in self._copy_idx:
+            static[i].copy_(args[i])
+
+    def _fill(self, static: list, args: Sequence) -> None:
+        """Copy the real rows in; re-pad only rows a previous step left non-pad."""
+        for i in self._token_idx:
+            s, buf, a = self.slots[i], static[i], args[i]
+            n, total = a.shape[s.dim], buf.shape[s.dim]
+            if n == total:
+                buf.copy_(a)
+                continue
+            buf.narrow(s.dim, 0, n).copy_(a)
+            key = (i, buf.data_ptr())  # sizes sharing a buffer share its dirty mark
+            dirty = total if s.mutated else self._dirty.get(key, total)
+            if dirty > n:
+                buf.narrow(s.dim, n, min(dirty, total) - n).fill_(s.pad)
+            self._dirty[key] = n if dirty <= total else dirty
         for i in self._copy_idx:
             # Skip the copy when the caller passes the same tensor, unmodified since last time
             # (its version counter moves on every in-place write): weights read as plain inputs.
@@ -209,12 +224,11 @@ class GraphSet:
             self._copied[i] = (a, a._version, static[i])
 
     def _check_static(self, e: _Entry, args: Sequence) -> bool:
-        for i, s in enumerate(self.slots):
-            if s.kind == STATIC:
-                a, b = args[i], e.args[i]
-                if a is not b and (a.data_ptr() != b.data_ptr() or a.shape != b.shape
-                                   or a.stride() != b.stride()):
-                    return False
+        for i in self._static_idx:
+            a, b = args[i], e.args[i]
+            if a is not b and (a.data_ptr() != b.data_ptr() or a.shape != b.shape
+                               or a.stride() != b.stride()):
+                return False
         return True
 
     def run(self, *args):
@@ -243,7 +257,7 @@ class GraphSet:
         if not self._check_static(e, args):
             fallback(f"{self.name}: a parameter/buffer input moved or changed shape since capture")
             return self.fn(*args)
-        self._fill(e.args, args, u, units)
+        self._fill(e.args, args)
         outs = e.runner.replay()  # debug mode: the runner asserts the buffers did not move
         for i in self._token_idx:  # in-place writes of the step go back to the caller's tensor
             s = self.slots[i]
@@ -254,7 +268,7 @@ class GraphSet:
     def _slice(self, outs: list, u: int):
         res = []
         for o, c, d in zip(outs, self._out_coef, self.out_dims):
-            if c is not None:
+            if c is not None and o.shape[d] != c * u:
                 o = o.narrow(d, 0, c * u)
             if self.clone_outputs and isinstance(o, torch.Tensor):
                 o = o.clone()

@@ -184,3 +184,29 @@ def test_outputs_are_views_or_clones():
     a = clones.run(*a_args)[0]
     clones.run(*inputs(3, K, gen)[:3])
     assert torch.equal(a, toy_step(*a_args)[0])
+
+
+def test_padding_rows_hold_pad_values_after_any_sequence():
+    """Pads are refilled lazily (only rows an earlier step dirtied); check every replay saw
+    pad values in every padding row, across sizes that share one buffer."""
+    K, gen = 1, torch.Generator().manual_seed(9)
+    seen = []
+
+    def spy(tokens, drafts, temp):
+        B = drafts.shape[0]
+        seen.append((tokens.clone(), drafts.clone(), temp.clone()))
+        return toy_step(tokens, drafts, temp)
+
+    gs = GraphSet(spy, [token(coef=2, pad=7), token(pad=-1), token(pad=0.25)], [2, 4, 8, 16])
+    import random
+    rng = random.Random(0)
+    for _ in range(60):
+        B = rng.randint(1, 16)
+        seen.clear()
+        args = inputs(B, K, gen)[:3]
+        out = gs.run(*args)
+        tokens, drafts, temp = seen[-1]  # the replay (capture runs come first)
+        assert torch.equal(tokens[:2 * B], args[0]) and bool((tokens[2 * B:] == 7).all())
+        assert torch.equal(drafts[:B], args[1]) and bool((drafts[B:] == -1).all())
+        assert torch.equal(temp[:B], args[2]) and bool((temp[B:] == 0.25).all())
+        assert all(torch.equal(a, b) for a, b in zip(out, toy_step(*args)))
