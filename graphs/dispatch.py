@@ -204,12 +204,14 @@ class GraphSet:
         for i in self._token_idx:
             s, buf, a = self.slots[i], static[i], args[i]
             n, total = a.shape[s.dim], buf.shape[s.dim]
+            key = (i, buf.data_ptr())  # sizes sharing a buffer share its dirty mark
+            # rows >= dirty hold the pad value; rows below may hold an earlier step's data
+            dirty = total if s.mutated else self._dirty.get(key, total)
             if n == total:
                 buf.copy_(a)
+                self._dirty[key] = max(dirty, total)
                 continue
             buf.narrow(s.dim, 0, n).copy_(a)
-            key = (i, buf.data_ptr())  # sizes sharing a buffer share its dirty mark
-            dirty = total if s.mutated else self._dirty.get(key, total)
             if dirty > n:
                 buf.narrow(s.dim, n, min(dirty, total) - n).fill_(s.pad)
             self._dirty[key] = n if dirty <= total else dirty
