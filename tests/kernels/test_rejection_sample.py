@@ -137,7 +137,7 @@ def test_cpu_lowering_is_compiled_not_a_fallback():
 def test_triton_interpreter_equals_reference():
     """The Triton kernel under TRITON_INTERPRET=1 (set before triton is imported: subprocess)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, os.path.join(HERE, "triton_cases.py")], env=env,
+    r = subprocess.run([sys.executable, os.path.join(HERE, "verify_triton_cases.py")], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "all equal" in r.stdout, r.stdout
