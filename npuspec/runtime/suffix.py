@@ -39,7 +39,11 @@ from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_r
 
 _H = 4     # exact count table for strings of up to _H tokens: matches of 1 .. _H - 2 tokens
 _LONG = 8  # occurrence index levels: matches >= _LONG tokens, and _H - 1 .. _LONG - 1 tokens
-_SEARCH = ((_LONG, 1 << 30), (_H - 1, 1 << 30))  # (n-gram length, most recent occurrences read)
+# (n-gram length, most recent occurrences read); the windows and _WORK only bind on pathological
+# contexts (a run of one token, boilerplate seen thousands of times): they bound propose's cost
+_SEARCH = ((_LONG, 256), (_H - 1, 256))
+_WORK = 2048  # occurrences x tokens walked by _path per tree and propose; then shorter matches
+#               are skipped (the exact 1..2-token table still answers)
 _LEVELS = tuple(sorted(k for k, _ in _SEARCH))
 _B = 32  # bits per token in a packed string key: key(s + t) = key(s) << _B | t, key(()) = 1
 _MASK = (1 << _B) - 1
@@ -346,7 +350,12 @@ class SuffixProposer:
             D, f, off = self.max_tree_depth, self.max_spec_factor, self.max_spec_offset
             need = [max(0, min(K, int(m * f + off + 1e-6))) for m in range(D + 1)]
             caps = [min(need[m], D - m) for m in range(D + 1)]
-            span = [[max(caps[lo:hi + 1], default=0) for hi in range(D + 1)] for lo in range(D + 1)]
+            span = [[0] * (D + 1) for _ in range(D + 1)]
+            for lo in range(D + 1):
+                run = 0
+                for hi in range(lo, D + 1):
+                    run = run if run > caps[hi] else caps[hi]
+                    span[lo][hi] = run
             lim = self._lim[K] = (need, span)
         return lim
 
@@ -370,10 +379,11 @@ class SuffixProposer:
         last_key, last_len = None, 0  # the levels often find the same occurrence set again
         toks: list[int] = []
         probs: list[float] = []
+        work = 0
         for k, window in _SEARCH:
             if k > upper:
                 continue
-            if upper < m_lo:
+            if upper < m_lo or work > _WORK:
                 break
             lst = index.get(qk[k])
             if lst is None:
@@ -411,7 +421,7 @@ class SuffixProposer:
                     i += 1
                 # scored[:i] are the occurrences of every match length m in [bottom, top]
                 bottom = scored[i][0] + 1 if i < n_all else lo
-                if need[top] <= best:
+                if need[top] <= best or work > _WORK:
                     break
                 length = min(need[top], D - bottom)
                 if i == 1:
@@ -420,6 +430,7 @@ class SuffixProposer:
                     key = [(r[2], r[3]) for r in sorted(scored[:i], key=_age)]  # oldest first
                 if key != last_key or (length > last_len and len(toks) == last_len):
                     toks, probs = _path(key, seqs, length, i, pmin)
+                    work += i * length
                     last_key, last_len = key, length
                 c = span[bottom][top]
                 if c > len(toks):
