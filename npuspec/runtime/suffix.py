@@ -26,9 +26,11 @@ in CPython. Instead each tree keeps its token sequences and
     backwards to its full match length, and derives the counts above from those occurrences.
 The search walks m from long to short and stops once min(K, m * factor + offset) cannot beat the
 best score so far, so a confident long match never reads the larger short-match sets. Results
-equal a brute-force scan of every occurrence (tests/runtime/test_proposers.py), with one
-documented limit: a 1- or 2-token match drafts at most _H - m tokens (3 or 2), which binds only
-when max_spec_factor > 1 or max_spec_offset > 0.
+equal a brute-force scan of every occurrence (tests/runtime/test_proposers.py), with documented
+limits: a 1- or 2-token match drafts at most _H - m tokens (3 or 2), which binds only when
+max_spec_factor > 1 or max_spec_offset > 0; and on pathological contexts (an n-gram seen more
+than 256 times, e.g. a long run of one token) only its 256 most recent occurrences are read and
+the search stops after _WORK occurrence-tokens, so propose stays bounded (~1 ms worst seen).
 """
 from __future__ import annotations
 
