@@ -70,7 +70,6 @@ def draft_ckpt(tmp_path_factory):
                            kv_heads=1, seed=1)
 
 
-@pytest.fixture(scope="session")
-def eos_ckpt(tmp_path_factory):
-    """Same shape as `ckpt` but declares eos_token_id (so requests can stop early)."""
-    return save_checkpoint(tmp_path_factory.mktemp("eos"), eos=0, seed=0)
+@pytest.fixture
+def make_ckpt():
+    return save_checkpoint
