@@ -16,8 +16,8 @@ SETTINGS = settings(max_examples=120, deadline=None, derandomize=True)
 
 # -- brute-force references ---------------------------------------------------------------
 def ngram_reference(toks, nmin, nmax, k):
-    """Scan: longest n in [nmin, nmax] whose suffix n-gram occurred earlier; copy after the most
-    recent earlier occurrence, continuing periodically past the end of the context."""
+    """Scan: longest n in [nmin, nmax] whose suffix n-gram occurred earlier; copy after its
+    earliest occurrence, continuing periodically past the end of the context."""
     T = len(toks)
     if k == 0:
         return []
@@ -25,7 +25,7 @@ def ngram_reference(toks, nmin, nmax, k):
         if n >= T:
             continue
         suf = toks[T - n:]
-        for e in range(T - 2, n - 2, -1):  # most recent first
+        for e in range(n - 1, T - 1):  # earliest first
             if toks[e - n + 1:e + 1] == suf:
                 start = e + 1
                 return [toks[start + j % (T - start)] for j in range(k)]
@@ -150,14 +150,15 @@ def test_ngram_longer_than_context_and_fallback_to_shorter_n():
     assert q.propose(["b"], 2) == [[]]  # only a 2-gram repeats
 
 
-def test_ngram_longest_first_then_most_recent():
+def test_ngram_longest_first_then_earliest():
     p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     #                 "7 8" -> 1 (old)   "9 7 8" -> 2    "7 8" -> 3 (recent)
     p.start_request("a", [7, 8, 1, 0, 9, 7, 8, 2, 0, 7, 8, 3, 0, 9, 7, 8])
-    assert p.propose(["a"], 1) == [[2]]  # the 3-gram "9 7 8" beats the more recent 2-gram
+    assert p.propose(["a"], 1) == [[2]]  # the 3-gram "9 7 8" beats the shorter "7 8"
     q = NgramProposer(prompt_lookup_min=2, prompt_lookup_max=2)
-    q.start_request("b", [7, 8, 1, 0, 7, 8, 3, 0, 7, 8])
-    assert q.propose(["b"], 2) == [[3, 0]]  # tie on n: the most recent occurrence
+    q.start_request("b", [7, 8, 1, 0])
+    q.extend("b", [7, 8, 3, 0, 7, 8])  # the index is built by start_request and by extend
+    assert q.propose(["b"], 2) == [[1, 0]]  # tie on n: the earliest occurrence
 
 
 @SETTINGS
