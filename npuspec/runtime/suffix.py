@@ -200,8 +200,8 @@ def _age(r):
 def _path(refs, seqs, need: int, denom: int, min_prob: float):
     """Greedy most-frequent continuation after the occurrences `refs` = [(seq id, end)], oldest
     first. Returns (tokens, probs); prob_j = (#refs continuing with t1..tj) / denom. Ties between
-    equally frequent tokens go to the one that continued the oldest occurrence (measured on the
-    shipped traces: it beats "most recent"; for an edit, the oldest copy is the original)."""
+    equally frequent tokens go to the one that reached that count first, walking the
+    occurrences oldest first (the same rule as the count table's `best`)."""
     toks: list[int] = []
     probs: list[float] = []
     cur = [(seqs[sid], e) for sid, e in refs]
