@@ -113,7 +113,8 @@ def _edit(text: str, rng: random.Random) -> tuple[str, str]:
         ind = l[: len(l) - len(s)]
         r = rng.random()
         if s.startswith("def ") and r < 0.5:
-            out.append(f"{ind}# {rng.choice(['TODO: add tests', 'Checked', 'Hot path', 'Note: keep in sync'])}\n")
+            note = rng.choice(["TODO: add tests", "Checked", "Hot path", "Note: keep in sync"])
+            out.append(f"{ind}# {note}\n")
             out.append(l)
         elif s and not s.startswith(("def ", "class ", "@")) and r < 0.03:
             continue  # deleted line
@@ -186,7 +187,8 @@ def _variant(body: str, rng: random.Random) -> str:
             continue
         if r > 0.96 and l.strip():
             ind = l[: len(l) - len(l.lstrip())]
-            out.append(f"{ind}# {rng.choice(['edge case', 'fast path', 'see above', 'keep order'])}\n")
+            note = rng.choice(["edge case", "fast path", "see above", "keep order"])
+            out.append(f"{ind}# {note}\n")
         out.append(l)
     return "".join(out)
 
@@ -202,15 +204,17 @@ def build(seed: int = 0, out_dir: str = TRACES_DIR, n_edit: int = 12, n_extract:
         chunk = _chunk(_read(path), rng, rng.randint(8_000, 15_000))
         how, edited = _edit(chunk, rng)
         prompt = f"Apply these edits ({how}) and return the whole file.\n\n{chunk}\n"
-        traces["edit.jsonl"].append(dict(kind="edit", name=os.path.basename(path),
-                                         prompt=vocab.encode(prompt), response=vocab.encode(edited)))
+        traces["edit.jsonl"].append(dict(
+            kind="edit", name=os.path.basename(path),
+            prompt=vocab.encode(prompt), response=vocab.encode(edited)))
 
     for path in rng.sample(files, n_extract):
         chunk = _chunk(_read(path), rng, rng.randint(3_000, 9_000))
         ask, got = _extract(chunk, rng)
         prompt = f"{ask}\n\n{chunk}\n"
-        traces["extract.jsonl"].append(dict(kind="extract", name=os.path.basename(path),
-                                            prompt=vocab.encode(prompt), response=vocab.encode(got)))
+        traces["extract.jsonl"].append(dict(
+            kind="extract", name=os.path.basename(path),
+            prompt=vocab.encode(prompt), response=vocab.encode(got)))
 
     groups = 0
     for path in rng.sample(files, len(files)):

@@ -1,7 +1,6 @@
 """NgramProposer and SuffixProposer: edge cases, and equality with brute-force references."""
 from __future__ import annotations
 
-import collections
 import json
 import os
 
