@@ -16,6 +16,7 @@ once, counted, and followed by a correct compile; none raises.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -165,19 +166,21 @@ def cached_lower(gm: Any, example_inputs: Sequence[Any], opts: Any,
     if not (sess.writable and trusted and not sess.entry_refused):
         return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
     timeout = envs.cache_lock_timeout()
+    stack = contextlib.ExitStack()
     try:
-        with cache.lock(key, timeout) as got:
-            if got:
-                fn = _try_hit(sess, lower, gm, example_inputs, opts, executable, trusted,
-                              locked=True)
-                if fn is not None:
-                    return fn
-                return _finish_miss(sess, lower, gm, example_inputs, opts, executable,
-                                    publish=not sess.entry_refused)
+        got = stack.enter_context(cache.lock(key, timeout))
     except OSError as e:  # lock file not creatable: behave like a read-only directory
         _once(logging.WARNING, f"lock:{cache.root}", "npuspec cache: cannot lock %s (%s); "
               "compiling without writing", cache.root, e)
         return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
+    with stack:  # a compile error inside propagates unchanged (and releases the lock)
+        if got:
+            fn = _try_hit(sess, lower, gm, example_inputs, opts, executable, trusted,
+                          locked=True)
+            if fn is not None:
+                return fn
+            return _finish_miss(sess, lower, gm, example_inputs, opts, executable,
+                                publish=not sess.entry_refused)
     _once(logging.WARNING, f"timeout:{key}", "npuspec cache: waited %.0f s for another process "
           "compiling entry %s (NPUSPEC_CACHE_LOCK_TIMEOUT); compiling privately without writing",
           timeout, key[:12])

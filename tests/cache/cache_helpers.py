@@ -73,7 +73,12 @@ def run_worker(out, cache_dir, lowering, *extra, env=None, user=None, timeout=30
     return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_worker(proc, timeout=300):
-    out, _ = proc.communicate(timeout=timeout)
+def wait_worker(proc, timeout=900):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
     assert proc.returncode == 0, out
     return out

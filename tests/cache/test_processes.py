@@ -27,6 +27,8 @@ def test_cold_then_warm_process_inductor(tmp_path):
 
     wait_worker(run_worker(tmp_path / "warm.json", cache, "inductor"))
     warm = result(tmp_path / "warm.json")
+    assert warm["keys"] == cold["keys"] == [key], (cold["keys"], warm["keys"], key,
+                                                   "npuspec sources edited between the runs?")
     assert warm["equal"], warm
     assert warm["counters"].get("cache_hits") == 1 and "cache_misses" not in warm["counters"], warm
     # compiled nothing: Inductor's FX-graph and AOTAutograd caches hit, no codegen, no C++ build
@@ -46,6 +48,7 @@ def test_cold_then_warm_process_inductor(tmp_path):
     wait_worker(run_worker(tmp_path / "bad.json", cache, "inductor"))
     bad = result(tmp_path / "bad.json")
     assert bad["equal"], bad
+    assert bad["keys"] == [key], (bad["keys"], key, "npuspec sources edited between the runs?")
     assert bad["counters"] == {"cache_misses": 1, "cache_rejected": 1}, bad
     assert len(os.listdir(cache / "quarantine")) == 1
     CacheDir(str(cache)).verify(key, executable=True)
@@ -60,9 +63,16 @@ def test_eight_cold_processes_at_once(tmp_path):
     start = time.time() + 12.0  # every interpreter is up and importing by then
     procs = [run_worker(tmp_path / f"w{i}.json", cache, "eager", "--start", start,
                         "--slow", 1.5, "--shapes", 2) for i in range(8)]
-    for p in procs:
-        wait_worker(p)
+    try:
+        for p in procs:
+            wait_worker(p)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     res = [result(tmp_path / f"w{i}.json") for i in range(8)]
+    assert len({tuple(r["keys"]) for r in res}) == 1, "every process must derive the same keys"
     assert all(r["equal"] for r in res), res
     misses = sum(r["counters"].get("cache_misses", 0) for r in res)
     hits = sum(r["counters"].get("cache_hits", 0) for r in res)
@@ -70,7 +80,7 @@ def test_eight_cold_processes_at_once(tmp_path):
     assert not any(r["counters"].get("cache_rejected") for r in res)
     c = CacheDir(str(cache))
     keys = c.keys()
-    assert len(keys) == 2, keys
+    assert sorted(keys) == sorted(res[0]["keys"]), keys
     for k in keys:
         c.verify(k, executable=True)
     assert os.listdir(cache / "tmp") == [] and os.listdir(cache / "quarantine") == []

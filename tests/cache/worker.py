@@ -54,14 +54,17 @@ def main() -> None:
                       options={"cache_dir": a.cache_dir, "lowering": a.lowering, "capture": False})
     if a.start:
         time.sleep(max(0.0, a.start - time.time()))
-    equal = True
+    from npuspec.graphs.cache import current
+
+    equal, keys = True, []
     t0 = time.perf_counter()
     for b in range(1, a.shapes + 1):
         x, d = torch.randn(b, K + 1, D), torch.randint(0, V, (b, K))
         got, want = f(x, w1, w2, d), step(x, w1, w2, d)
         equal &= all(torch.equal(g, w) for g, w in zip(got, want))
+        keys.append(current().key)  # the cache key of the graph just compiled
     secs = time.perf_counter() - t0
-    res = {"equal": equal, "seconds": secs, "counters": counters.snapshot(),
+    res = {"equal": equal, "seconds": secs, "counters": counters.snapshot(), "keys": keys,
            "inductor": dict(dynamo_counters["inductor"]),
            "aot": dict(dynamo_counters["aot_autograd"]), "pid": os.getpid()}
     with open(a.out, "w") as fh:
