@@ -13,3 +13,10 @@ from npuspec.passes.patterns import (  # noqa: F401
     VerifyPattern,
     default_patterns,
 )
+
+
+def pass_uuids() -> tuple:
+    """uuids of the default pipeline, in run order: the manager's (it covers its own and the
+    canonicaliser's source and every family's uuid), then each family's. For cache keys."""
+    pm = PassManager()
+    return (pm.uuid(),) + tuple(p.uuid() for p in pm.patterns)

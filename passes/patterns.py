@@ -73,8 +73,19 @@ def _draw_order_ok(match) -> bool:
     return not any(_is_random(n) and n not in inside for n in nodes[lo + 1:hi])
 
 
-def _static_shape(t: Tensor) -> bool:
-    return all(isinstance(s, int) for s in t.shape)
+def _static_shape(t: Tensor, skip: int = 1) -> bool:
+    """Every dim but the first `skip` (the batch, which Dynamo makes symbolic once it varies)
+    is a plain int: K and V are burnt into the op calls and the matched literals."""
+    return all(isinstance(s, int) for s in t.shape[skip:])
+
+
+def _eq_shape(a, b) -> bool:
+    """Shapes equal. Dynamo gives each input's varying batch its own symbol; equal sizes are
+    then guarded equal (a later call with unequal batches recompiles), like Inductor's own
+    pattern checks do."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+    a, b = tuple(a), tuple(b)
+    return len(a) == len(b) and all(guard_or_false(x == y) for x, y in zip(a, b))
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,10 +249,12 @@ class GreedyVerify(VerifyPattern):
         logits, drafts = _val(match.kwargs["logits"]), _val(match.kwargs["drafts"])
         if logits is None or drafts is None or not self.config.enabled:
             return False
+        # float64 is refused: the op takes the argmax of logits.float(), and rounding to float32
+        # could merge two distinct float64 maxima into a tie
         return (logits.dim() == 3 and drafts.dim() == 2 and _static_shape(logits)
-                and logits.dtype in FLOATS and drafts.dtype == torch.int64
-                and drafts.shape[0] == logits.shape[0] and drafts.shape[1] == logits.shape[1] - 1
-                and 1 <= drafts.shape[1] <= self.config.max_k)
+                and _static_shape(drafts) and logits.dtype in FLOATS[:3]
+                and drafts.dtype == torch.int64 and _eq_shape(drafts.shape[:1], logits.shape[:1])
+                and drafts.shape[1] == logits.shape[1] - 1 and 1 <= drafts.shape[1] <= self.config.max_k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +309,7 @@ class GreedyAccept(VerifyPattern):
         if d is None or t is None or not self.config.enabled:
             return False
         ok_dt = tuple(getattr(torch, n) for n in self.config.id_dtypes)
-        return (d.dim() == 2 and d.shape == t.shape and d.dtype == t.dtype and d.dtype in ok_dt
+        return (d.dim() == 2 and _eq_shape(d.shape, t.shape) and d.dtype == t.dtype and d.dtype in ok_dt
                 and d.shape[1] >= 1)
 
 
@@ -415,24 +428,23 @@ class RatioAccept(VerifyPattern):
         u = _val(match.kwargs["u"]) if "u" in match.kwargs else None
         if p is None or ids is None or ("q" in match.kwargs and q is None):
             return False
-        if "u" not in match.kwargs:  # the draw is inside the pattern
-            if not _draw_order_ok(match):
-                return False
-            B, K = ids.shape
-            u = torch.empty(K if B == 1 and p.shape[1] != K else (B, K), dtype=p.dtype)
-        if u is None:
+        if ids.dtype != torch.int64 or p.dtype not in FLOATS:
             return False
-        if ids.dtype != torch.int64 or p.dtype not in FLOATS or not u.is_floating_point():
-            return False
-        if p.dim() != 3 or ids.dim() != 2 or not _static_shape(p):
+        if p.dim() != 3 or ids.dim() != 2 or not (_static_shape(p) and _static_shape(ids)):
             return False
         B, K = ids.shape
         if q is not None and (q.dtype != p.dtype or q.dim() != 3 or q.shape[2] != p.shape[2]
-                              or tuple(q.shape[:2]) != (B, K)):
+                              or not _eq_shape(q.shape[:2], (B, K))):
             return False
-        if u.dim() == 1:  # HF spelling: B == 1, p carries the bonus row too
-            return B == 1 and p.shape[0] == 1 and p.shape[1] >= K and tuple(u.shape) == (K,)
-        return tuple(p.shape[:2]) == (B, K) and tuple(u.shape) == (B, K)
+        hf = any(n.target is torch.ops.aten.index.Tensor for n in match.nodes)
+        if hf:  # HF spelling: B == 1, p carries the bonus row too, u is [K]
+            u_shape, p_ok = (K,), _eq_shape((B, p.shape[0]), (1, 1)) and p.shape[1] >= K
+        else:
+            u_shape, p_ok = (B, K), _eq_shape(p.shape[:2], (B, K))
+        if "u" not in match.kwargs:  # the draw is inside the pattern (made in p's dtype)
+            return p_ok and _draw_order_ok(match)
+        return (p_ok and u is not None and u.is_floating_point()
+                and _eq_shape(u.shape, u_shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -508,9 +520,9 @@ class Residual(VerifyPattern):
         noise = _val(match.kwargs["noise"]) if "noise" in match.kwargs else None
         if p is None or q is None or ("noise" in match.kwargs and noise is None):
             return False
-        if p.dtype not in FLOATS or q.dtype != p.dtype or p.shape != q.shape or p.dim() < 1:
+        if p.dtype not in FLOATS or q.dtype != p.dtype or not _eq_shape(p.shape, q.shape) or p.dim() < 1:
             return False
-        if noise is not None and (noise.dtype != p.dtype or noise.shape != p.shape):
+        if noise is not None and (noise.dtype != p.dtype or not _eq_shape(noise.shape, p.shape)):
             return False
         if "noise" not in match.kwargs and p.dim() not in (1, 2):  # multinomial takes 1-D/2-D
             return False

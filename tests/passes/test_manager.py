@@ -128,3 +128,12 @@ def test_inductor_fx_graph_cache_hits_and_keys_on_pass_uuid(tmp_path, monkeypatc
         edited = [GreedyAccept(dataclasses.replace(GreedyAccept().config, id_dtypes=("int64",)))]
         monkeypatch.setattr(manager, "default_patterns", lambda: edited)
         assert compile_once() == {"fxgraph_cache_hit": 0, "fxgraph_cache_miss": 1}
+
+
+def test_pass_uuids_for_cache_keys(monkeypatch):
+    from npuspec.passes import pass_uuids
+    u = pass_uuids()
+    assert len(u) == 1 + len(default_patterns()) and u == pass_uuids()
+    edited = [GreedyAccept(dataclasses.replace(GreedyAccept().config, tails=("cumprod",)))]
+    monkeypatch.setattr(manager, "default_patterns", lambda: edited)
+    assert pass_uuids()[0] != u[0]

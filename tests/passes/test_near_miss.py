@@ -109,3 +109,17 @@ def test_superset_blocked_falls_back_to_narrow_op():
     greedy_accept still takes the prefix length."""
     three_way(greedy_step_extra_use, _inputs(8), matched=1, family="greedy_accept",
               appear=["npuspec.greedy_accept", "aten.argmax"], gone=["npuspec.rejection_sample"])
+
+
+def greedy_step(logits, drafts, p, q):
+    target = logits.argmax(dim=-1)
+    n = (drafts == target[:, :-1]).cumprod(dim=-1).sum(dim=-1)
+    return target.gather(1, n[:, None]).squeeze(1), n
+
+
+def test_float64_logits_keep_the_argmax():
+    """rejection_sample takes the argmax of float32 logits; float64 could tie after rounding,
+    so the whole-step pattern refuses float64 and only the exact prefix count is fused."""
+    logits, drafts, p, q = _inputs(9)
+    three_way(greedy_step, (logits.double(), drafts, p, q), matched=1, family="greedy_accept",
+              appear=["npuspec.greedy_accept", "aten.argmax"], gone=["npuspec.rejection_sample"])

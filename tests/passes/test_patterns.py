@@ -153,3 +153,29 @@ def test_inductor_lowering_matches_all_families(no_fx_cache):
               appear=["npuspec.rejection_sample", "npuspec.ratio_accept",
                       "npuspec.residual_sample"],
               gone=["aten.cumprod", "aten.clamp.default", "aten.argmax"])
+
+
+def test_varying_batch_still_matches():
+    """A second batch size makes Dynamo recompile with a symbolic batch; the patterns must
+    match that graph too (K and V stay static), and a third size reuses it."""
+    from npuspec import counters
+    from passes_helpers import compile_npuspec
+
+    def step(logits, drafts, p, q, u):
+        greedy = greedy_step_token(logits, drafts)
+        px = p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        qx = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        return greedy, (px / qx >= u).cumprod(dim=-1).sum(dim=-1)
+
+    cf = compile_npuspec(step)
+    for b, matched in ((3, 2), (6, 2), (9, 0)):
+        g = torch.Generator().manual_seed(b)
+        args = (torch.randn(b, K + 1, V, generator=g), torch.randint(0, V, (b, K), generator=g),
+                torch.rand(b, K, V, generator=g), torch.rand(b, K, V, generator=g),
+                torch.rand(b, K, generator=g))
+        before = counters.snapshot()
+        out = cf(*args)
+        assert counters.delta(before).get("verify_patterns_matched", 0) == matched
+        ref = step(*args)
+        assert torch.equal(out[0][0], ref[0][0]) and torch.equal(out[0][1], ref[0][1])
+        assert torch.equal(out[1], ref[1])
