@@ -20,7 +20,8 @@ import torch
 
 from npuspec.graphs.dispatch import TOKEN, GraphSet, fallback
 from npuspec.graphs.layout import analyse, concretize, key_of, runtime_values
-from npuspec.graphs.plan import k_values_of, plan_capture_sizes
+from npuspec import envs
+from npuspec.graphs.plan import k_values_of, plan_capture_sets, plan_capture_sizes
 
 log = logging.getLogger("npuspec.graphs")
 
@@ -31,6 +32,23 @@ _LIVE: "weakref.WeakSet[StepDispatcher]" = weakref.WeakSet()
 def live_dispatchers() -> list:
     """Every StepDispatcher still alive (one per Dynamo graph), for introspection and tests."""
     return list(_LIVE)
+
+
+_PLANS: dict = {}
+
+
+def planned_sizes(k: int, opts, platform) -> list[int]:
+    """The capture sizes for K. Every K of the config is planned together, once per process
+    and setting, so a rounding warning is given once for all K, not once per Dynamo graph."""
+    ks = k_values_of(opts.speculative_config)
+    key = (ks, opts.max_num_seqs, opts.capture_sizes, envs.capture_sizes() and
+           tuple(envs.capture_sizes()), platform.device)
+    if key not in _PLANS:
+        _PLANS[key] = plan_capture_sets(ks, opts.max_num_seqs, opts.capture_sizes, platform)
+    plans = _PLANS[key]
+    if k not in plans:  # a K the config does not list (e.g. K=0 for a plain graph)
+        plans[k] = plan_capture_sizes(k, opts.max_num_seqs, opts.capture_sizes, platform)
+    return plans[k]
 
 
 class StepDispatcher:
@@ -82,8 +100,7 @@ class StepDispatcher:
         if not any(s.kind == TOKEN for s in kl.slots):
             units = [1]  # nothing to pad: one graph at the traced shape
         else:
-            sizes = plan_capture_sizes(k, self.opts.max_num_seqs, self.opts.capture_sizes,
-                                       self.platform)
+            sizes = planned_sizes(k, self.opts, self.platform)
             units = sorted({-(-s // tpu) for s in sizes})
             units = [n for n in units if kl.ok_units(n)]
         if not units:

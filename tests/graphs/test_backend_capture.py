@@ -191,3 +191,18 @@ def test_size_oblivious_dynamo_needs_no_size1_graph(fresh_dynamo, delta):
             assert same(f(*args), toy_step(*args))
     assert stats["unique_graphs"] == g0 + 1
     assert delta() == {"graphs_captured": 5, "graph_replays": 6}  # 1, 2, 4, 8, 16 requests
+
+
+def test_dynamic_k_rounding_warns_once_across_graphs(fresh_dynamo, delta):
+    import warnings
+    f = compile_step(toy_step, speculative_config=DYNAMIC_K, capture_sizes=[6, 16, 30])
+    gen = torch.Generator().manual_seed(11)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for K in (1, 2, 3, 1):
+            args = make_inputs(2, K, gen)[:3]
+            assert same(f(*args), toy_step(*args))
+    msgs = [str(w.message) for w in rec if issubclass(w.category, CaptureSizeWarning)]
+    assert len(msgs) == 1 and "K=2: 16->18" in msgs[0] and "K=3: 6->8" in msgs[0], msgs
+    # tokens: K=1 [6, 16, 30]; K=2 [6, 18, 30]; K=3 [8, 16, 32] -> 9 graphs
+    assert delta()["graphs_captured"] == 9
