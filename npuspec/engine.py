@@ -48,6 +48,7 @@ DEFAULT_MAX_NUM_SEQS = 16
 # padding values of the step inputs' padded rows (slots: filled in per engine, the scratch slot)
 _PAD = {"draft_ids": -1, "top_p": 1.0, "uniforms": 1.0, "exponentials": 1.0}
 DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_LOWERING: Optional[str] = None  # None: the backend's platform default (Inductor on CPU)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -209,7 +210,7 @@ def _parse_compilation(cc: Any, enforce_eager: bool) -> tuple[Any, Optional[list
     if mode not in CUDAGRAPH_MODES:
         raise _err("compilation_config.cudagraph_mode", cc.get("cudagraph_mode"),
                    f"must be one of {', '.join(CUDAGRAPH_MODES)}")
-    lowering = cc.get("backend")
+    lowering = cc.get("backend", DEFAULT_LOWERING)
     if lowering is not None and lowering not in ("inductor", "eager"):
         raise _err("compilation_config.backend", lowering, "must be 'inductor' or 'eager'")
     if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
@@ -297,6 +298,10 @@ class LLM:
         self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
 
         self._plans = self._plan_sizes()
+        # Compiled steps run at least 2 rows (one padding row at batch 1): Dynamo specialises
+        # a dim of size 1, so a 1-row call would compile and capture a second graph per K and
+        # variant, doubling start-up time. With max_num_seqs=1 the 1-row graph is the only one.
+        self._min_rows = 1 if enforce_eager or self.max_num_seqs == 1 else 2
         self._options = self._backend_options(lowering)
         self._compiled: dict[tuple, Any] = {}  # step variant -> torch.compile'd step
         self._rng = np.random.default_rng(seed)
@@ -350,14 +355,12 @@ class LLM:
 
     def _warm_up(self) -> None:
         """Compile and capture the greedy variant of every K before the first request, so a
-        K swap never compiles or captures. Two calls per K: at the largest captured size (the
-        dynamic-batch graph, whose set captures every size >= 2 rows) and at one row (Dynamo
-        specialises a batch of 1 into a graph of its own)."""
+        K swap never compiles or captures: one call per K at the largest captured size (the
+        dynamic-batch graph, whose set captures every planned size)."""
         for k in self.k_values:
             sizes = self._plans.get(k)
-            top = sizes[-1] // (k + 1) if sizes else 1
-            for rows in sorted({top, 1}, reverse=True):
-                self._run_step(self._inputs(k, [], rows, None, None))
+            top = sizes[-1] // (k + 1) if sizes else self._min_rows
+            self._run_step(self._inputs(k, [], max(top, self._min_rows), None, None))
 
     # -- input validation -------------------------------------------------------------------
     def _requests(self, prompts, params, call: int) -> list[Request]:
@@ -490,7 +493,7 @@ class LLM:
         drafts, probs = self._draft(reqs, k, caps)               # [B, K] int64, [B, K, V] | None
         t1 = time.perf_counter()
         sizes = self._plans.get(k)
-        rows = pad_rows(B, sizes, k)
+        rows = pad_rows(max(B, self._min_rows), sizes, k)
         inputs = self._inputs(k, reqs, rows, drafts, probs)
         t2 = time.perf_counter()
         res = self._run_step(inputs).cpu().numpy()               # the one device->host copy
