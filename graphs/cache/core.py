@@ -272,11 +272,16 @@ def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: boo
     sess.pending_json = {}
     _record_builtin_artifacts(sess, opts)
     staging = _private_dir() if executable else None
+    before = counters.snapshot()
     if executable:
         with inductor_cache_dir(staging, _keys.fingerprint_tag(sess.parts.fingerprint)):
             fn = lower(gm, list(example_inputs), opts)
     else:
         fn = lower(gm, list(example_inputs), opts)
+    matches = {k: v for k, v in counters.delta(before).items()
+               if k.startswith("verify_patterns_matched")}
+    if matches:  # what the passes rewrote in this graph (for `npuspec cache ls` and debugging)
+        sess.pending_json.setdefault("pattern_matches", matches)
     sess.loaded_json = {**sess.loaded_json, **sess.pending_json}
     sess.state = "private"
     if not publish or cache is None:

@@ -5,7 +5,8 @@ key = sha256(canonical JSON of KeyParts), where KeyParts holds
                GraphModule's code, in module order) and of every tensor constant (get_attr)
 - inputs:      dtype / shape / stride / device of each example input (shapes are not in the code)
 - passes:      the pass manager's uuids, in order (each hashes its pass's source and config)
-- capture:     the capture plan: sizes, capture mode, max_num_seqs
+- capture:     the capture plan's inputs: options["capture_sizes"], NPUSPEC_CAPTURE_SIZES,
+               capture mode, max_num_seqs (with ks and the platform they determine the plan)
 - ks:          the K set (one graph set per K)
 - spec:        the SpeculativeConfig fields that change what gets compiled (COMPILE_FIELDS)
 - lowering:    "inductor" / "eager" / "torchair" and the Inductor mode
@@ -253,8 +254,16 @@ def key_parts(gm: Any, example_inputs: Sequence[Any], opts: Any, *,
     spec = getattr(opts, "speculative_config", None)
     ks = tuple(spec.k_values()) if spec is not None else ()
     if capture is None:
+        # The capture plan is a pure function of these (npuspec.graphs.plan_capture_sets), the
+        # K set and the platform; hashing its inputs avoids planning (and warning) twice.
+        from npuspec import envs
+
         sizes = getattr(opts, "capture_sizes", None)
-        capture = {"sizes": list(sizes) if sizes else None,
+        try:
+            env_sizes = envs.capture_sizes()
+        except ValueError:  # the planner reports a malformed NPUSPEC_CAPTURE_SIZES itself
+            env_sizes = "invalid"
+        capture = {"sizes": list(sizes) if sizes else None, "env_sizes": env_sizes,
                    "mode": getattr(opts, "capture", None),
                    "max_num_seqs": getattr(opts, "max_num_seqs", None)}
     return KeyParts(
