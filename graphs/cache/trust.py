@@ -137,3 +137,6 @@ def check_root(root: str) -> None:
     gid = trusted_gid()
     check_ancestors(root, gid)
     check_path(root, os.stat(root), gid=gid, recursive_fix=True)
+    entries = os.path.join(root, "entries")  # whoever can write here can swap entries
+    if os.path.lexists(entries):
+        check_path(entries, gid=gid, recursive_fix=True)

@@ -359,3 +359,13 @@ time.sleep(30)
     assert fresh_counters() == {"cache_misses": 1}
     assert CacheDir(str(tmp_path)).keys() == []  # a waiter that timed out writes nothing
     assert any("NPUSPEC_CACHE_LOCK_TIMEOUT" in r.getMessage() for r in cache_log.records)
+
+
+def test_world_writable_entries_dir_is_refused(tmp_path, fresh_counters, cache_log):
+    fake = FakeInductor()
+    run(tmp_path, fake, "inductor")
+    os.chmod(tmp_path / "entries", 0o777)
+    fresh_counters.reset()
+    run(tmp_path, fake, "inductor")
+    assert fake.loaded == 0 and fresh_counters() == {"cache_misses": 1, "cache_rejected": 1}
+    assert any(f"chmod -R o-w {tmp_path / 'entries'}" in r.getMessage() for r in cache_log.records)
