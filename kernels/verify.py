@@ -155,14 +155,17 @@ def _padded_drafts(draft_token_ids: Tensor, V: int) -> Tensor:
 def reference_row_stats(logits: Tensor, xpad: Tensor, draft_probs: Optional[Tensor],
                         t: Tensor, thr: Optional[Tensor], exponentials: Optional[Tensor],
                         weights: Optional[Tensor], *, random: bool, entropy: bool,
-                        residual: bool = True) -> RowStats:
+                        residual: bool = True, early_exit=None) -> RowStats:
     """The specification of the row statistics, in readable PyTorch.
 
     logits [B, K+1, V]; xpad [B, K+1] (-1 = none); draft_probs [B, K, V] or None; t [B] > 0
     (1 for greedy rows); thr [B, K+1] or None; exponentials [B, V]; weights [B, K] residual
     weights w_j (1 for standard, pi_j for block) or None; random: compute the races;
     entropy: compute H; residual: compute the draft-probs residual race and rho (block verify
-    computes them in a second call, once the weights are known)."""
+    computes them in a second call, once the weights are known). early_exit=(uniforms,
+    greedy_rows) allows an implementation to skip the exp pass on rows after a request's
+    first rejected draft (standard verify only; the decisions never read those rows); the
+    reference computes every row."""
     l = logits.float()                                          # [B, K+1, V]
     B, K1, V = l.shape
     rawmax = l.amax(-1)                                         # [B, K+1]
@@ -382,8 +385,12 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
     onehot = draft_probs is None
     block = bool(block_verify) and random and not synthetic
     stats_fn = _row_stats_fn(impl)
+    # standard verify never looks past the first rejection: let the CPU lowering skip those rows
+    early = (uniforms.to(dev), greedy_rows) if random and not block and not synthetic \
+        and entropy_verify is None else None
     st = stats_fn(target_logits, xpad, draft_probs, t, thr, exponentials, None, random=random,
-                  entropy=entropy_verify is not None and random, residual=not block)
+                  entropy=entropy_verify is not None and random, residual=not block,
+                  early_exit=early)
     if impl != "triton" and not _capturing(dev):
         _check_finite(target_logits, st.rawmax, draft_probs)
     bad = ~torch.isfinite(st.rawmax).all(1)                     # [B]

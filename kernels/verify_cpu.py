@@ -122,7 +122,7 @@ extern "C" void npuspec_row_stats(
     const float* thr, const float* E, const float* w, int64_t* gidx, float* rawmax, float* px,
     float* qx, int64_t* race_p, int64_t* race_r, float* rho, float* ent, int64_t B, int64_t K1,
     int64_t V, int64_t random, int64_t has_q, int64_t residual, int64_t entropy, int64_t has_thr,
-    int64_t nthreads) {
+    int64_t nthreads, const float* uni, const uint8_t* greedy) {
   const int64_t K = K1 - 1;
   // Requests are split over threads; a request's K+1 rows share R = 1 / max(E, FLT_MIN).
 #pragma omp parallel num_threads(nthreads)
@@ -140,6 +140,10 @@ extern "C" void npuspec_row_stats(
         for (int64_t v = 0; v < V; v += kL)
           store(Vec(1.f) / at::vec::maximum(load(Eb + v, V - v, 1.f), Vec(kFltMin)), R + v, V - v);
       }
+      // Early exit (standard verify, uni given): once a draft is rejected, the later rows
+      // cannot change the result, so they only get the NaN/inf check (one read), not the
+      // exp pass. The test below is the decision code's, with the same float operations.
+      bool rejected = false;
       for (int64_t j = 0; j < K1; ++j) {
         const int64_t r = b * K1 + j;
         const float* f = (const float*)logits + r * V;
@@ -159,7 +163,7 @@ extern "C" void npuspec_row_stats(
         const int64_t g = first_eq(f, V, mx);
         gidx[r] = g >= 0 ? g : 0;
         px[r] = 0.f; qx[r] = 0.f; race_p[r] = 0; race_r[r] = 0; rho[r] = 0.f; ent[r] = 0.f;
-        if (!std::isfinite(mx) || !random) continue;  // non-finite: the caller raises or drops
+        if (!std::isfinite(mx) || !random || rejected) continue;  // non-finite: caller raises
         const int64_t x = xpad[r];
         const float* qrow = (has_q && j < K) ? q + (b * K + j) * V : nullptr;
         // pass 2: e = exp(z - max z) with z = l / t masked below thr; S; race scores e * R
@@ -229,6 +233,11 @@ extern "C" void npuspec_row_stats(
           }
           ent[r] = -hsum(vh);
         }
+        if (uni && j < K) {
+          const int64_t x = xpad[r];
+          if (greedy[b]) rejected = x < 0 || x != gidx[r];
+          else rejected = !(x >= 0 && qx[r] > 0.f && px[r] / qx[r] >= uni[b * K + j]);
+        }
       }
     }
   }
@@ -260,8 +269,13 @@ def available() -> bool:
 def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optional[torch.Tensor],
                   t: torch.Tensor, thr: Optional[torch.Tensor],
                   exponentials: Optional[torch.Tensor], weights: Optional[torch.Tensor], *,
-                  random: bool, entropy: bool, residual: bool = True) -> RowStats:
-    """Same contract as `reference_row_stats`, computed by the fused C++ kernel."""
+                  random: bool, entropy: bool, residual: bool = True,
+                  early_exit: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> RowStats:
+    """Same contract as `reference_row_stats`, computed by the fused C++ kernel.
+
+    early_exit=(uniforms [B, K], greedy_rows [B]) (standard verify only): rows after a
+    request's first rejected draft get only the NaN/inf check, not the exp pass; their other
+    statistics are left at 0, which the decisions never read."""
     fn = _library()
     if fn is None or logits.dtype not in _DTYPES or logits.device.type != "cpu":
         counters.bump("eager_fallbacks")
@@ -283,10 +297,15 @@ def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optiona
             w[:, :K1 - 1] = weights.float()
     tt = t.float().contiguous()
     xp = xpad.long().contiguous()
+    uni = grd = None
+    if early_exit is not None and random:
+        uni = early_exit[0].float().contiguous()
+        grd = early_exit[1].to(torch.uint8).contiguous()
     ptr = lambda a: ctypes.c_void_p(a.data_ptr() if a is not None else 0)  # noqa: E731
     i64 = ctypes.c_int64
     fn(ptr(lg), i64(_DTYPES[lg.dtype]), ptr(xp), ptr(q), ptr(tt), ptr(thr_), ptr(E), ptr(w),
        ptr(gidx), ptr(rawmax), ptr(px), ptr(qx), ptr(race_p), ptr(race_r), ptr(rho), ptr(ent),
        i64(B), i64(K1), i64(V), i64(int(random)), i64(int(has_q)), i64(int(residual)),
-       i64(int(entropy)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())))
+       i64(int(entropy)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())),
+       ptr(uni), ptr(grd))
     return RowStats(gidx, rawmax, px, qx, race_p, race_r, rho, ent)

@@ -177,8 +177,10 @@ def _row_stats_kernel(logits_ptr, x_ptr, q_ptr, t_ptr, thr_ptr, e_ptr, w_ptr,
 def triton_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optional[torch.Tensor],
                      t: torch.Tensor, thr: Optional[torch.Tensor],
                      exponentials: Optional[torch.Tensor], weights: Optional[torch.Tensor], *,
-                     random: bool, entropy: bool, residual: bool = True) -> RowStats:
-    """Same contract as `reference_row_stats`, computed by `_row_stats_kernel`."""
+                     random: bool, entropy: bool, residual: bool = True,
+                     early_exit=None) -> RowStats:
+    """Same contract as `reference_row_stats`, computed by `_row_stats_kernel` (every row, in
+    parallel: `early_exit` is accepted and ignored)."""
     B, K1, V = logits.shape
     dev = logits.device
     n = B * K1
