@@ -66,11 +66,21 @@ def test_demo_identity(rand_ckpts, tmp_path, capsys):
 
 
 def test_demo_embedded_model(tiny_available, capsys):
-    """The README's first command, on the embedded model, compiled (small token budget)."""
-    rc = main(["demo", "--max-tokens", "24", "--no-text"])
+    """The README's first command on the embedded model (eager and short, to fit the CI budget;
+    the compiled run is test_demo_embedded_model_compiled, marked slow)."""
+    rc = main(["demo", "--max-tokens", "24", "--no-text", "--enforce-eager"])
     text = capsys.readouterr().out
     assert rc == 0, text
-    assert "outputs identical: yes" in text
+    assert "outputs identical: yes (4/4 prompts)" in text
+
+
+@pytest.mark.slow
+def test_demo_embedded_model_compiled(tiny_available, capsys):
+    """`npuspec demo` exactly as the README runs it: compiled, captured, default settings."""
+    rc = main(["demo", "--no-text"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "outputs identical: yes (4/4 prompts)" in text
 
 
 E2E_ROW_KEYS = {"system": str, "method": str, "K": int, "tokens": int, "seconds": float,
