@@ -396,7 +396,9 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
     bad = ~torch.isfinite(st.rawmax).all(1)                     # [B]
     u = uniforms.to(device=dev, dtype=torch.float32) if uniforms is not None else None
     greedy_acc = _decide_greedy(xpad, st)
-    if synthetic:
+    if K == 0:  # nothing to verify: every request emits its bonus token
+        n_acc = greedy_acc
+    elif synthetic:
         n_acc = _decide_synthetic(xpad, conditional_rates(synthetic_rates.to(dev)), u)
     elif not random:
         n_acc = greedy_acc

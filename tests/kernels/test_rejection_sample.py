@@ -335,3 +335,24 @@ def test_bad_shapes_name_the_argument():
     with pytest.raises(ValueError, match="posterior_threshold"):
         rejection_sample(logits, torch.zeros(2, 3, dtype=torch.int64), temperature=torch.ones(2),
                          entropy_verify=(1.5, 0.4))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_on_cuda_equals_reference():
+    """The compiled Triton kernel on the GPU against the CPU reference (torch.equal)."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "verify_triton_cases.py"), "cuda"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "all equal" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_no_drafts_k0_and_single_token_vocab():
+    logits = torch.randn(3, 1, 10)
+    x = torch.empty(3, 0, dtype=torch.int64)
+    out, num = rejection_sample(logits, x)
+    assert out[:, 0].tolist() == logits[:, 0].argmax(-1).tolist() and num.tolist() == [1, 1, 1]
+    out, num = rejection_sample(logits, x, temperature=torch.ones(3), block_verify=True)
+    assert num.tolist() == [1, 1, 1] and (out >= 0).all()
+    out, num = rejection_sample(torch.randn(2, 3, 1), torch.zeros(2, 2, dtype=torch.int64),
+                                temperature=torch.ones(2))
+    assert out.tolist() == [[0, 0, 0]] * 2 and num.tolist() == [3, 3]
