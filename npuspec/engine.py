@@ -137,7 +137,9 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class EngineMetrics(RequestMetrics):
-    """Totals over one generate() call; times are wall-clock (not summed over requests)."""
+    """Totals over one generate() call; times are wall-clock (not summed over requests).
+    `num_steps` counts request-steps (a step of B requests counts B), so
+    `mean_acceptance_length` is per request; `num_engine_steps` counts batched steps."""
     num_requests: int = 0
     num_engine_steps: int = 0
     steps_by_k: dict = dataclasses.field(default_factory=dict)  # K -> verify steps run with it
@@ -526,7 +528,7 @@ class LLM:
         m.step_s += step_s
         m.bookkeeping_s += book_s
         m.num_engine_steps += 1
-        m.num_steps += 1
+        m.num_steps += B  # request-steps: mean_acceptance_length is per request
         m.padded_rows += rows - B
         m.steps_by_k[k] = m.steps_by_k.get(k, 0) + 1
         if k:

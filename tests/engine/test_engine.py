@@ -169,6 +169,11 @@ def test_metrics_sanity(ckpt):
     assert m.num_accepted == sum(o.metrics.num_accepted for o in out)
     assert m.num_drafted == sum(o.metrics.num_drafted for o in out)
     assert m.num_engine_steps == sum(m.steps_by_k.values())
+    assert m.num_steps == sum(o.metrics.num_steps for o in out) > m.num_engine_steps
+    assert sum(m.accepted_by_position) == m.num_accepted
+    # every request-step emits accepted + 1 tokens; only a request's last step may be cut
+    assert m.mean_acceptance_length * m.num_steps >= sum(MAX_TOKENS)
+    assert m.mean_acceptance_length == pytest.approx((m.num_steps + m.num_accepted) / m.num_steps)
     assert m.draft_s + m.step_s + m.bookkeeping_s + m.prefill_s <= m.total_s * 1.01
     assert m.tokens_per_s == pytest.approx(m.num_output_tokens / m.total_s)
 
