@@ -117,13 +117,15 @@ def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms
 # residual distribution and residual sampling
 # ---------------------------------------------------------------------------------------------
 def _residual(p: Tensor, q: Tensor, normalize: str) -> Tensor:
+    """max(p - q, 0) [normalised], computed in one buffer: the in-place ops give the same
+    values as the out-of-place idiom, without two extra [..., V] allocations."""
     if normalize not in NORMALIZE:
         raise ValueError(f"npuspec.kernels.residual: normalize={normalize!r} must be one of {NORMALIZE}")
-    r = torch.clamp_min(p - q, 0)  # [..., V]
+    r = torch.sub(p, q).clamp_min_(0)  # [..., V]
     if normalize == "row":
-        r = r / r.sum(-1, keepdim=True)
+        r.div_(r.sum(-1, keepdim=True))
     elif normalize == "all":
-        r = r / r.sum()
+        r.div_(r.sum())
     return r
 
 
@@ -156,7 +158,13 @@ def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler
     if sampler not in SAMPLERS:
         raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
     r = _residual(p, q, normalize)  # [..., V]
-    score = r / noise if sampler == "race" else torch.log(r) + noise
+    if r.shape != torch.broadcast_shapes(r.shape, noise.shape) or r.dtype != torch.promote_types(
+            r.dtype, noise.dtype):
+        score = r / noise if sampler == "race" else torch.log(r) + noise
+    elif sampler == "race":
+        score = r.div_(noise)
+    else:
+        score = r.log_().add_(noise)
     return score.argmax(-1)
 
 

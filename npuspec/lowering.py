@@ -45,7 +45,6 @@ def lower_inductor(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) ->
 
 def _aot_with_passes(gm: torch.fx.GraphModule, example_inputs: list, inner: Callable) -> Callable:
     """AOT-trace to ATen (no decompositions), run the verify passes, then `inner(fw, inputs)`."""
-    from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
     from npuspec.passes import run_passes

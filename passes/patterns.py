@@ -26,7 +26,7 @@ import hashlib
 import inspect
 import itertools
 import json
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,7 +35,6 @@ import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.*)
 import npuspec.kernels.accept  # noqa: F401
 
 npuspec_ops = torch.ops.npuspec
-INT_IDS = (torch.int32, torch.int64)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
@@ -119,7 +118,8 @@ def tail_cummin_long(ok):
     return ok.long().cummin(dim=-1).values.sum(dim=-1)
 
 
-TAILS = {"cumprod": tail_cumprod, "cumprod_int": tail_cumprod_int, "cumprod_long": tail_cumprod_long, "cumsum_not": tail_cumsum_not,
+TAILS = {"cumprod": tail_cumprod, "cumprod_int": tail_cumprod_int,
+         "cumprod_long": tail_cumprod_long, "cumsum_not": tail_cumsum_not,
          "cumsum_not_all": tail_cumsum_not_all, "cummin_int": tail_cummin_int,
          "cummin_long": tail_cummin_long}
 # how the op's int64 [B] result maps to what each tail returns
@@ -362,29 +362,27 @@ class RatioAccept(VerifyPattern):
         ex = lambda: [torch.rand(2, 4, 9), torch.rand(2, 4, 9), torch.randint(0, 9, (2, 4)),  # noqa: E731
                       torch.rand(2, 4)]
         # `u <= ratio` needs no spelling of its own: canonicalize() turns it into `ratio >= u`
-        for (pname, pick), tail, cmp in itertools.product(PICKS.items(), self.config.tails, ("ge",)):
+        for (pname, pick), tail in itertools.product(PICKS.items(), self.config.tails):
             t = TAILS[tail]
 
-            def s(p, q, ids, u, pick, t, cmp):
-                ratio = pick(p, ids) / pick(q, ids)
-                return t(ratio >= u if cmp == "ge" else u <= ratio)
+            def s(p, q, ids, u, pick, t):
+                return t(pick(p, ids) / pick(q, ids) >= u)
 
             def r(p, q, ids, u, tail):
                 return _tail_out(tail, npuspec_ops.ratio_accept(p, q, ids, u))
 
-            out.append(Spelling(f"{pname}_{cmp}_{tail}", _bind(s, pick=pick, t=t, cmp=cmp),
-                                _bind(r, tail=tail), ex))
+            out.append(Spelling(f"{pname}_{tail}", _bind(s, pick=pick, t=t), _bind(r, tail=tail), ex))
             if self.config.one_hot:
-                def s1(p, ids, u, pick, t, cmp):
-                    px = pick(p, ids)
-                    return t(px >= u if cmp == "ge" else u <= px)
+                def s1(p, ids, u, pick, t):
+                    return t(pick(p, ids) >= u)
 
                 def r1(p, ids, u, tail):
                     return _tail_out(tail, npuspec_ops.ratio_accept(p, None, ids, u))
 
-                ex1 = lambda: [torch.rand(2, 4, 9), torch.randint(0, 9, (2, 4)), torch.rand(2, 4)]  # noqa: E731
-                out.append(Spelling(f"onehot_{pname}_{cmp}_{tail}",
-                                    _bind(s1, pick=pick, t=t, cmp=cmp), _bind(r1, tail=tail), ex1))
+                ex1 = lambda: [torch.rand(2, 4, 9), torch.randint(0, 9, (2, 4)),  # noqa: E731
+                               torch.rand(2, 4)]
+                out.append(Spelling(f"onehot_{pname}_{tail}", _bind(s1, pick=pick, t=t),
+                                    _bind(r1, tail=tail), ex1))
 
         # The draw made from the ratio itself, `u = torch.rand_like(ratio)`: the ratio then has
         # a second user, so the draw must be inside the pattern. The replacement makes the same
