@@ -40,9 +40,10 @@ def _acceptance_axis(ax, acceptance: Sequence[float], label: str = "") -> None:
 
 
 def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
-              table: Sequence[Sequence[int]], k_max: int, draft_s=0.0) -> None:
-    """Expected tokens/s against concurrency for each fixed K and for the tuned table, next to
-    the acceptance by position they come from."""
+              table: Sequence[Sequence[int]], k_max: int, draft_s=0.0,
+              measured: Mapping[str, Mapping[int, float]] | None = None) -> None:
+    """Expected tokens/s against concurrency for each fixed K and for the tuned table (lines),
+    measured tokens/s where `tune --validate` ran (markers), and the acceptance by position."""
     from npuspec.bench.tune import table_tokens_per_s, tokens_per_s
 
     plt = require_matplotlib()
@@ -53,9 +54,15 @@ def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[floa
                 lw=1.2, alpha=0.8, label=f"K={k}" + (" (no spec)" if k == 0 else ""))
     ax.plot(batches, [table_tokens_per_s(latency, acceptance, table, b, draft_s) for b in batches],
             "k--", lw=2.2, label="tuned table")
+    markers = {"K=0": "o", "tuned table": "*"}
+    for name, pts in (measured or {}).items():
+        bs = sorted(pts)
+        ax.plot(bs, [pts[b] for b in bs], markers.get(name, "s"), ms=9 if name == "tuned table" else 6,
+                mfc="none" if name != "tuned table" else "k", color="k" if name == "tuned table" else None,
+                label=f"{name} measured")
     ax.set_xlabel("concurrent requests (batch size)")
     ax.set_ylabel("expected tokens/s")
-    ax.set_title("tokens/s by concurrency: fixed K vs tuned table")
+    ax.set_title("tokens/s by concurrency: fixed K vs tuned table (lines: model)")
     if max_num_seqs >= 8:
         ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)

@@ -174,6 +174,25 @@ def measure_acceptance(model: str, spec: dict, prompts: Sequence[str], max_token
             "draft_s_per_request_step": m["draft_s"] / steps if steps else 0.0}
 
 
+def measure_throughput(model: str, spec: dict | None, prompts: Sequence[str], batches: Sequence[int],
+                       max_tokens: int, max_model_len: int, enforce_eager: bool = False) -> dict[int, float]:
+    """Measured tokens/s of `generate` with B concurrent requests (the prompts repeated to B),
+    for each B; one engine (compiled and captured once) serves every B."""
+    from npuspec import SamplingParams
+    from npuspec.bench.e2e import make_llm
+
+    llm = make_llm(model, spec, max(batches), max_model_len, enforce_eager)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(list(prompts[:1]), SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
+    out = {}
+    for b in batches:
+        ps = [prompts[i % len(prompts)] for i in range(b)]
+        t0 = time.perf_counter()
+        res = llm.generate(ps, sp)
+        out[b] = sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
+    return out
+
+
 def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_len: int, repeats: int,
                     enforce_eager: bool = False) -> tuple[dict[int, float], list[dict]]:
     """Median seconds of the engine's own decode step (target forward + fused verify, compiled
@@ -231,6 +250,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="measure without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements and table as JSON")
     common.add_threads_flag(p)
+    p.add_argument("--validate", action="store_true",
+                   help="also measure real tokens/s against concurrency with K=0, K=max and the tuned "
+                        "table (three more engines), printed and plotted next to the model's prediction")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="plot tokens/s against concurrency for each fixed K and the tuned table (needs matplotlib)")
 
@@ -316,16 +338,33 @@ def run(args: argparse.Namespace) -> int:
     common.spec_config(cfg_out, "tuned table")  # the table must be one SpeculativeConfig accepts
     print(f"tuned in {time.perf_counter() - t0:.1f}s; paste into --speculative-config:")
     print(json.dumps(cfg_out))
+    measured_tps = {}
+    if args.validate:
+        mdir = common.model_dir(args.model)
+        prompts = load_prompts(args.prompts)
+        max_len = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
+        spec_k = dict(base, num_speculative_tokens=k_max)
+        spec_k.pop("num_speculative_tokens_per_batch_size", None)
+        for name, spec_v in (("K=0", None), (f"K={k_max}", spec_k), ("tuned table", cfg_out)):
+            if name == "tuned table" and len(table) == 1 and f"K={table[0][2]}" in measured_tps:
+                measured_tps[name] = measured_tps[f"K={table[0][2]}"]  # one K throughout: measured
+                continue
+            measured_tps[name] = measure_throughput(mdir, spec_v, prompts, ladder, args.max_tokens, max_len,
+                                                    args.enforce_eager)
+        vrows = [{"batch": b, **{f"{n} tok/s": v[b] for n, v in measured_tps.items()},
+                  "tuned predicted tok/s": table_tokens_per_s(lat, acc, table, b, draft)} for b in ladder]
+        print_table(vrows, title="measured tokens/s by concurrency (generate, ignore_eos)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"speculative_config": cfg_out, "acceptance": acc,
+            json.dump({"speculative_config": cfg_out, "measured_tokens_per_s": {
+                           n: {str(b): v for b, v in d.items()} for n, d in measured_tps.items()}, "acceptance": acc,
                        "mean_acceptance_length": measured["mean_acceptance_length"],
                        "draft_s_per_request_step": draft,
                        "latency_s": {str(k): v for k, v in sorted(lat.items())},
                        "max_num_seqs": args.max_num_seqs, "rows": rows}, f, indent=1)
     if args.plot:
         from npuspec.bench.plots import plot_tune
-        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft)
+        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft, measured_tps)
         print(f"wrote {args.plot}")
     return 0
 
