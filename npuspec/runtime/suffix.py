@@ -109,6 +109,7 @@ class _Tree:
 
     def append(self, sid: int, seq: list[int], new: list[int]) -> None:
         index, cnt, best, kids = self.index, self.cnt, self.best, self.kids
+        cnt_get, best_get, index_get = cnt.get, best.get, index.get
         st = self.state[sid]
         self.live += len(new)
         base = sid << 32
@@ -116,13 +117,14 @@ class _Tree:
             e = len(seq)
             seq.append(t)
             top = e + 1 if e < _LONG else _LONG
-            # st[j] = key of the last j tokens, now ending with t (st[0] = key of "" stays 1)
-            st[1:top + 1] = [(k << _B) | t for k in st[:top]]
-            for j in range(1, (top if top < _H else _H) + 1):
-                key = st[j]
-                c = cnt[key] = cnt.get(key, 0) + 1
-                parent = key >> _B
-                b = best.get(parent)
+            # keys[j] = key of the last j tokens, now ending with t; its parent (the j - 1
+            # tokens before t) is the old st[j - 1]
+            keys = [(k << _B) | t for k in st[:top]]  # keys[j - 1] is for length j
+            for j in range(top if top < _H else _H):
+                key = keys[j]
+                c = cnt[key] = cnt_get(key, 0) + 1
+                parent = st[j]
+                b = best_get(parent)
                 if b is None:
                     best[parent] = t
                 elif b != t and c > cnt[(parent << _B) | b]:
@@ -133,14 +135,16 @@ class _Tree:
                         kids[parent] = [t]
                     else:
                         lst.append(t)
+            st[1:top + 1] = keys
+            ref = base | e
             for n in _LEVELS:
                 if n > top:
                     break
-                lst = index.get(st[n])
+                lst = index_get(keys[n - 1])
                 if lst is None:
-                    index[st[n]] = [base | e]
+                    index[keys[n - 1]] = [ref]
                 else:
-                    lst.append(base | e)
+                    lst.append(ref)
 
     def remove_seq(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
