@@ -41,8 +41,40 @@ def main(device: str = "cpu") -> int:
                     print(f"MISMATCH {name} B={B} K={K} V={V} mode={mode}\nref={ref}\n{name}={o}")
                     return 1
             n += 1
+    n += hypothesis_cases(device)
     print(f"all equal: {n} cases")
     return 0
+
+
+def compare(B, K, V, mode, seed, device, bf16=False) -> None:
+    logits, x, q, t, u, e = make_case(B, K, V, seed, draft_probs=True,
+                                      dtype=torch.bfloat16 if bf16 else torch.float32)
+    kw, qq = mode_kwargs(mode, K, t, q, B, V, torch.Generator().manual_seed(seed))
+    args = dict(uniforms=u, exponentials=e, **kw)
+    ref = rejection_sample_reference(logits, x, qq, **args)
+    dev = lambda a: a.to(device) if isinstance(a, torch.Tensor) else a  # noqa: E731
+    tri = rejection_sample_reference(dev(logits), dev(x), dev(qq), impl="triton",
+                                     **{k: dev(v) for k, v in args.items()})
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(ref, tri)), (B, K, V, mode, ref, tri)
+
+
+def hypothesis_cases(device: str) -> int:
+    """A few hypothesis-drawn shapes/modes (rows capped: the interpreter is slow)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+    seen = []
+
+    @settings(max_examples=5, deadline=None, derandomize=True, database=None)
+    @given(B=st.integers(1, 257), K=st.integers(1, 15), V=st.sampled_from([7, 1000, 32000]),
+           mode=st.sampled_from(MODES), seed=st.integers(0, 2 ** 16), bf16=st.booleans())
+    def prop(B, K, V, mode, seed, bf16):
+        rows = 24 if V < 32000 else 6
+        B = max(1, min(B, rows // (K + 1)))
+        compare(B, K, V, mode, seed, device, bf16)
+        seen.append((B, K, V, mode))
+
+    prop()
+    return len(seen)
 
 
 if __name__ == "__main__":
