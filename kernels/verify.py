@@ -107,7 +107,7 @@ class RowStats:
     rawmax: Tensor    # float32: max of the raw logits (NaN/+inf/all -inf detection)
     px: Tensor        # float32: p_j(x_j), 0 where there is no draft
     qx: Tensor        # float32: q_j(x_j) (1 for one-hot drafts), 0 where there is no draft
-    race_p: Tensor    # int64: argmax_v e_v / E_v  (a sample from p_j)
+    race_p: Tensor    # int64: argmax_v e_v * R_v, R = 1/max(E, FLT_MIN) (a sample from p_j)
     race_r: Tensor    # int64: residual race, -1 where the residual has no positive entry
     rho: Tensor       # float32: sum_v max(w_j p_j(v) - q_j(v), 0) (draft probs only, else 0)
     entropy: Tensor   # float32: -sum p~ log(p~ + 1e-10) of the raw softmax (entropy mode, else 0)
