@@ -89,14 +89,12 @@ class Block(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = self.wqkv(self.attn_norm(x))
-        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q = q.view(B, T, H, D)
-        k = k.view(B, T, Hkv, D)
-        v = v.view(B, T, Hkv, D)
+        qk = qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D)
+        v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
+        q, k = qk.split([H, Hkv], dim=2)
         x = x + self.wo(attend(q, k, v))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
@@ -147,7 +145,9 @@ class DecoderLM(nn.Module):
         x = self.embed(input_ids)  # [B, T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         kv_pos = torch.arange(M, device=positions.device)
-        mask = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, M]
+        visible = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, M]
+        # additive float mask built once (a bool mask is converted again in every layer)
+        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         # GQA without repeating K/V: the G query heads sharing a kv head are stacked on the
         # query axis, so one SDPA call per kv head sees [G*T] queries.
         mask = mask[:, None, None].expand(B, 1, G, T, M).reshape(B, 1, G * T, M)
