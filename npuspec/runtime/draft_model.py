@@ -98,9 +98,7 @@ class DraftModelProposer:
         t = torch.tensor(np.where(temp > 0, temp, 1.0), dtype=torch.float32,
                          device=self.device)[:, None]  # [B, 1]
         logits = self._catch_up(states, slots)  # [B, V]
-        toks = np.empty((B, k), dtype=np.int64)
-        conf = np.empty((B, k), dtype=np.float64)
-        probs = []
+        xs, confs, probs = [], [], []
         pos = torch.tensor([len(s.tokens) for s in states], dtype=torch.int64, device=self.device)
         for i in range(k):
             p1 = torch.softmax(logits, dim=-1)                 # [B, V] at T = 1
@@ -110,12 +108,16 @@ class DraftModelProposer:
                 e = torch.empty(q.shape[1], device=self.device).exponential_(
                     generator=generators[b])
                 x[b] = (q[b] / e).argmax()
-            conf[:, i] = p1.max(dim=-1).values.clamp_(CONF_MIN, 1.0).double().cpu().numpy()
-            toks[:, i] = x.cpu().numpy()
+            xs.append(x)
+            confs.append(p1.max(dim=-1).values)
             if want_probs:
                 probs.append(q)
             if i + 1 < k:
                 logits = self.model(x[:, None], (pos + i)[:, None], slots, self.cache)[:, 0]
+        # one device->host copy for all K positions
+        host = torch.stack([torch.stack(xs, 1).double(), torch.stack(confs, 1).double()]).cpu()
+        toks = host[0].numpy().astype(np.int64)
+        conf = np.clip(host[1].numpy(), CONF_MIN, 1.0)
         return Drafts(toks, torch.stack(probs, dim=1).float() if want_probs else None, conf)
 
     def _catch_up(self, states: list[_State], slots: torch.Tensor) -> torch.Tensor:
