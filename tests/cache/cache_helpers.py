@@ -18,6 +18,7 @@ from npuspec.backend import BackendOptions
 from npuspec.graphs.cache import core
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
+_PASSES = None  # the pass uuids, computed once per test session and given to every worker
 
 
 class Tiny(torch.nn.Module):
@@ -65,7 +66,13 @@ def eager_lower(gm, example_inputs, o):
 
 
 def run_worker(out, cache_dir, lowering, *extra, env=None, user=None, timeout=300):
-    cmd = [sys.executable, WORKER, str(out), str(cache_dir), lowering, *map(str, extra)]
+    import json
+    from npuspec.graphs.cache import keys
+    global _PASSES
+    if _PASSES is None:
+        _PASSES = json.dumps(list(keys.pass_uuids()))
+    cmd = [sys.executable, WORKER, str(out), str(cache_dir), lowering, *map(str, extra),
+           "--passes", _PASSES]
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + cmd
     e = dict(os.environ)

@@ -1,7 +1,7 @@
 """One process of the cache tests: compile a tiny speculative verify step through the npuspec
 backend with a cache directory, compare with eager, and write what happened as JSON.
 
-    python tests/cache/worker.py OUT.json CACHE_DIR LOWERING [--start T] [--slow S] [--shapes N]
+    python tests/cache/worker.py OUT.json CACHE_DIR LOWERING [--start T] [--slow S] [--shapes N] [--passes JSON]
 
 --start: wall-clock time to begin at (so that concurrent workers really start together).
 --slow:  seconds added to every lowering (makes a compile long enough for others to wait on it).
@@ -30,6 +30,9 @@ def main() -> None:
     ap.add_argument("--start", type=float, default=0.0)
     ap.add_argument("--slow", type=float, default=0.0)
     ap.add_argument("--shapes", type=int, default=1)
+    ap.add_argument("--passes", default=None,
+                    help="JSON list: pass uuids to key with (the test computes them once, so "
+                         "processes started minutes apart agree even while passes/ is edited)")
     a = ap.parse_args()
 
     import torch
@@ -37,6 +40,11 @@ def main() -> None:
 
     import npuspec.lowering
     from npuspec import counters
+
+    if a.passes is not None:
+        import npuspec.graphs.cache.keys as cache_keys
+        pinned = tuple(json.loads(a.passes))
+        cache_keys.pass_uuids = lambda: pinned
 
     if a.slow:
         inner = npuspec.lowering.LOWERINGS[a.lowering]
