@@ -65,7 +65,7 @@ def eager_lower(gm, example_inputs, o):
     return gm.forward
 
 
-def run_worker(out, cache_dir, lowering, *extra, env=None, user=None, timeout=300):
+def run_worker(out, cache_dir, lowering, *extra, env=None):
     import json
     from npuspec.graphs.cache import keys
     global _PASSES
@@ -73,8 +73,6 @@ def run_worker(out, cache_dir, lowering, *extra, env=None, user=None, timeout=30
         _PASSES = json.dumps(list(keys.pass_uuids()))
     cmd = [sys.executable, WORKER, str(out), str(cache_dir), lowering, *map(str, extra),
            "--passes", _PASSES]
-    if user is not None:
-        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] + cmd
     e = dict(os.environ)
     e.update(env or {})
     return subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
