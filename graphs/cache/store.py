@@ -306,9 +306,13 @@ class CacheDir:
         return True
 
     def add_json(self, key: str, name: str, obj: Any) -> None:
-        """Add or replace one JSON artifact of a published entry (hold the key's lock)."""
+        """Add one JSON artifact to a published entry (hold the key's lock). An existing one is
+        kept: files of a published entry never change, so a reader holding the previous
+        manifest still sees exactly the bytes it lists."""
         top = self.entry(key)
         m = self.read_manifest(key)
+        if os.path.join(JSON_DIR, f"{name}.json") in m["files"]:
+            return
         data = json.dumps(obj, sort_keys=True, indent=1).encode()
         self._put(top, os.path.join(JSON_DIR, f"{name}.json"), data, m["files"])
         write_atomic(os.path.join(top, MANIFEST), json.dumps(m, sort_keys=True, indent=1).encode(),
