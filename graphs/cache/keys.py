@@ -12,9 +12,10 @@ key = sha256(canonical JSON of KeyParts), where KeyParts holds
 - lowering:    "inductor" / "eager" / "torchair" and the Inductor mode
 - fingerprint: the platform (see `fingerprint()`)
 
-The backend hooks in before `npuspec.lowering.lower`, which is where the verify passes run;
-hashing the pre-pass code together with the pass uuids names the post-pass graph exactly
-(the passes are deterministic functions of the graph and their config, which the uuids hash).
+The backend hook wraps `npuspec.lowering.lower`, inside which the verify passes run (for
+Inductor as its joint_custom_pre_pass); hashing the pre-pass code together with the pass uuids
+names the post-pass graph exactly (the passes are deterministic functions of the graph and
+their config, which the uuids hash).
 """
 from __future__ import annotations
 
