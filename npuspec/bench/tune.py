@@ -9,7 +9,8 @@ The model (all quantities measured, nothing assumed about the hardware):
   L(T)     latency of one decode step over T = B*(K+1) tokens (measured on a grid of token
            counts, made non-decreasing (padding to more tokens is always possible), linear in
            between, extended by the last slope beyond the largest)
-  tps(B,K) = B * E(K) / (L(B*(K+1)) + B*d(K))   (d = drafting cost per request per step)
+  tps(B,K) = B * E(K) / (L(pad_K(B*(K+1))) + B*d)   (d = drafting time per request-step;
+           pad_K = the next capture size of K's graph set, which is what the step really runs)
 
 For each batch size B (= concurrent requests) in 1..max_num_seqs the tuner takes the smallest K
 whose tokens/s is within `tolerance` of the best (fewer distinct K = fewer graph sets; noise in
@@ -88,18 +89,27 @@ def interpolate(points: Mapping[int, float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def step_tokens(batch: int, k: int, sizes: Mapping[int, Sequence[int]] | None = None) -> int:
+    """Tokens a step really runs: B*(K+1), padded up to K's next capture size when there is a
+    capture plan (a batch past the largest size runs unpadded, eagerly)."""
+    t = batch * (k + 1)
+    for s in (sizes or {}).get(k) or ():
+        if s >= t:
+            return s
+    return t
+
+
 def tokens_per_s(latency: Mapping[int, float], acceptance: Sequence[float], batch: int, k: int,
-                 draft_s: Sequence[float] | float = 0.0) -> float:
+                 draft_s: float = 0.0, sizes: Mapping[int, Sequence[int]] | None = None) -> float:
     """Expected tokens/s of `batch` concurrent requests speculating `k` tokens each."""
-    d = draft_s if isinstance(draft_s, (int, float)) else (draft_s[k] if k < len(draft_s) else draft_s[-1])
-    step = interpolate(latency, batch * (k + 1)) + batch * (d if k > 0 else 0.0)
+    step = interpolate(latency, step_tokens(batch, k, sizes)) + (batch * draft_s if k > 0 else 0.0)
     return batch * expected_tokens(acceptance, k) / step
 
 
 def best_k(latency, acceptance, batch: int, k_max: int, tolerance: float = 0.01,
-           draft_s=0.0) -> tuple[int, float, list[float]]:
+           draft_s: float = 0.0, sizes=None) -> tuple[int, float, list[float]]:
     """(chosen K, its tokens/s, tokens/s for K = 0..k_max) for one batch size."""
-    tps = [tokens_per_s(latency, acceptance, batch, k, draft_s) for k in range(k_max + 1)]
+    tps = [tokens_per_s(latency, acceptance, batch, k, draft_s, sizes) for k in range(k_max + 1)]
     top = max(tps)
     k = next(k for k, v in enumerate(tps) if v >= top * (1.0 - tolerance))
     return k, tps[k], tps
@@ -117,12 +127,15 @@ def merge_ranges(ks: Sequence[int]) -> list[list[int]]:
 
 
 def tune_table(latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
-               k_max: int | None = None, tolerance: float = 0.01, draft_s=0.0) -> list[list[int]]:
-    """The `num_speculative_tokens_per_batch_size` table maximising expected tokens/s."""
+               k_max: int | None = None, tolerance: float = 0.01, draft_s: float = 0.0,
+               sizes: Mapping[int, Sequence[int]] | None = None) -> list[list[int]]:
+    """The `num_speculative_tokens_per_batch_size` table maximising expected tokens/s
+    (`sizes`: the capture plan per K, so each step is costed at its padded token count)."""
     assert max_num_seqs >= 1, max_num_seqs
     latency = monotone(latency)
     k_max = len(acceptance) if k_max is None else min(k_max, len(acceptance))
-    ks = [best_k(latency, acceptance, b, k_max, tolerance, draft_s)[0] for b in range(1, max_num_seqs + 1)]
+    ks = [best_k(latency, acceptance, b, k_max, tolerance, draft_s, sizes)[0]
+          for b in range(1, max_num_seqs + 1)]
     return merge_ranges(ks)
 
 
@@ -135,13 +148,13 @@ def tuned_config(base: Mapping, table: Sequence[Sequence[int]]) -> dict:
     return out
 
 
-def table_tokens_per_s(latency, acceptance, table, batch: int, draft_s=0.0) -> float:
+def table_tokens_per_s(latency, acceptance, table, batch: int, draft_s: float = 0.0, sizes=None) -> float:
     k = table[0][2]
     for start, _end, kk in table:
         if start > batch:
             break
         k = kk
-    return tokens_per_s(latency, acceptance, batch, k, draft_s)
+    return tokens_per_s(latency, acceptance, batch, k, draft_s, sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,14 +207,15 @@ def measure_throughput(model: str, spec: dict | None, prompts: Sequence[str], ba
 
 
 def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_len: int, repeats: int,
-                    enforce_eager: bool = False) -> tuple[dict[int, float], list[dict]]:
+                    enforce_eager: bool = False) -> tuple[dict[int, float], list[dict], dict]:
     """Median seconds of the engine's own decode step (target forward + fused verify, compiled
     and replayed from captured graphs, padded to the capture plan exactly as in serving) for B
     requests at K = 0..k_max. Returns ({token count B*(K+1): seconds}, one row per (B, K)).
 
     One engine holds a graph set per K (a batch-size table that lists every K declares them);
     each timing runs the step on padding rows, which cost what real rows cost (the attention
-    mask spans the whole static cache row, whatever the positions)."""
+    mask spans the whole static cache row, whatever the positions). Also returns the capture
+    plan per K (None without capture), so the tuner costs each batch at its padded size."""
     from npuspec.bench.table import median_time
     from npuspec.bench.e2e import make_llm
     from npuspec.runtime.scheduler import pad_rows
@@ -218,9 +232,10 @@ def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_le
             n = pad_rows(b, sizes, k)
             inp = llm._inputs(k, [], n, None, None)
             secs = median_time(lambda: llm._run_step(inp), repeats=repeats, warmup=1)
-            by_tokens.setdefault(b * (k + 1), []).append(secs)
-            rows.append({"batch": b, "K": k, "tokens": b * (k + 1), "padded rows": n, "step ms": secs * 1e3})
-    return {t: statistics.median(v) for t, v in by_tokens.items()}, rows
+            by_tokens.setdefault(n * (k + 1), []).append(secs)  # the tokens the step really ran
+            rows.append({"batch": b, "K": k, "padded rows": n, "tokens": n * (k + 1), "step ms": secs * 1e3})
+    plans = {k: llm._plans.get(k) for k in range(k_max + 1)}
+    return {t: statistics.median(v) for t, v in by_tokens.items()}, rows, plans
 
 
 # ----------------------------------------------------------------------------------------------
@@ -311,21 +326,22 @@ def run(args: argparse.Namespace) -> int:
     acc = measured["acceptance"][:k_max]
 
     ladder = batch_ladder(args.max_num_seqs)
+    sizes = None  # given latencies are taken as unpadded B*(K+1) token counts
     if args.latency_json:
         lat = _read_latency(args.latency_json)
     else:
         mdir = common.model_dir(args.model)
         max_len = args.max_model_len or common.fit_max_model_len(mdir, load_prompts(args.prompts),
                                                                  args.max_tokens)
-        lat, lat_rows = measure_latency(mdir, ladder, k_max, max_len, args.repeats, args.enforce_eager)
+        lat, lat_rows, sizes = measure_latency(mdir, ladder, k_max, max_len, args.repeats, args.enforce_eager)
         print_table(lat_rows, title="decode step latency (median)")
 
     lat = monotone(lat)
     draft = measured["draft_s_per_request_step"]
-    table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft)
+    table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft, sizes)
     rows = []
     for b in ladder:
-        k, tps, all_tps = best_k(lat, acc, b, k_max, args.tolerance, draft)
+        k, tps, all_tps = best_k(lat, acc, b, k_max, args.tolerance, draft, sizes)
         row = {"batch": b, "K": k, "tuned tok/s": tps}
         row.update({f"K={kk} tok/s": v for kk, v in enumerate(all_tps)})
         rows.append(row)
@@ -352,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
             measured_tps[name] = measure_throughput(mdir, spec_v, prompts, ladder, args.max_tokens, max_len,
                                                     args.enforce_eager)
         vrows = [{"batch": b, **{f"{n} tok/s": v[b] for n, v in measured_tps.items()},
-                  "tuned predicted tok/s": table_tokens_per_s(lat, acc, table, b, draft)} for b in ladder]
+                  "tuned predicted tok/s": table_tokens_per_s(lat, acc, table, b, draft, sizes)} for b in ladder]
         print_table(vrows, title="measured tokens/s by concurrency (generate, ignore_eos)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -364,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
                        "max_num_seqs": args.max_num_seqs, "rows": rows}, f, indent=1)
     if args.plot:
         from npuspec.bench.plots import plot_tune
-        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft, measured_tps)
+        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft, measured_tps, sizes)
         print(f"wrote {args.plot}")
     return 0
 

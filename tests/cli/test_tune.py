@@ -53,6 +53,21 @@ def test_tokens_per_s_formula():
     assert tune.tokens_per_s(lat, a, 2, 0, 0.001) == pytest.approx(2 / 0.010)
 
 
+def test_steps_are_costed_at_their_padded_size():
+    sizes = {0: [1, 2, 4, 8], 1: [2, 4, 8, 16]}
+    assert tune.step_tokens(3, 0, sizes) == 4 and tune.step_tokens(3, 1, sizes) == 8
+    assert tune.step_tokens(9, 1, sizes) == 18  # past the largest size: runs unpadded
+    assert tune.step_tokens(3, 0) == 3 and tune.step_tokens(3, 2, sizes) == 9  # no plan for K=2
+    lat = {1: 0.001, 2: 0.001, 4: 0.002, 8: 0.002, 16: 0.004}
+    # B=3 without speculation really runs 4 rows (2 ms), not the 1.5 ms interpolated at 3 tokens
+    assert tune.tokens_per_s(lat, [0.5], 3, 0, sizes=sizes) == pytest.approx(3 / 0.002)
+    assert tune.tokens_per_s(lat, [0.5], 3, 0) == pytest.approx(3 / 0.0015)
+    # a1 = 0.2: B=3, K=1 pads to 8 tokens (2 ms): 3*1.2/2ms = 1800 beats K=0's real 1500 tok/s;
+    # costed unpadded, K=0 would look like 2000 tok/s and win
+    assert tune.best_k(lat, [0.2], 3, 1, tolerance=0.0, sizes=sizes)[0] == 1
+    assert tune.best_k(lat, [0.2], 3, 1, tolerance=0.0)[0] == 0
+
+
 def test_best_k_prefers_smaller_within_tolerance():
     lat = {1: 0.01, 1000: 0.01}  # latency flat: every accepted draft is free
     a = [0.9, 0.9, 0.001]
