@@ -117,8 +117,12 @@ def plot(rows, path):
     except ImportError:
         print("--plot needs matplotlib: pip install matplotlib (or npuspec[plot])", file=sys.stderr)
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    groups = sorted({(r["K"], r["V"], r["dtype"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(9, 5))
+    # one dtype and one K keep the plot readable: fp32 if present, the median K
+    dt = "fp32" if any(r["dtype"] == "fp32" for r in rows) else rows[0]["dtype"]
+    ks = sorted({r["K"] for r in rows})
+    kk = ks[len(ks) // 2]
+    groups = sorted({(r["K"], r["V"], r["dtype"]) for r in rows if r["dtype"] == dt and r["K"] == kk})
     for K, V, d in groups:
         rs = sorted((r for r in rows if (r["K"], r["V"], r["dtype"]) == (K, V, d)),
                     key=lambda r: r["B"])
@@ -135,7 +139,7 @@ def plot(rows, path):
     ax.set_xlabel("batch size B")
     ax.set_ylabel("ms per verify call")
     ax.set_title("npuspec verify: time vs batch (dashed: logits-read bound)")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -156,9 +160,13 @@ def main(argv=None):
                     help="realistic: ~half the drafts accepted per position; all: every draft "
                          "accepted (every logits row is needed)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch/OpenMP threads for the CPU (default: torch's default)")
     ap.add_argument("--device", default=None, help="default: the current npuspec platform")
     ap.add_argument("--plot", metavar="PATH.png", help="plot time vs batch with the read bound")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device is None:
         from npuspec.platform import current_platform
         args.device = current_platform().device
