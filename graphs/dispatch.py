@@ -218,12 +218,15 @@ class GraphSet:
         for i in self._copy_idx:
             # Skip the copy when the caller passes the same tensor, unmodified since last time
             # (its version counter moves on every in-place write): weights read as plain inputs.
+            # Inference tensors have no version counter: always copied.
             a = args[i]
+            ver = None if a.is_inference() else a._version
             last = self._copied.get(i)
-            if last is not None and last[0] is a and last[1] == a._version and last[2] is static[i]:
+            if (ver is not None and last is not None and last[0] is a and last[1] == ver
+                    and last[2] is static[i]):
                 continue
             static[i].copy_(a)
-            self._copied[i] = (a, a._version, static[i])
+            self._copied[i] = (a, ver, static[i])
 
     def _check_static(self, e: _Entry, args: Sequence) -> bool:
         for i in self._static_idx:

@@ -210,3 +210,17 @@ def test_padding_rows_hold_pad_values_after_any_sequence():
         assert torch.equal(drafts[:B], args[1]) and bool((drafts[B:] == -1).all())
         assert torch.equal(temp[:B], args[2]) and bool((temp[B:] == 0.25).all())
         assert all(torch.equal(a, b) for a, b in zip(out, toy_step(*args)))
+
+
+def test_inference_mode_inputs():
+    """Inference tensors have no version counter; copies still happen (and stay correct)."""
+    def step(x, w):
+        return x @ w,
+
+    with torch.inference_mode():
+        gs = GraphSet(step, [token(), Slot(COPY)], [2, 4])
+        for B in (1, 3, 2):
+            x, w = torch.randn(B, 4), torch.randn(4, 3)
+            assert torch.equal(gs.run(x, w)[0], x @ w)
+            w.mul_(2)  # in place, same object: must not be skipped
+            assert torch.equal(gs.run(x, w)[0], x @ w)
