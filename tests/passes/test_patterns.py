@@ -122,15 +122,12 @@ def res_multinomial(p, q, ids):
     return torch.multinomial(r / r.sum(dim=-1, keepdim=True), 1)
 
 
-@pytest.mark.parametrize("fn,op", [(res_race, "npuspec.residual_sample"),
-                                   (res_gumbel_row, "npuspec.residual_sample"),
-                                   (res_multinomial, "npuspec.residual_probs")])
-def test_residual(fn, op):
-    out, graphs = three_way(fn, _probs(2), family="residual", appear=[op],
-                            gone=["aten.clamp", "aten.sub"])
-    for draw in ("exponential", "aten.rand", "multinomial"):  # the user's draws stay theirs
-        if draw in fn.__code__.co_names or draw.split(".")[-1] in fn.__code__.co_names:
-            assert draw in graphs
+@pytest.mark.parametrize("fn,op,draw", [(res_race, "npuspec.residual_sample", "aten.exponential"),
+                                        (res_gumbel_row, "npuspec.residual_sample", "aten.rand_like"),
+                                        (res_multinomial, "npuspec.residual_probs", "aten.multinomial")])
+def test_residual(fn, op, draw):
+    out, graphs = three_way(fn, _probs(2), family="residual", appear=[op, draw],
+                            gone=["aten.clamp", "aten.sub"])   # the user's draw stays theirs
 
 
 # --- the same families through Inductor (a few: Inductor compiles are slow) ---------------
@@ -143,15 +140,16 @@ def inductor_step(logits, drafts, p, q):
     n = (px / qx >= u).cumprod(dim=-1).sum(dim=-1)
     e = torch.empty_like(p).exponential_()
     rec = (torch.clamp(p - q, min=0) / e).argmax(dim=-1)
-    return greedy, n, rec
+    return greedy, n, rec, res_multinomial(p, q, ids), res_gumbel_row(p, q, ids)
 
 
 def test_inductor_lowering_matches_all_families(no_fx_cache):
     logits, drafts = _greedy_inputs(3)
     p, q, _ = _probs(4)
-    three_way(inductor_step, (logits, drafts, p, q), lowering="inductor", matched=3,
+    three_way(inductor_step, (logits, drafts, p, q), lowering="inductor", matched=5,
               appear=["npuspec.rejection_sample", "npuspec.ratio_accept",
-                      "npuspec.residual_sample"],
+                      "npuspec.residual_sample", "npuspec.residual_probs", "aten.multinomial",
+                      "aten.exponential", "aten.rand"],
               gone=["aten.cumprod", "aten.clamp.default", "aten.argmax"])
 
 
