@@ -264,3 +264,15 @@ def test_additional_config_block_verify_runs(ckpt, plain):
     assert [o.outputs[0].token_ids for o in out] == plain
     out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, seed=3, max_tokens=10))
     assert all(len(o.outputs[0].token_ids) == 10 for o in out)
+
+
+def test_json_speculative_config_and_synthetic_acceptance(ckpt, plain):
+    # a JSON string as `vllm serve --speculative-config` takes it; synthetic rates of 0 reject
+    # every draft whatever the target says, so the output is plain greedy decoding
+    import json
+    spec = dict(spec_for("ngram"), rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=[0.0, 0.0, 0.0, 0.0])
+    llm = LLM(ckpt, enforce_eager=True, max_model_len=128, speculative_config=json.dumps(spec))
+    out = llm.generate(PROMPTS[4], GREEDY[4])
+    assert llm.metrics.num_drafted > 0 and llm.metrics.num_accepted == 0
+    assert out[0].outputs[0].token_ids == plain[4]
