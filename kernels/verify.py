@@ -343,6 +343,20 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _check_values(draft_token_ids: Tensor, V: int, temperature: Optional[Tensor],
+                  top_p: Optional[Tensor]) -> None:
+    """Host-side value checks (reference and CPU paths; the device path cannot sync)."""
+    if temperature is not None and not bool((temperature >= 0).all()):
+        raise ValueError(f"temperature={temperature.tolist()}: every value must be >= 0 "
+                         f"(0 = greedy for that request)")
+    if top_p is not None and not bool(((top_p > 0) & (top_p <= 1)).all()):
+        raise ValueError(f"top_p={top_p.tolist()}: every value must be in (0, 1] (1 = off)")
+    x = draft_token_ids
+    if bool(((x < -1) | (x >= V)).any()):
+        raise ValueError(f"draft_token_ids: ids must be in [0, V={V}) or -1 for 'no draft'; "
+                         f"got values from {int(x.min())} to {int(x.max())}")
+
+
 def _check_finite(logits: Tensor, rawmax: Tensor, draft_probs: Optional[Tensor]) -> None:
     """Host-side check (reference and CPU paths): NaN/+inf logits never yield a token."""
     bad = ~torch.isfinite(rawmax)
@@ -393,6 +407,7 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
                   early_exit=early)
     if impl != "triton" and not _capturing(dev):
         _check_finite(target_logits, st.rawmax, draft_probs)
+        _check_values(draft_token_ids, V, temperature, top_p)
     bad = ~torch.isfinite(st.rawmax).all(1)                     # [B]
     u = uniforms.to(device=dev, dtype=torch.float32) if uniforms is not None else None
     greedy_acc = _decide_greedy(xpad, st)
@@ -540,15 +555,6 @@ def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
     `impl="reference"` is the specification. Raises ValueError on non-finite logits."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify)
-    if impl == "reference":
-        if temperature is not None and not bool((temperature >= 0).all()):
-            raise ValueError(f"temperature={temperature.tolist()}: must be >= 0 (0 = greedy)")
-        if top_p is not None and not bool(((top_p > 0) & (top_p <= 1)).all()):
-            raise ValueError(f"top_p={top_p.tolist()}: each value must be in (0, 1]")
-        x = draft_token_ids
-        if bool(((x < -1) | (x >= target_logits.shape[-1])).any()):
-            raise ValueError(f"draft_token_ids: ids must be in [0, V={target_logits.shape[-1]}) "
-                             f"or -1 for no draft")
     thr, alpha = (None, None) if entropy_verify is None else entropy_verify
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, bool(block_verify), thr, alpha, synthetic_rates, impl)

@@ -356,3 +356,19 @@ def test_no_drafts_k0_and_single_token_vocab():
     out, num = rejection_sample(torch.randn(2, 3, 1), torch.zeros(2, 2, dtype=torch.int64),
                                 temperature=torch.ones(2))
     assert out.tolist() == [[0, 0, 0]] * 2 and num.tolist() == [3, 3]
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_bad_values_name_the_argument(impl):
+    logits, x, q, t, u, e = make_case(3, 2, 20, 8)
+    bad_t = t.clone()
+    bad_t[0] = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        rejection_sample_reference(logits, x, temperature=bad_t, impl=impl)
+    with pytest.raises(ValueError, match="top_p"):
+        rejection_sample_reference(logits, x, temperature=t, top_p=torch.tensor([0.5, 0.0, 1.0]),
+                                   impl=impl)
+    bad_x = x.clone()
+    bad_x[1, 0] = 20
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        rejection_sample_reference(logits, bad_x, temperature=t, impl=impl)
