@@ -440,7 +440,8 @@ class LLM:
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                       None] = None, use_tqdm: bool = False
                  ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in prompt order."""
+        """Run every prompt to completion; results come back in prompt order. (`use_tqdm` is
+        accepted for vLLM compatibility and ignored.)"""
         reqs = self._requests(prompts, sampling_params, next(self._calls))  # all checks first
         sched = Scheduler(self.max_num_seqs)
         for r in reqs:
@@ -450,15 +451,23 @@ class LLM:
         self._top_k = any(r.params.top_k > 0 for r in reqs)
         self._top_p = any(r.params.top_p < 1 for r in reqs)
         t_start = time.perf_counter()
-        while sched.has_work():
-            new = sched.admit()
-            if new:
-                self._prefill(new, m)
-            self._decode_step(sched.running, m)
-            for r in sched.retire():
-                r.stats.total_s = time.perf_counter() - t_start
-                if self.proposer is not None:
-                    self.proposer.stop_request(r.req_id)
+        try:
+            while sched.has_work():
+                new = sched.admit()
+                if new:
+                    self._prefill(new, m)
+                self._decode_step(sched.running, m)
+                for r in sched.retire():
+                    r.stats.total_s = time.perf_counter() - t_start
+                    if self.proposer is not None:
+                        self.proposer.stop_request(r.req_id)
+        finally:  # an error mid-call must not leave proposer state (draft cache slots) behind
+            if self.proposer is not None:
+                for r in sched.running:
+                    try:
+                        self.proposer.stop_request(r.req_id)
+                    except KeyError:  # failed before its start_request
+                        pass
         m.total_s = time.perf_counter() - t_start
         m.num_output_tokens = sum(len(r.output) for r in reqs)
         self.metrics = m
@@ -546,8 +555,9 @@ class LLM:
         if k == 0:
             return np.full((B, 0), -1, dtype=np.int64), None
         ids = [r.req_id for r in reqs]
-        if self.spec.method != "draft_model":
+        if not hasattr(self.proposer, "draft"):  # token-only drafters (ngram, suffix)
             return fill_drafts(self.proposer.propose(ids, caps), B, k), None
+        # model drafters: tokens [B, K], draft probs and per-position confidences
         temps = np.array([r.params.temperature for r in reqs], dtype=np.float64)
         d = self.proposer.draft(ids, k, temps if self._random else None,
                                 [r.generator for r in reqs], want_probs=self._random)
