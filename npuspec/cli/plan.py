@@ -85,11 +85,11 @@ def run(args) -> int:
     from npuspec.cli.errors import UsageError, with_field
     from npuspec.config import SpeculativeConfig
 
-    platform = _platform(args.device)
     d = common.spec_dict(args.speculative_config)
     if d is None:
         raise UsageError("planning needs a speculative config, e.g. "
                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'", "--speculative-config")
+    platform = _platform(args.device)
     try:
         cfg = SpeculativeConfig.from_dict(d, device=platform.device)
     except ValueError as e:

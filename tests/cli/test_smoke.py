@@ -68,7 +68,7 @@ def test_demo_identity(rand_ckpts, tmp_path, capsys):
 def test_demo_embedded_model(tiny_available, capsys):
     """The README's first command on the embedded model (eager and short, to fit the CI budget;
     the compiled run is test_demo_embedded_model_compiled, marked slow)."""
-    rc = main(["demo", "--max-tokens", "24", "--no-text", "--enforce-eager"])
+    rc = main(["demo", "--max-tokens", "8", "--no-text", "--enforce-eager"])
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "outputs identical: yes (4/4 prompts)" in text
