@@ -31,7 +31,6 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from npuspec import counters
 from npuspec.config import SpeculativeConfig, merge_additional_config
 from npuspec.runtime import dynamic_k
 from npuspec.runtime.scheduler import Request, Scheduler, fill_drafts, pad_rows

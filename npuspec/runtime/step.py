@@ -17,7 +17,6 @@ the graph runners never copy it; only the per-step inputs are copied into static
 """
 from __future__ import annotations
 
-import logging
 import types
 from typing import Optional
 
@@ -27,7 +26,6 @@ from torch import nn
 import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
 from npuspec.models.decoder import KVCache
 
-log = logging.getLogger("npuspec.engine")
 
 
 class VerifyStep(nn.Module):
