@@ -27,7 +27,6 @@ import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sam
 from npuspec.models.decoder import KVCache
 
 
-
 class VerifyStep(nn.Module):
     """model forward + fused verify. One instance per engine; compiled once per variant."""
 
