@@ -73,3 +73,13 @@ def draft_ckpt(tmp_path_factory):
 @pytest.fixture
 def make_ckpt():
     return save_checkpoint
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are a few hundred KB: per-op overhead dominates and a second OpenMP thread
+    only adds barrier waits (several times slower on a shared 2-core runner)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
