@@ -267,7 +267,7 @@ def run(args) -> int:
         from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")
     mdir = common.model_dir(args.model)
-    common.set_threads(args.threads)
+    common.set_threads(args.threads, mdir)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
              "prompt_lookup_max": args.ngram}
     ngram = common.spec_dict(args.speculative_config) or ngram

@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.tolerance} must be in [0, 1)", "--tolerance")
     k_max = cfg.num_speculative_tokens
     if args.acceptance is None or args.latency_json is None:
-        common.set_threads(args.threads)
+        common.set_threads(args.threads, common.model_dir(args.model))
     if args.plot:
         from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")

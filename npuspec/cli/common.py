@@ -11,8 +11,10 @@ import time
 from npuspec.cli.errors import UsageError, with_field
 
 SPEC_FLAG = "--speculative-config"
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-                "prompt_lookup_max": 4}
+# The demo's default: HF prompt lookup's matching rule (longest n-gram of 3 down to 1) with
+# K=4; on the embedded model this accepts ~1.3 drafts per step on the demo prompts.
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                "prompt_lookup_max": 3}
 
 
 def spec_dict(value: str | dict | None, field: str = SPEC_FLAG) -> dict | None:
@@ -114,11 +116,19 @@ def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16
 
 def add_threads_flag(p) -> None:
     p.add_argument("--threads", type=positive, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 gives steadier timings on a busy machine")
+                   help="torch CPU threads (default: 1 for the embedded model, whose matrices are too "
+                        "small to split, else torch's choice); 1 also gives steadier timings on a busy machine")
 
 
-def set_threads(n: int | None) -> int:
+def set_threads(n: int | None, model_dir: str | None = None) -> int:
+    """Apply --threads. The embedded model's matmuls are a few microseconds: with more threads
+    the synchronisation costs more than it saves, and on a shared machine a preempted thread
+    stalls every op (we measured 20x slower steps at 2 threads on a loaded 2-core box)."""
     import torch
+
+    from npuspec.models.loading import TINY_MODEL_DIR
+    if n is None and model_dir is not None and os.path.realpath(model_dir) == os.path.realpath(TINY_MODEL_DIR):
+        n = 1
     if n is not None:
         torch.set_num_threads(n)
     return torch.get_num_threads()

@@ -62,7 +62,7 @@ def run(args) -> int:
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
     prompts = load_prompts(args.prompts)
-    threads = common.set_threads(args.threads)
+    threads = common.set_threads(args.threads, mdir)
     max_len = common.fit_max_model_len(mdir, prompts, args.max_tokens)
     label = f"{cfg.method} K={cfg.num_speculative_tokens}"
 
