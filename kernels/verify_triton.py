@@ -13,7 +13,7 @@ bit-identical (everything but the last ulp of exp and the order of the sums).
 from __future__ import annotations
 
 import functools
-import os
+from npuspec import envs
 from typing import Optional
 
 import torch
@@ -45,7 +45,7 @@ def grid_size(n_rows: int, device: torch.device) -> int:
 
 
 def _block_v(V: int) -> int:
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    interp = envs.triton_interpret()
     cap = 8192 if interp else 1024  # the interpreter pays per block, a GPU per register
     return max(16, min(cap, triton.next_power_of_2(V)))
 

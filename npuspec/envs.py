@@ -123,6 +123,22 @@ def debug() -> bool:
     return _bool("NPUSPEC_DEBUG", False)
 
 
+# Other tools' variables that npuspec reads (never writes here).
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1: Triton kernels run on the CPU through the interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def ascend_toolkit_home() -> Optional[str]:
+    """CANN's install directory (ASCEND_TOOLKIT_HOME, else ASCEND_HOME_PATH), for its version."""
+    for name in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
+        v = os.environ.get(name)
+        if v:
+            return v
+    return None
+
+
 # name -> accessor, for `npuspec env` style listings and the env tests.
 VARIABLES: dict[str, Callable] = {
     "NPUSPEC_CAPTURE_SIZES": capture_sizes,

@@ -66,8 +66,7 @@ def triton_available(device: str) -> bool:
     if spec is None:
         return False
     if device == "cpu":
-        import os
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return envs.triton_interpret()
     return True
 
 

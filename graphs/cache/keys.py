@@ -29,6 +29,8 @@ import platform as _pyplatform
 import sys
 from typing import Any, Optional, Sequence
 
+from npuspec import envs
+
 # Bump when the layout of an entry or the meaning of a key component changes.
 KEY_FORMAT = 1
 
@@ -176,18 +178,17 @@ def _cann_version() -> str:
     v = getattr(getattr(torch, "version", None), "cann", None)
     if v:
         return str(v)
-    for env in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH"):
-        home = os.environ.get(env)  # CANN's own variable, not an NPUSPEC_* setting
+    home = envs.ascend_toolkit_home()
+    for rel in ("version.cfg", "ascend_toolkit_install.info", "../version.cfg"):
         if not home:
+            break
+        try:
+            with open(os.path.join(home, rel)) as f:
+                for line in f:
+                    if "version=" in line:
+                        return line.split("version=", 1)[1].strip()
+        except OSError:
             continue
-        for rel in ("version.cfg", "ascend_toolkit_install.info", "../version.cfg"):
-            try:
-                with open(os.path.join(home, rel)) as f:
-                    for line in f:
-                        if "version=" in line:
-                            return line.split("version=", 1)[1].strip()
-            except OSError:
-                continue
     return "unknown"
 
 
