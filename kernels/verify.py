@@ -329,6 +329,16 @@ def _pick_impl(device: torch.device) -> str:
     return "triton" if triton_available(device.type) else "reference"
 
 
+def kernel_config(device_type: str) -> dict:
+    """The verify kernel choices for a device, as plain JSON (recorded in the graph cache).
+
+    The Triton kernel is not autotuned: its vocab block is a fixed function of V (see
+    verify_triton._block_v) and its grid of the row count and core count, so the implementation
+    name is the whole choice.
+    """
+    return {"impl": _pick_impl(torch.device(device_type)), "autotuned": False}
+
+
 def _row_stats_fn(impl: str):
     if impl == "reference":
         return reference_row_stats

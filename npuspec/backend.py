@@ -105,4 +105,19 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     from npuspec.graphs.cache import cached_lower
     compiled = cached_lower(gm, list(example_inputs), opts, lowering.lower)
     from npuspec.graphs import wrap_compiled  # capture wiring (issue 5): pad, replay, slice
-    return wrap_compiled(gm, example_inputs, compiled, opts, plat)
+    wrapped = wrap_compiled(gm, example_inputs, compiled, opts, plat)
+    _record_artifacts(opts, plat)
+    return wrapped
+
+
+def _record_artifacts(opts: BackendOptions, plat: Platform) -> None:
+    """Plain-JSON facts about this compile, kept in the graph cache entry (no-op without one)."""
+    from npuspec.graphs.cache import record_artifact
+    from npuspec.graphs.step import planned_sizes
+    from npuspec.kernels.verify import kernel_config
+
+    if opts.speculative_config is not None and opts.capture is not False:
+        plans = {k: planned_sizes(k, opts, plat) for k in opts.speculative_config.k_values()}
+        record_artifact("capture_plan", {"max_num_seqs": opts.max_num_seqs,
+                                         "sizes_per_k": {str(k): v for k, v in plans.items()}})
+    record_artifact("verify_kernel", kernel_config(plat.device))
