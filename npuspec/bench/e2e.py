@@ -175,6 +175,7 @@ def aggregate_metrics(results, engine=None) -> dict:
             "mean_acceptance_length": (steps + accepted) / steps if steps else None,
             "draft_s": src.draft_s if src else sum(r.metrics.draft_s for r in results),
             "step_s": src.step_s if src else sum(r.metrics.step_s for r in results),
+            "bookkeeping_s": src.bookkeeping_s if src else sum(r.metrics.bookkeeping_s for r in results),
             "engine_steps": src.num_engine_steps if src else None}
 
 

@@ -41,7 +41,8 @@ def _acceptance_axis(ax, acceptance: Sequence[float], label: str = "") -> None:
 
 def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
               table: Sequence[Sequence[int]], k_max: int, draft_s=0.0,
-              measured: Mapping[str, Mapping[int, float]] | None = None, sizes=None) -> None:
+              measured: Mapping[str, Mapping[int, float]] | None = None, sizes=None,
+              host_s: float = 0.0) -> None:
     """Expected tokens/s against concurrency for each fixed K and for the tuned table (lines),
     measured tokens/s where `tune --validate` ran (markers), and the acceptance by position."""
     from npuspec.bench.tune import table_tokens_per_s, tokens_per_s
@@ -50,9 +51,9 @@ def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[floa
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
     batches = list(range(1, max_num_seqs + 1))
     for k in range(k_max + 1):
-        ax.plot(batches, [tokens_per_s(latency, acceptance, b, k, draft_s, sizes) for b in batches],
+        ax.plot(batches, [tokens_per_s(latency, acceptance, b, k, draft_s, sizes, host_s) for b in batches],
                 lw=1.2, alpha=0.8, label=f"K={k}" + (" (no spec)" if k == 0 else ""))
-    ax.plot(batches, [table_tokens_per_s(latency, acceptance, table, b, draft_s, sizes) for b in batches],
+    ax.plot(batches, [table_tokens_per_s(latency, acceptance, table, b, draft_s, sizes, host_s) for b in batches],
             "k--", lw=2.2, label="tuned table")
     markers = {"K=0": "o", "tuned table": "*"}
     for name, pts in (measured or {}).items():

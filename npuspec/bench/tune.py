@@ -9,8 +9,10 @@ The model (all quantities measured, nothing assumed about the hardware):
   L(T)     latency of one decode step over T = B*(K+1) tokens (measured on a grid of token
            counts, made non-decreasing (padding to more tokens is always possible), linear in
            between, extended by the last slope beyond the largest)
-  tps(B,K) = B * E(K) / (L(pad_K(B*(K+1))) + B*d)   (d = drafting time per request-step;
-           pad_K = the next capture size of K's graph set, which is what the step really runs)
+  tps(B,K) = B * E(K) / (L(pad_K(B*(K+1))) + B*(h + d))   (d = drafting time per request-step,
+           K > 0 only; h = the engine's other host work per request-step: inputs, the one
+           device->host copy, bookkeeping; pad_K = the next capture size of K's graph set,
+           which is what the step really runs)
 
 For each batch size B (= concurrent requests) in 1..max_num_seqs the tuner takes the smallest K
 whose tokens/s is within `tolerance` of the best (fewer distinct K = fewer graph sets; noise in
@@ -100,16 +102,19 @@ def step_tokens(batch: int, k: int, sizes: Mapping[int, Sequence[int]] | None = 
 
 
 def tokens_per_s(latency: Mapping[int, float], acceptance: Sequence[float], batch: int, k: int,
-                 draft_s: float = 0.0, sizes: Mapping[int, Sequence[int]] | None = None) -> float:
-    """Expected tokens/s of `batch` concurrent requests speculating `k` tokens each."""
-    step = interpolate(latency, step_tokens(batch, k, sizes)) + (batch * draft_s if k > 0 else 0.0)
+                 draft_s: float = 0.0, sizes: Mapping[int, Sequence[int]] | None = None,
+                 host_s: float = 0.0) -> float:
+    """Expected tokens/s of `batch` concurrent requests speculating `k` tokens each
+    (draft_s: drafting per request-step, K > 0 only; host_s: the engine's other host work per
+    request-step: input preparation, the device->host copy, bookkeeping)."""
+    step = interpolate(latency, step_tokens(batch, k, sizes)) + batch * (host_s + (draft_s if k > 0 else 0.0))
     return batch * expected_tokens(acceptance, k) / step
 
 
 def best_k(latency, acceptance, batch: int, k_max: int, tolerance: float = 0.01,
-           draft_s: float = 0.0, sizes=None) -> tuple[int, float, list[float]]:
+           draft_s: float = 0.0, sizes=None, host_s: float = 0.0) -> tuple[int, float, list[float]]:
     """(chosen K, its tokens/s, tokens/s for K = 0..k_max) for one batch size."""
-    tps = [tokens_per_s(latency, acceptance, batch, k, draft_s, sizes) for k in range(k_max + 1)]
+    tps = [tokens_per_s(latency, acceptance, batch, k, draft_s, sizes, host_s) for k in range(k_max + 1)]
     top = max(tps)
     k = next(k for k, v in enumerate(tps) if v >= top * (1.0 - tolerance))
     return k, tps[k], tps
@@ -128,13 +133,13 @@ def merge_ranges(ks: Sequence[int]) -> list[list[int]]:
 
 def tune_table(latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
                k_max: int | None = None, tolerance: float = 0.01, draft_s: float = 0.0,
-               sizes: Mapping[int, Sequence[int]] | None = None) -> list[list[int]]:
+               sizes: Mapping[int, Sequence[int]] | None = None, host_s: float = 0.0) -> list[list[int]]:
     """The `num_speculative_tokens_per_batch_size` table maximising expected tokens/s
     (`sizes`: the capture plan per K, so each step is costed at its padded token count)."""
     assert max_num_seqs >= 1, max_num_seqs
     latency = monotone(latency)
     k_max = len(acceptance) if k_max is None else min(k_max, len(acceptance))
-    ks = [best_k(latency, acceptance, b, k_max, tolerance, draft_s, sizes)[0]
+    ks = [best_k(latency, acceptance, b, k_max, tolerance, draft_s, sizes, host_s)[0]
           for b in range(1, max_num_seqs + 1)]
     return merge_ranges(ks)
 
@@ -148,13 +153,14 @@ def tuned_config(base: Mapping, table: Sequence[Sequence[int]]) -> dict:
     return out
 
 
-def table_tokens_per_s(latency, acceptance, table, batch: int, draft_s: float = 0.0, sizes=None) -> float:
+def table_tokens_per_s(latency, acceptance, table, batch: int, draft_s: float = 0.0, sizes=None,
+                       host_s: float = 0.0) -> float:
     k = table[0][2]
     for start, _end, kk in table:
         if start > batch:
             break
         k = kk
-    return tokens_per_s(latency, acceptance, batch, k, draft_s, sizes)
+    return tokens_per_s(latency, acceptance, batch, k, draft_s, sizes, host_s)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +179,8 @@ def batch_ladder(max_num_seqs: int) -> list[int]:
 def measure_acceptance(model: str, spec: dict, prompts: Sequence[str], max_tokens: int,
                        enforce_eager: bool = False) -> dict:
     """Run the prompts with K = spec's num_speculative_tokens; return conditional acceptance by
-    position, the mean acceptance length, and the draft time per request-step."""
+    position, the mean acceptance length, and the drafting and other host time per
+    request-step (from the engine's wall-clock split, prefill excluded)."""
     from npuspec.bench.e2e import run_npuspec
 
     res = run_npuspec(model, spec, prompts, max_tokens, max_num_seqs=1, repeats=1,
@@ -184,13 +191,17 @@ def measure_acceptance(model: str, spec: dict, prompts: Sequence[str], max_token
     acc = list(m["accepted_by_position"])[:k] + [0] * max(0, k - len(m["accepted_by_position"]))
     return {"acceptance": conditional_acceptance(acc, steps),
             "mean_acceptance_length": m["mean_acceptance_length"],
-            "draft_s_per_request_step": m["draft_s"] / steps if steps else 0.0}
+            "draft_s_per_request_step": m["draft_s"] / steps if steps else 0.0,
+            "host_s_per_request_step": m["bookkeeping_s"] / steps if steps else 0.0}
 
 
 def measure_throughput(model: str, spec: dict | None, prompts: Sequence[str], batches: Sequence[int],
-                       max_tokens: int, max_model_len: int, enforce_eager: bool = False) -> dict[int, float]:
-    """Measured tokens/s of `generate` with B concurrent requests (the prompts repeated to B),
-    for each B; one engine (compiled and captured once) serves every B."""
+                       max_tokens: int, max_model_len: int, enforce_eager: bool = False,
+                       repeats: int = 3) -> dict[int, float]:
+    """Measured tokens/s of `generate` with B concurrent requests, for each B: every prompt
+    runs at least once, in generate() calls of exactly B requests (prompts cycled), so each B
+    sees the same prompt mix; median over `repeats` passes. One engine (compiled and captured
+    once) serves every B."""
     from npuspec import SamplingParams
     from npuspec.bench.e2e import make_llm
 
@@ -199,10 +210,18 @@ def measure_throughput(model: str, spec: dict | None, prompts: Sequence[str], ba
     llm.generate(list(prompts[:1]), SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     out = {}
     for b in batches:
-        ps = [prompts[i % len(prompts)] for i in range(b)]
-        t0 = time.perf_counter()
-        res = llm.generate(ps, sp)
-        out[b] = sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
+        rounds = -(-len(prompts) // b)
+        runs = []
+        for _ in range(repeats):
+            tokens, secs = 0, 0.0
+            for r in range(rounds):
+                ps = [prompts[(r * b + i) % len(prompts)] for i in range(b)]
+                t0 = time.perf_counter()
+                res = llm.generate(ps, sp)
+                secs += time.perf_counter() - t0
+                tokens += sum(len(x.outputs[0].token_ids) for x in res)
+            runs.append(tokens / secs)
+        out[b] = statistics.median(runs)
     return out
 
 
@@ -315,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
         if not acc or any(not 0.0 <= a <= 1.0 for a in acc):
             raise UsageError(f"{acc} must be numbers in [0, 1]", "--acceptance")
         k_max = min(k_max, len(acc)) if args.speculative_config else len(acc)
-        measured = {"acceptance": list(acc), "mean_acceptance_length": None, "draft_s_per_request_step": 0.0}
+        measured = {"acceptance": list(acc), "mean_acceptance_length": None, "draft_s_per_request_step": 0.0,
+                    "host_s_per_request_step": 0.0}
     else:
         mdir = common.model_dir(args.model)
         common.check_draft(mdir, cfg)
@@ -337,11 +357,11 @@ def run(args: argparse.Namespace) -> int:
         print_table(lat_rows, title="decode step latency (median)")
 
     lat = monotone(lat)
-    draft = measured["draft_s_per_request_step"]
-    table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft, sizes)
+    draft, host = measured["draft_s_per_request_step"], measured["host_s_per_request_step"]
+    table = tune_table(lat, acc, args.max_num_seqs, k_max, args.tolerance, draft, sizes, host)
     rows = []
     for b in ladder:
-        k, tps, all_tps = best_k(lat, acc, b, k_max, args.tolerance, draft, sizes)
+        k, tps, all_tps = best_k(lat, acc, b, k_max, args.tolerance, draft, sizes, host)
         row = {"batch": b, "K": k, "tuned tok/s": tps}
         row.update({f"K={kk} tok/s": v for kk, v in enumerate(all_tps)})
         rows.append(row)
@@ -366,21 +386,21 @@ def run(args: argparse.Namespace) -> int:
                 measured_tps[name] = measured_tps[f"K={table[0][2]}"]  # one K throughout: measured
                 continue
             measured_tps[name] = measure_throughput(mdir, spec_v, prompts, ladder, args.max_tokens, max_len,
-                                                    args.enforce_eager)
+                                                    args.enforce_eager, min(args.repeats, 3))
         vrows = [{"batch": b, **{f"{n} tok/s": v[b] for n, v in measured_tps.items()},
-                  "tuned predicted tok/s": table_tokens_per_s(lat, acc, table, b, draft, sizes)} for b in ladder]
+                  "tuned predicted tok/s": table_tokens_per_s(lat, acc, table, b, draft, sizes, host)} for b in ladder]
         print_table(vrows, title="measured tokens/s by concurrency (generate, ignore_eos)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"speculative_config": cfg_out, "measured_tokens_per_s": {
                            n: {str(b): v for b, v in d.items()} for n, d in measured_tps.items()}, "acceptance": acc,
                        "mean_acceptance_length": measured["mean_acceptance_length"],
-                       "draft_s_per_request_step": draft,
+                       "draft_s_per_request_step": draft, "host_s_per_request_step": host,
                        "latency_s": {str(k): v for k, v in sorted(lat.items())},
                        "max_num_seqs": args.max_num_seqs, "rows": rows}, f, indent=1)
     if args.plot:
         from npuspec.bench.plots import plot_tune
-        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft, measured_tps, sizes)
+        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft, measured_tps, sizes, host)
         print(f"wrote {args.plot}")
     return 0
 

@@ -51,6 +51,9 @@ def test_tokens_per_s_formula():
     assert tune.tokens_per_s(lat, a, 2, 1, 0.001) == pytest.approx(2 * 1.9 / 0.012)
     # K=0 pays no drafting cost
     assert tune.tokens_per_s(lat, a, 2, 0, 0.001) == pytest.approx(2 / 0.010)
+    # host work per request-step is paid at every K
+    assert tune.tokens_per_s(lat, a, 2, 0, 0.001, host_s=0.0005) == pytest.approx(2 / 0.011)
+    assert tune.tokens_per_s(lat, a, 2, 1, 0.001, host_s=0.0005) == pytest.approx(2 * 1.9 / 0.013)
 
 
 def test_steps_are_costed_at_their_padded_size():
