@@ -49,6 +49,9 @@ _WORK = 2048  # occurrences x tokens walked by _path per tree and propose; then 
 _LEVELS = tuple(sorted(k for k, _ in _SEARCH))
 _B = 32  # bits per token in a packed string key: key(s + t) = key(s) << _B | t, key(()) = 1
 _MASK = (1 << _B) - 1
+_HJ = [1 << (_B * j) for j in range(_LONG + 1)]  # key(s) = _HJ[len(s)] | packed tokens of s
+_MJ = [h - 1 for h in _HJ]  # the packed tokens of the last j tokens of a key: key & _MJ[j]
+_H1, _H8, _M8 = _HJ[1], _HJ[_LONG], _MJ[_LONG]
 
 
 def _as_list(tokens) -> list[int]:
@@ -63,6 +66,14 @@ def _key(s: Sequence[int]) -> int:
     for t in s:
         k = (k << _B) | t
     return k
+
+
+def _kid(kids: dict[int, list[int]], parent: int, t: int) -> None:
+    lst = kids.get(parent)
+    if lst is None:
+        kids[parent] = [t]
+    else:
+        lst.append(t)
 
 
 def _check_ids(where: str, toks: list[int]) -> None:
@@ -108,10 +119,80 @@ class _Tree:
                 gc.enable()
 
     def append(self, sid: int, seq: list[int], new: list[int]) -> None:
+        self.live += len(new)
+        if len(seq) < _LONG:  # the first tokens of a sequence: not all keys exist yet
+            head = new[:_LONG - len(seq)]
+            self._append_slow(sid, seq, head)
+            new = new[len(head):]
+            if not new:
+                return
+        # steady state (>= _LONG tokens before each new one): the same updates as
+        # _append_slow, unrolled, with the keys of the last 1..3 tokens carried in locals and
+        # the last _LONG tokens packed in `w`; the state list is rewritten once at the end
         index, cnt, best, kids = self.index, self.cnt, self.best, self.kids
         cnt_get, best_get, index_get = cnt.get, best.get, index.get
         st = self.state[sid]
-        self.live += len(new)
+        k1, k2, k3 = st[1], st[2], st[3]
+        w = st[_LONG] & _M8
+        e = len(seq)
+        seq += new
+        base = sid << 32
+        B, M8 = _B, _M8
+        for t in new:
+            n1 = _H1 | t
+            n2 = (k1 << B) | t
+            n3 = (k2 << B) | t
+            n4 = (k3 << B) | t
+            # count of each new string, then its parent's most frequent next token (the first
+            # to reach the top count keeps it: replace only on a strictly larger count)
+            c = cnt[n1] = cnt_get(n1, 0) + 1
+            b = best_get(1)
+            if b != t and (b is None or c > cnt[_H1 | b]):
+                best[1] = t
+            if c == 1 and kids is not None:
+                _kid(kids, 1, t)
+            c = cnt[n2] = cnt_get(n2, 0) + 1
+            b = best_get(k1)
+            if b != t and (b is None or c > cnt[(k1 << B) | b]):
+                best[k1] = t
+            if c == 1 and kids is not None:
+                _kid(kids, k1, t)
+            c = cnt[n3] = cnt_get(n3, 0) + 1
+            b = best_get(k2)
+            if b != t and (b is None or c > cnt[(k2 << B) | b]):
+                best[k2] = t
+            if c == 1 and kids is not None:
+                _kid(kids, k2, t)
+            c = cnt[n4] = cnt_get(n4, 0) + 1
+            b = best_get(k3)
+            if b != t and (b is None or c > cnt[(k3 << B) | b]):
+                best[k3] = t
+            if c == 1 and kids is not None:
+                _kid(kids, k3, t)
+            # occurrence indexes: the 3-gram and the 8-gram ending at position e
+            ref = base | e
+            lst = index_get(n3)
+            if lst is None:
+                index[n3] = [ref]
+            else:
+                lst.append(ref)
+            w = ((w << B) | t) & M8
+            n8 = _H8 | w
+            lst = index_get(n8)
+            if lst is None:
+                index[n8] = [ref]
+            else:
+                lst.append(ref)
+            k1, k2, k3 = n1, n2, n3
+            e += 1
+        st[1:] = [n1, n2, n3, n4] + [_HJ[j] | (w & _MJ[j]) for j in range(5, _LONG + 1)]
+
+    def _append_slow(self, sid: int, seq: list[int], new: list[int]) -> None:
+        """The general per-token update (any position; `append` uses it for the first
+        _LONG tokens of a sequence, where fewer than _LONG keys end at each token)."""
+        index, cnt, best, kids = self.index, self.cnt, self.best, self.kids
+        cnt_get, best_get, index_get = cnt.get, best.get, index.get
+        st = self.state[sid]
         base = sid << 32
         for t in new:
             e = len(seq)
