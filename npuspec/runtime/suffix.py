@@ -51,7 +51,9 @@ _B = 32  # bits per token in a packed string key: key(s + t) = key(s) << _B | t,
 _MASK = (1 << _B) - 1
 _HJ = [1 << (_B * j) for j in range(_LONG + 1)]  # key(s) = _HJ[len(s)] | packed tokens of s
 _MJ = [h - 1 for h in _HJ]  # the packed tokens of the last j tokens of a key: key & _MJ[j]
-_H1, _H8, _M8 = _HJ[1], _HJ[_LONG], _MJ[_LONG]
+_H1, _H5, _H6, _H7, _H8 = (_HJ[j] for j in (1, 5, 6, 7, 8))
+_M5, _M6, _M7, _M8 = (_MJ[j] for j in (5, 6, 7, 8))
+assert _H == 4 and _LONG == 8 and _LEVELS == (3, 8), "append's unrolled loop assumes these"
 
 
 def _as_list(tokens) -> list[int]:
@@ -68,14 +70,6 @@ def _key(s: Sequence[int]) -> int:
     return k
 
 
-def _kid(kids: dict[int, list[int]], parent: int, t: int) -> None:
-    lst = kids.get(parent)
-    if lst is None:
-        kids[parent] = [t]
-    else:
-        lst.append(t)
-
-
 def _check_ids(where: str, toks: list[int]) -> None:
     if toks and (min(toks) < 0 or max(toks) > _MASK):
         bad = min(toks) if min(toks) < 0 else max(toks)
@@ -85,23 +79,46 @@ def _check_ids(where: str, toks: list[int]) -> None:
 
 class _Tree:
     """Token sequences plus, keyed by packed strings (a 1 bit, then _B bits per token):
-    exact counts of every string of 1.._H tokens, each shorter string's most frequent next
-    token, and the _H-1 / _LONG-token occurrence indexes (insertion order)."""
+    a node per string of 1.._H tokens -- [count, most frequent next token, that child's node
+    (+ the next tokens in first-seen order, in a tree that evicts)] -- and the _H-1 / _LONG-token
+    occurrence indexes (insertion order). One node holds what a token's update reads and
+    writes, so a token costs one dict lookup per length (the parent is the node of the previous
+    token, carried along): on 4096-token contexts the lookups, not the bytecodes, are the cost."""
 
-    __slots__ = ("seqs", "state", "index", "cnt", "best", "kids", "dead", "live")
+    __slots__ = ("seqs", "state", "tails", "index", "nodes", "root", "evictable", "dead", "live")
 
     def __init__(self, evictable: bool = False):
         self.seqs: dict[int, list[int]] = {}
         self.state: dict[int, list[int]] = {}  # sid -> [key of its last j tokens, j = 0.._LONG]
+        self.tails: dict[int, list[list]] = {}  # sid -> nodes of its last 0.._H-1 tokens
         self.index: dict[int, list[int]] = {}  # key -> [sid << 32 | end position]
-        self.cnt: dict[int, int] = {}  # key of a string of 1.._H tokens -> occurrences
-        # key of a string of 0.._H-1 tokens -> the next token that reached the top count first
-        self.best: dict[int, int] = {}
-        # key -> next tokens in first-seen order; only a tree that evicts needs it (to re-pick
-        # `best` after a count goes down)
-        self.kids: dict[int, list[int]] | None = {} if evictable else None
+        # key of a string of 1.._H tokens -> [occurrences, the next token that reached the top
+        # count first (None: no next token), its node] (+ [next tokens, first-seen order]: only
+        # a tree that evicts needs it, to re-pick the best after a count goes down)
+        self.nodes: dict[int, list] = {}
+        self.evictable = evictable
+        self.root = [0, None, None, []] if evictable else [0, None, None]  # the empty string
         self.dead = 0  # refs in `index` that point at evicted sequences
         self.live = 0
+
+    # read-only views for tests and debugging
+    @property
+    def cnt(self) -> dict[int, int]:
+        return {k: n[0] for k, n in self.nodes.items()}
+
+    @property
+    def best(self) -> dict[int, int]:
+        out = {1: self.root[1]} if self.root[1] is not None else {}
+        out.update((k, n[1]) for k, n in self.nodes.items() if n[1] is not None)
+        return out
+
+    @property
+    def kids(self) -> dict[int, list[int]] | None:
+        if not self.evictable:
+            return None
+        out = {1: self.root[3]} if self.root[3] else {}
+        out.update((k, n[3]) for k, n in self.nodes.items() if n[3])
+        return out
 
     def add_seq(self, sid: int, tokens: list[int]) -> None:
         """Register `tokens` (a list this tree now shares) and index all of it."""
@@ -109,6 +126,7 @@ class _Tree:
         del tokens[:]
         self.seqs[sid] = tokens
         self.state[sid] = [1] + [0] * _LONG
+        self.tails[sid] = [self.root]
         paused = gc.isenabled() and len(new) > 256
         if paused:  # a prompt adds many small objects, none cyclic; skip the GC passes
             gc.disable()
@@ -126,49 +144,67 @@ class _Tree:
             new = new[len(head):]
             if not new:
                 return
-        # steady state (>= _LONG tokens before each new one): the same updates as
-        # _append_slow, unrolled, with the keys of the last 1..3 tokens carried in locals and
-        # the last _LONG tokens packed in `w`; the state list is rewritten once at the end
-        index, cnt, best, kids = self.index, self.cnt, self.best, self.kids
-        cnt_get, best_get, index_get = cnt.get, best.get, index.get
+        # steady state (>= _LONG tokens before each new one): _append_slow's updates unrolled,
+        # the keys and nodes of the last 1..3 tokens carried in locals, the last _LONG tokens
+        # packed in `w`; the state lists are rewritten once at the end
+        index, nodes, ev = self.index, self.nodes, self.evictable
+        nodes_get, index_get = nodes.get, index.get
         st = self.state[sid]
+        tl = self.tails[sid]
         k1, k2, k3 = st[1], st[2], st[3]
+        p0, p1, p2, p3 = tl
         w = st[_LONG] & _M8
         e = len(seq)
         seq += new
         base = sid << 32
         B, M8 = _B, _M8
         for t in new:
+            # per length: the string's node (count + 1), then its parent's most frequent next
+            # token (the first to reach the top count keeps it: replace only on a larger count)
             n1 = _H1 | t
+            a = nodes_get(n1)
+            if a is None:
+                a = nodes[n1] = [1, None, None, []] if ev else [1, None, None]
+                if ev:
+                    p0[3].append(t)
+            else:
+                a[0] += 1
+            if p0[1] != t and (p0[1] is None or a[0] > p0[2][0]):
+                p0[1] = t
+                p0[2] = a
             n2 = (k1 << B) | t
+            b = nodes_get(n2)
+            if b is None:
+                b = nodes[n2] = [1, None, None, []] if ev else [1, None, None]
+                if ev:
+                    p1[3].append(t)
+            else:
+                b[0] += 1
+            if p1[1] != t and (p1[1] is None or b[0] > p1[2][0]):
+                p1[1] = t
+                p1[2] = b
             n3 = (k2 << B) | t
+            c = nodes_get(n3)
+            if c is None:
+                c = nodes[n3] = [1, None, None, []] if ev else [1, None, None]
+                if ev:
+                    p2[3].append(t)
+            else:
+                c[0] += 1
+            if p2[1] != t and (p2[1] is None or c[0] > p2[2][0]):
+                p2[1] = t
+                p2[2] = c
             n4 = (k3 << B) | t
-            # count of each new string, then its parent's most frequent next token (the first
-            # to reach the top count keeps it: replace only on a strictly larger count)
-            c = cnt[n1] = cnt_get(n1, 0) + 1
-            b = best_get(1)
-            if b != t and (b is None or c > cnt[_H1 | b]):
-                best[1] = t
-            if c == 1 and kids is not None:
-                _kid(kids, 1, t)
-            c = cnt[n2] = cnt_get(n2, 0) + 1
-            b = best_get(k1)
-            if b != t and (b is None or c > cnt[(k1 << B) | b]):
-                best[k1] = t
-            if c == 1 and kids is not None:
-                _kid(kids, k1, t)
-            c = cnt[n3] = cnt_get(n3, 0) + 1
-            b = best_get(k2)
-            if b != t and (b is None or c > cnt[(k2 << B) | b]):
-                best[k2] = t
-            if c == 1 and kids is not None:
-                _kid(kids, k2, t)
-            c = cnt[n4] = cnt_get(n4, 0) + 1
-            b = best_get(k3)
-            if b != t and (b is None or c > cnt[(k3 << B) | b]):
-                best[k3] = t
-            if c == 1 and kids is not None:
-                _kid(kids, k3, t)
+            d = nodes_get(n4)
+            if d is None:
+                d = nodes[n4] = [1, None, None, []] if ev else [1, None, None]
+                if ev:
+                    p3[3].append(t)
+            else:
+                d[0] += 1
+            if p3[1] != t and (p3[1] is None or d[0] > p3[2][0]):
+                p3[1] = t
+                p3[2] = d
             # occurrence indexes: the 3-gram and the 8-gram ending at position e
             ref = base | e
             lst = index_get(n3)
@@ -184,44 +220,47 @@ class _Tree:
             else:
                 lst.append(ref)
             k1, k2, k3 = n1, n2, n3
+            p1, p2, p3 = a, b, c
             e += 1
-        st[1:] = [n1, n2, n3, n4] + [_HJ[j] | (w & _MJ[j]) for j in range(5, _LONG + 1)]
+        tl[1], tl[2], tl[3] = p1, p2, p3
+        st[1:] = [n1, n2, n3, n4, _H5 | (w & _M5), _H6 | (w & _M6), _H7 | (w & _M7), n8]
 
     def _append_slow(self, sid: int, seq: list[int], new: list[int]) -> None:
-        """The general per-token update (any position; `append` uses it for the first
-        _LONG tokens of a sequence, where fewer than _LONG keys end at each token)."""
-        index, cnt, best, kids = self.index, self.cnt, self.best, self.kids
-        cnt_get, best_get, index_get = cnt.get, best.get, index.get
+        """The general per-token update (any position; `append` uses it for the first _LONG
+        tokens of a sequence, where fewer than _LONG keys end at each token)."""
+        index, nodes, ev = self.index, self.nodes, self.evictable
         st = self.state[sid]
+        tl = self.tails[sid]  # nodes of the last 0 .. min(len, _H - 1) tokens
         base = sid << 32
         for t in new:
             e = len(seq)
             seq.append(t)
             top = e + 1 if e < _LONG else _LONG
             # keys[j] = key of the last j tokens, now ending with t; its parent (the j - 1
-            # tokens before t) is the old st[j - 1]
+            # tokens before t) is the old st[j - 1], its parent's node tl[j - 1]
             keys = [(k << _B) | t for k in st[:top]]  # keys[j - 1] is for length j
+            cur = [self.root]
             for j in range(top if top < _H else _H):
                 key = keys[j]
-                c = cnt[key] = cnt_get(key, 0) + 1
-                parent = st[j]
-                b = best_get(parent)
-                if b is None:
-                    best[parent] = t
-                elif b != t and c > cnt[(parent << _B) | b]:
-                    best[parent] = t
-                if c == 1 and kids is not None:
-                    lst = kids.get(parent)
-                    if lst is None:
-                        kids[parent] = [t]
-                    else:
-                        lst.append(t)
+                node = nodes.get(key)
+                parent = tl[j]
+                if node is None:
+                    node = nodes[key] = [1, None, None, []] if ev else [1, None, None]
+                    if ev:
+                        parent[3].append(t)
+                else:
+                    node[0] += 1
+                if parent[1] != t and (parent[1] is None or node[0] > parent[2][0]):
+                    parent[1] = t
+                    parent[2] = node
+                cur.append(node)
+            tl[:] = cur[:_H]
             st[1:top + 1] = keys
             ref = base | e
             for n in _LEVELS:
                 if n > top:
                     break
-                lst = index_get(keys[n - 1])
+                lst = index.get(keys[n - 1])
                 if lst is None:
                     index[keys[n - 1]] = [ref]
                 else:
@@ -229,29 +268,34 @@ class _Tree:
 
     def remove_seq(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
-        del self.state[sid]
-        cnt, best, kids = self.cnt, self.best, self.kids
-        assert kids is not None, "only the global tree evicts"
+        del self.state[sid], self.tails[sid]
+        nodes = self.nodes
+        assert self.evictable, "only the global tree evicts"
         st = [1] + [0] * _H
+        tl = [self.root]  # nodes of the last 0.._H-1 tokens (kept after their count hits 0)
         for e, t in enumerate(seq):  # replay the keys and undo the counts exactly
             top = e + 1 if e < _H else _H
             for j in range(top, 0, -1):
                 st[j] = (st[j - 1] << _B) | t
+            cur = [self.root]
             for j in range(1, top + 1):
                 key = st[j]
-                parent = key >> _B
-                c = cnt[key] - 1
-                if c:
-                    cnt[key] = c
-                else:
-                    del cnt[key]
-                    kids[parent].remove(t)
-                if best[parent] == t:  # re-pick: the first maximum in first-seen order
-                    lst = kids[parent]
+                node = nodes[key]
+                parent = tl[j - 1]
+                node[0] -= 1
+                if not node[0]:
+                    del nodes[key]
+                    parent[3].remove(t)
+                if parent[1] == t:  # re-pick: the first maximum in first-seen order
+                    lst = parent[3]
                     if lst:
-                        best[parent] = max(lst, key=lambda x: cnt[(parent << _B) | x])
+                        pk = key >> _B
+                        x = max(lst, key=lambda x: nodes[(pk << _B) | x][0])
+                        parent[1], parent[2] = x, nodes[(pk << _B) | x]
                     else:
-                        del best[parent], kids[parent]
+                        parent[1] = parent[2] = None
+                cur.append(node)
+            tl = cur[:_H]
         self.live -= len(seq)
         self.dead += len(seq)
         if self.dead > max(self.live, 4096):
@@ -530,23 +574,23 @@ class SuffixProposer:
                             m_lo += 1
             upper = k - 1
         # matches of 1 .. _H - 2 tokens: read the exact count table, no scan
-        cnt, bnext = tree.cnt, tree.best
+        nodes = tree.nodes
         for m in range(min(upper, _H - 2), 0, -1):
             if need[m] <= best:
                 break
-            key = qk[m]
-            total = cnt.get(key, 0)
+            node = nodes.get(qk[m])
+            total = node[0] if node is not None else 0
             if total and own is not None and len(own) >= m:
                 total -= 1  # minus the context's own tail
             if not total:
                 continue  # no occurrence of s here
             t_, p_ = [], []
             for _ in range(min(need[m], D - m, _H - m)):
-                b = bnext.get(key)
+                b = node[1]
                 if b is None:
                     break
-                key = (key << _B) | b
-                p = cnt[key] / total
+                node = node[2]
+                p = node[0] / total
                 if p < pmin:
                     break
                 t_.append(b)
