@@ -51,8 +51,7 @@ _B = 32  # bits per token in a packed string key: key(s + t) = key(s) << _B | t,
 _MASK = (1 << _B) - 1
 _HJ = [1 << (_B * j) for j in range(_LONG + 1)]  # key(s) = _HJ[len(s)] | packed tokens of s
 _MJ = [h - 1 for h in _HJ]  # the packed tokens of the last j tokens of a key: key & _MJ[j]
-_H1, _H5, _H6, _H7, _H8 = (_HJ[j] for j in (1, 5, 6, 7, 8))
-_M5, _M6, _M7, _M8 = (_MJ[j] for j in (5, 6, 7, 8))
+_H3, _H8, _M3, _M8 = _HJ[3], _HJ[_LONG], _MJ[3], _MJ[_LONG]
 assert _H == 4 and _LONG == 8 and _LEVELS == (3, 8), "append's unrolled loop assumes these"
 
 
@@ -78,47 +77,58 @@ def _check_ids(where: str, toks: list[int]) -> None:
 
 
 class _Tree:
-    """Token sequences plus, keyed by packed strings (a 1 bit, then _B bits per token):
-    a node per string of 1.._H tokens -- [count, most frequent next token, that child's node
-    (+ the next tokens in first-seen order, in a tree that evicts)] -- and the _H-1 / _LONG-token
-    occurrence indexes (insertion order). One node holds what a token's update reads and
-    writes, so a token costs one dict lookup per length (the parent is the node of the previous
-    token, carried along): on 4096-token contexts the lookups, not the bytecodes, are the cost."""
+    """Token sequences, a count trie over every string of 1.._H tokens, and the _H-1 /
+    _LONG-token occurrence indexes keyed by packed strings (a 1 bit, then _B bits per token;
+    insertion order). A trie node is [occurrences, the next token that reached the top count
+    first (None: none yet), that child's node, {next token: child node} in first-seen order
+    (None at depth _H)]. A token's update reads and writes one node per length, found from the
+    node of the previous token one length shorter (carried along) with a small-int lookup: on
+    4096-token contexts the dict lookups, not the bytecodes, are the cost."""
 
-    __slots__ = ("seqs", "state", "tails", "index", "nodes", "root", "evictable", "dead", "live")
+    __slots__ = ("seqs", "state", "tails", "index", "root", "evictable", "dead", "live")
 
     def __init__(self, evictable: bool = False):
         self.seqs: dict[int, list[int]] = {}
         self.state: dict[int, list[int]] = {}  # sid -> [key of its last j tokens, j = 0.._LONG]
-        self.tails: dict[int, list[list]] = {}  # sid -> nodes of its last 0.._H-1 tokens
+        self.tails: dict[int, list[list]] = {}  # sid -> trie nodes of its last 0.._H-1 tokens
         self.index: dict[int, list[int]] = {}  # key -> [sid << 32 | end position]
-        # key of a string of 1.._H tokens -> [occurrences, the next token that reached the top
-        # count first (None: no next token), its node] (+ [next tokens, first-seen order]: only
-        # a tree that evicts needs it, to re-pick the best after a count goes down)
-        self.nodes: dict[int, list] = {}
-        self.evictable = evictable
-        self.root = [0, None, None, []] if evictable else [0, None, None]  # the empty string
+        self.root: list = [0, None, None, {}]  # the empty string
+        self.evictable = evictable  # only a tree that evicts may remove_seq
         self.dead = 0  # refs in `index` that point at evicted sequences
         self.live = 0
+
+    def node(self, s: Sequence[int]):
+        """The trie node of the string s (1.._H tokens), or None if it does not occur."""
+        node = self.root
+        for t in s:
+            node = node[3].get(t)
+            if node is None:
+                return None
+        return node
+
+    def _walk(self):
+        """(packed key, node) of the root and every trie node (tests and debugging)."""
+        todo = [(1, self.root)]
+        while todo:
+            key, node = todo.pop()
+            yield key, node
+            if node[3]:
+                todo += [((key << _B) | t, kid) for t, kid in node[3].items()]
 
     # read-only views for tests and debugging
     @property
     def cnt(self) -> dict[int, int]:
-        return {k: n[0] for k, n in self.nodes.items()}
+        return {k: n[0] for k, n in self._walk() if k != 1}
 
     @property
     def best(self) -> dict[int, int]:
-        out = {1: self.root[1]} if self.root[1] is not None else {}
-        out.update((k, n[1]) for k, n in self.nodes.items() if n[1] is not None)
-        return out
+        return {k: n[1] for k, n in self._walk() if n[1] is not None}
 
     @property
     def kids(self) -> dict[int, list[int]] | None:
         if not self.evictable:
             return None
-        out = {1: self.root[3]} if self.root[3] else {}
-        out.update((k, n[3]) for k, n in self.nodes.items() if n[3])
-        return out
+        return {k: list(n[3]) for k, n in self._walk() if n[3]}
 
     def add_seq(self, sid: int, tokens: list[int]) -> None:
         """Register `tokens` (a list this tree now shares) and index all of it."""
@@ -145,92 +155,85 @@ class _Tree:
             if not new:
                 return
         # steady state (>= _LONG tokens before each new one): _append_slow's updates unrolled,
-        # the keys and nodes of the last 1..3 tokens carried in locals, the last _LONG tokens
-        # packed in `w`; the state lists are rewritten once at the end
-        index, nodes, ev = self.index, self.nodes, self.evictable
-        nodes_get, index_get = nodes.get, index.get
+        # the nodes of the last 0..3 tokens carried in locals, the last _LONG tokens packed in
+        # `w`; the state lists are rewritten once at the end
+        index = self.index
+        index_get = index.get
         st = self.state[sid]
         tl = self.tails[sid]
-        k1, k2, k3 = st[1], st[2], st[3]
         p0, p1, p2, p3 = tl
         w = st[_LONG] & _M8
         e = len(seq)
         seq += new
         base = sid << 32
-        B, M8 = _B, _M8
+        B, M8, M3, H3, H8 = _B, _M8, _M3, _H3, _H8
         for t in new:
             # per length: the string's node (count + 1), then its parent's most frequent next
             # token (the first to reach the top count keeps it: replace only on a larger count)
-            n1 = _H1 | t
-            a = nodes_get(n1)
+            ch = p0[3]
+            a = ch.get(t)
             if a is None:
-                a = nodes[n1] = [1, None, None, []] if ev else [1, None, None]
-                if ev:
-                    p0[3].append(t)
+                a = ch[t] = [1, None, None, {}]
             else:
                 a[0] += 1
             if p0[1] != t and (p0[1] is None or a[0] > p0[2][0]):
                 p0[1] = t
                 p0[2] = a
-            n2 = (k1 << B) | t
-            b = nodes_get(n2)
+            ch = p1[3]
+            b = ch.get(t)
             if b is None:
-                b = nodes[n2] = [1, None, None, []] if ev else [1, None, None]
-                if ev:
-                    p1[3].append(t)
+                b = ch[t] = [1, None, None, {}]
             else:
                 b[0] += 1
             if p1[1] != t and (p1[1] is None or b[0] > p1[2][0]):
                 p1[1] = t
                 p1[2] = b
-            n3 = (k2 << B) | t
-            c = nodes_get(n3)
+            ch = p2[3]
+            c = ch.get(t)
             if c is None:
-                c = nodes[n3] = [1, None, None, []] if ev else [1, None, None]
-                if ev:
-                    p2[3].append(t)
+                c = ch[t] = [1, None, None, {}]
             else:
                 c[0] += 1
             if p2[1] != t and (p2[1] is None or c[0] > p2[2][0]):
                 p2[1] = t
                 p2[2] = c
-            n4 = (k3 << B) | t
-            d = nodes_get(n4)
+            ch = p3[3]
+            d = ch.get(t)
             if d is None:
-                d = nodes[n4] = [1, None, None, []] if ev else [1, None, None]
-                if ev:
-                    p3[3].append(t)
+                d = ch[t] = [1, None, None, None]
             else:
                 d[0] += 1
             if p3[1] != t and (p3[1] is None or d[0] > p3[2][0]):
                 p3[1] = t
                 p3[2] = d
-            # occurrence indexes: the 3-gram and the 8-gram ending at position e
-            ref = base | e
-            lst = index_get(n3)
-            if lst is None:
-                index[n3] = [ref]
-            else:
-                lst.append(ref)
-            w = ((w << B) | t) & M8
-            n8 = _H8 | w
-            lst = index_get(n8)
-            if lst is None:
-                index[n8] = [ref]
-            else:
-                lst.append(ref)
-            k1, k2, k3 = n1, n2, n3
             p1, p2, p3 = a, b, c
+            # occurrence indexes: the 3-gram and the 8-gram ending at position e
+            w = ((w << B) | t) & M8
+            ref = base | e
+            n = H3 | (w & M3)
+            lst = index_get(n)
+            if lst is None:
+                index[n] = [ref]
+            else:
+                lst.append(ref)
+            n = H8 | w
+            lst = index_get(n)
+            if lst is None:
+                index[n] = [ref]
+            else:
+                lst.append(ref)
             e += 1
         tl[1], tl[2], tl[3] = p1, p2, p3
-        st[1:] = [n1, n2, n3, n4, _H5 | (w & _M5), _H6 | (w & _M6), _H7 | (w & _M7), n8]
+        st[1:] = [_HJ[1] | (w & _MJ[1]), _HJ[2] | (w & _MJ[2]), _H3 | (w & _M3),
+                  _HJ[4] | (w & _MJ[4]), _HJ[5] | (w & _MJ[5]), _HJ[6] | (w & _MJ[6]),
+                  _HJ[7] | (w & _MJ[7]), _H8 | w]
 
     def _append_slow(self, sid: int, seq: list[int], new: list[int]) -> None:
         """The general per-token update (any position; `append` uses it for the first _LONG
         tokens of a sequence, where fewer than _LONG keys end at each token)."""
-        index, nodes, ev = self.index, self.nodes, self.evictable
+        index = self.index
         st = self.state[sid]
-        tl = self.tails[sid]  # nodes of the last 0 .. min(len, _H - 1) tokens
+        tl = self.tails[sid]  # trie nodes of the last 0 .. min(len, _H - 1) tokens
         base = sid << 32
         for t in new:
             e = len(seq)
@@ -241,13 +244,11 @@ class _Tree:
             keys = [(k << _B) | t for k in st[:top]]  # keys[j - 1] is for length j
             cur = [self.root]
             for j in range(top if top < _H else _H):
-                key = keys[j]
-                node = nodes.get(key)
                 parent = tl[j]
+                ch = parent[3]
+                node = ch.get(t)
                 if node is None:
-                    node = nodes[key] = [1, None, None, []] if ev else [1, None, None]
-                    if ev:
-                        parent[3].append(t)
+                    node = ch[t] = [1, None, None, {} if j < _H - 1 else None]
                 else:
                     node[0] += 1
                 if parent[1] != t and (parent[1] is None or node[0] > parent[2][0]):
@@ -269,29 +270,22 @@ class _Tree:
     def remove_seq(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
         del self.state[sid], self.tails[sid]
-        nodes = self.nodes
         assert self.evictable, "only the global tree evicts"
-        st = [1] + [0] * _H
         tl = [self.root]  # nodes of the last 0.._H-1 tokens (kept after their count hits 0)
-        for e, t in enumerate(seq):  # replay the keys and undo the counts exactly
+        for e, t in enumerate(seq):  # replay the nodes and undo the counts exactly
             top = e + 1 if e < _H else _H
-            for j in range(top, 0, -1):
-                st[j] = (st[j - 1] << _B) | t
             cur = [self.root]
-            for j in range(1, top + 1):
-                key = st[j]
-                node = nodes[key]
-                parent = tl[j - 1]
+            for j in range(top):
+                parent = tl[j]
+                ch = parent[3]
+                node = ch[t]
                 node[0] -= 1
                 if not node[0]:
-                    del nodes[key]
-                    parent[3].remove(t)
+                    del ch[t]
                 if parent[1] == t:  # re-pick: the first maximum in first-seen order
-                    lst = parent[3]
-                    if lst:
-                        pk = key >> _B
-                        x = max(lst, key=lambda x: nodes[(pk << _B) | x][0])
-                        parent[1], parent[2] = x, nodes[(pk << _B) | x]
+                    if ch:
+                        x = max(ch, key=lambda x: ch[x][0])
+                        parent[1], parent[2] = x, ch[x]
                     else:
                         parent[1] = parent[2] = None
                 cur.append(node)
@@ -574,11 +568,10 @@ class SuffixProposer:
                             m_lo += 1
             upper = k - 1
         # matches of 1 .. _H - 2 tokens: read the exact count table, no scan
-        nodes = tree.nodes
         for m in range(min(upper, _H - 2), 0, -1):
             if need[m] <= best:
                 break
-            node = nodes.get(qk[m])
+            node = tree.node(ctx[T - m:])
             total = node[0] if node is not None else 0
             if total and own is not None and len(own) >= m:
                 total -= 1  # minus the context's own tail
