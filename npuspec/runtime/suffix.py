@@ -52,7 +52,7 @@ _MASK = (1 << _B) - 1
 _HJ = [1 << (_B * j) for j in range(_LONG + 1)]  # key(s) = _HJ[len(s)] | packed tokens of s
 _MJ = [h - 1 for h in _HJ]  # the packed tokens of the last j tokens of a key: key & _MJ[j]
 _H3, _H8, _M3, _M8 = _HJ[3], _HJ[_LONG], _MJ[3], _MJ[_LONG]
-assert _H == 4 and _LONG == 8 and _LEVELS == (3, 8), "append's unrolled loop assumes these"
+assert _H == 4 and _LONG == 8 and _LEVELS == (_H - 1, _LONG), "append assumes these"
 
 
 def _as_list(tokens) -> list[int]:
@@ -77,11 +77,12 @@ def _check_ids(where: str, toks: list[int]) -> None:
 
 
 class _Tree:
-    """Token sequences, a count trie over every string of 1.._H tokens, and the _H-1 /
-    _LONG-token occurrence indexes keyed by packed strings (a 1 bit, then _B bits per token;
-    insertion order). A trie node is [occurrences, the next token that reached the top count
-    first (None: none yet), that child's node, {next token: child node} in first-seen order
-    (None at depth _H)]. A token's update reads and writes one node per length, found from the
+    """Token sequences, a count trie over every string of 1.._H tokens, and the _LONG-token
+    occurrence index keyed by packed strings (a 1 bit, then _B bits per token; insertion
+    order). A trie node is [occurrences, the next token that reached the top count first
+    (None: none yet), that child's node, {next token: child node} in first-seen order (None at
+    depth _H)], and at depth _H - 1 also the [sid << 32 | end] of every occurrence, oldest
+    first (the _H-1-token index). A token's update reads and writes one node per length, found from the
     node of the previous token one length shorter (carried along) with a small-int lookup: on
     4096-token contexts the dict lookups, not the bytecodes, are the cost."""
 
@@ -91,10 +92,10 @@ class _Tree:
         self.seqs: dict[int, list[int]] = {}
         self.state: dict[int, list[int]] = {}  # sid -> [key of its last j tokens, j = 0.._LONG]
         self.tails: dict[int, list[list]] = {}  # sid -> trie nodes of its last 0.._H-1 tokens
-        self.index: dict[int, list[int]] = {}  # key -> [sid << 32 | end position]
+        self.index: dict[int, list[int]] = {}  # 8-gram key -> [sid << 32 | end position]
         self.root: list = [0, None, None, {}]  # the empty string
         self.evictable = evictable  # only a tree that evicts may remove_seq
-        self.dead = 0  # refs in `index` that point at evicted sequences
+        self.dead = 0  # refs in the indexes that point at evicted sequences
         self.live = 0
 
     def node(self, s: Sequence[int]):
@@ -166,7 +167,7 @@ class _Tree:
         e = len(seq)
         seq += new
         base = sid << 32
-        B, M8, M3, H3, H8 = _B, _M8, _M3, _H3, _H8
+        B, M8, H8 = _B, _M8, _H8
         for t in new:
             # per length: the string's node (count + 1), then its parent's most frequent next
             # token (the first to reach the top count keeps it: replace only on a larger count)
@@ -190,10 +191,12 @@ class _Tree:
                 p1[2] = b
             ch = p2[3]
             c = ch.get(t)
-            if c is None:
-                c = ch[t] = [1, None, None, {}]
+            ref = base | e
+            if c is None:  # a 3-token node also lists where the string ends (oldest first)
+                c = ch[t] = [1, None, None, {}, [ref]]
             else:
                 c[0] += 1
+                c[4].append(ref)
             if p2[1] != t and (p2[1] is None or c[0] > p2[2][0]):
                 p2[1] = t
                 p2[2] = c
@@ -207,15 +210,8 @@ class _Tree:
                 p3[1] = t
                 p3[2] = d
             p1, p2, p3 = a, b, c
-            # occurrence indexes: the 3-gram and the 8-gram ending at position e
+            # the 8-gram occurrence index (the 3-gram's is its trie node, above)
             w = ((w << B) | t) & M8
-            ref = base | e
-            n = H3 | (w & M3)
-            lst = index_get(n)
-            if lst is None:
-                index[n] = [ref]
-            else:
-                lst.append(ref)
             n = H8 | w
             lst = index_get(n)
             if lst is None:
@@ -249,23 +245,24 @@ class _Tree:
                 node = ch.get(t)
                 if node is None:
                     node = ch[t] = [1, None, None, {} if j < _H - 1 else None]
+                    if j == _H - 2:  # a 3-token node also lists where the string ends
+                        node.append([base | e])
                 else:
                     node[0] += 1
+                    if j == _H - 2:
+                        node[4].append(base | e)
                 if parent[1] != t and (parent[1] is None or node[0] > parent[2][0]):
                     parent[1] = t
                     parent[2] = node
                 cur.append(node)
             tl[:] = cur[:_H]
             st[1:top + 1] = keys
-            ref = base | e
-            for n in _LEVELS:
-                if n > top:
-                    break
-                lst = index.get(keys[n - 1])
+            if top == _LONG:
+                lst = index.get(keys[_LONG - 1])
                 if lst is None:
-                    index[keys[n - 1]] = [ref]
+                    index[keys[_LONG - 1]] = [base | e]
                 else:
-                    lst.append(ref)
+                    lst.append(base | e)
 
     def remove_seq(self, sid: int) -> None:
         seq = self.seqs.pop(sid)
@@ -303,6 +300,10 @@ class _Tree:
             if kept:
                 new[key] = kept
         self.index = new
+        for a in self.root[3].values():  # the 3-token nodes' occurrence lists
+            for b in a[3].values():
+                for c in b[3].values():
+                    c[4] = [r for r in c[4] if r >> 32 in seqs]
         self.dead = 0
 
     def num_tokens(self) -> int:
@@ -510,7 +511,11 @@ class SuffixProposer:
                 continue
             if upper < m_lo or work > _WORK:
                 break
-            lst = index.get(qk[k])
+            if k == _LONG:
+                lst = index.get(qk[k])
+            else:  # the 3-gram's occurrences are listed in its trie node
+                lst = tree.node(ctx[T - k:])
+                lst = lst[4] if lst is not None else None
             if lst is None:
                 upper = k - 1
                 continue
