@@ -416,8 +416,9 @@ class SuffixProposer:
         tree = self._local.get(req_id)
         if tree is None:
             raise unknown_request("SuffixProposer.extend", req_id)
-        new = _as_list(new_tokens)
-        _check_ids("SuffixProposer.extend", new)
+        new = new_tokens if type(new_tokens) is list else _as_list(new_tokens)  # not copied
+        if new and (min(new) < 0 or max(new) > _MASK):
+            _check_ids("SuffixProposer.extend", new)
         tree.append(0, tree.seqs[0], new)
         sid = self._cached.get(req_id)
         if sid is not None:  # still cached (it may have been evicted while running)
