@@ -98,15 +98,6 @@ class _Tree:
         self.dead = 0  # refs in the indexes that point at evicted sequences
         self.live = 0
 
-    def node(self, s: Sequence[int]):
-        """The trie node of the string s (1.._H tokens), or None if it does not occur."""
-        node = self.root
-        for t in s:
-            node = node[3].get(t)
-            if node is None:
-                return None
-        return node
-
     def _walk(self):
         """(packed key, node) of the root and every trie node (tests and debugging)."""
         todo = [(1, self.root)]
@@ -515,8 +506,13 @@ class SuffixProposer:
             if k == _LONG:
                 lst = index.get(qk[k])
             else:  # the 3-gram's occurrences are listed in its trie node
-                lst = tree.node(ctx[T - k:])
-                lst = lst[4] if lst is not None else None
+                lst = tree.root[3].get(ctx[T - 3])
+                if lst is not None:
+                    lst = lst[3].get(ctx[T - 2])
+                    if lst is not None:
+                        lst = lst[3].get(ctx[T - 1])
+                        if lst is not None:
+                            lst = lst[4]
             if lst is None:
                 upper = k - 1
                 continue
@@ -577,7 +573,11 @@ class SuffixProposer:
         for m in range(min(upper, _H - 2), 0, -1):
             if need[m] <= best:
                 break
-            node = tree.node(ctx[T - m:])
+            node = tree.root
+            for i in range(T - m, T):  # the trie node of the context's last m tokens
+                node = node[3].get(ctx[i])
+                if node is None:
+                    break
             total = node[0] if node is not None else 0
             if total and own is not None and len(own) >= m:
                 total -= 1  # minus the context's own tail
