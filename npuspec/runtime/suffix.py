@@ -20,10 +20,12 @@ How (why this is not a pointer-based suffix tree): a Python suffix tree with cou
 `max_tree_depth` nodes per appended token (every suffix ending there), ~20 us per token per tree
 in CPython. Instead each tree keeps its token sequences and
   * exact counts of every string of up to _H = 4 tokens, with each one's most frequent next token
-    (a small trie updated in O(_H) per token): matches of 1-2 tokens read it directly;
-  * occurrence indexes (3-gram and 8-gram ending at each position -> where): `propose` finds the
-    occurrences of a 3..7-token (8+-token) match through the 3-gram (8-gram) index, extends each
-    backwards to its full match length, and derives the counts above from those occurrences.
+    (a trie: a token updates one node per length, found by a small-int look-up from the previous
+    token's nodes -- big-int dict look-ups were the cost): matches of 1-2 tokens read it directly;
+  * occurrence indexes (3-gram and 8-gram ending at each position -> where; the 3-gram's list
+    sits in its depth-3 trie node): `propose` finds the occurrences of a 3..7-token (8+-token)
+    match through the 3-gram (8-gram) index, extends each backwards to its full match length,
+    and derives the counts above from those occurrences.
 The search walks m from long to short and stops once min(K, m * factor + offset) cannot beat the
 best score so far, so a confident long match never reads the larger short-match sets. Results
 equal a brute-force scan of every occurrence (tests/runtime/test_proposers.py), with documented
