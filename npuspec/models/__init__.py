@@ -2,7 +2,8 @@
 loading, and the embedded tiny model (`load_model("tiny")`). See docs/models.md."""
 from npuspec.models.config import ModelConfig, SUPPORTED_MODEL_TYPES
 from npuspec.models.decoder import DecoderLM, KVCache
-from npuspec.models.loading import TINY_MODEL_DIR, load_model, load_tokenizer, resolve_model_dir
+from npuspec.models.loading import (TINY_MODEL_DIR, load_model, load_tokenizer, resolve_model_dir,
+                                    save_model)
 
 __all__ = ["ModelConfig", "SUPPORTED_MODEL_TYPES", "DecoderLM", "KVCache", "TINY_MODEL_DIR",
-           "load_model", "load_tokenizer", "resolve_model_dir"]
+           "load_model", "load_tokenizer", "resolve_model_dir", "save_model"]

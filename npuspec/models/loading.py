@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 
@@ -94,6 +95,28 @@ def npuspec_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, to
             else:
                 out[f"{prefix}{inv[ours]}.{kind}"] = t
     return out
+
+
+def save_model(model: DecoderLM, out_dir: str, tokenizer=None, dtype: torch.dtype | None = None,
+               extra_config: dict | None = None) -> str:
+    """Write `model` as an HF-format checkpoint (config.json, model.safetensors, and
+    tokenizer.json when a `tokenizers.Tokenizer` is given) that both npuspec and transformers load.
+    `dtype` converts the stored weights (e.g. float16 to keep a checkpoint small)."""
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    os.makedirs(out_dir, exist_ok=True)
+    hf = {k: v.detach().to(dtype or v.dtype).contiguous()
+          for k, v in npuspec_to_hf(model.state_dict(), cfg).items()}
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(hf, weights, metadata={"format": "pt"})
+    os.chmod(weights, 0o644)  # package data and shared checkpoints: world-readable
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({**cfg.to_hf_dict(), **(extra_config or {})}, f, indent=2)
+        f.write("\n")
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    return str(out_dir)
 
 
 def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[ModelConfig, DecoderLM]:

@@ -21,7 +21,6 @@ code, it does not follow instructions, answer questions or write correct program
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -32,7 +31,7 @@ import torch
 
 from npuspec.models.config import ModelConfig
 from npuspec.models.decoder import DecoderLM
-from npuspec.models.loading import npuspec_to_hf
+from npuspec.models.loading import save_model
 
 EOT = "<|endoftext|>"
 SAMPLE_PROMPTS = ["def __init__(self", "import os\n", "for i in range(", "class Queue:\n",
@@ -121,19 +120,9 @@ def greedy(model: DecoderLM, tok, prompt: str, max_new: int) -> str:
 
 
 def save(model: DecoderLM, cfg: ModelConfig, tok, out_dir: str, meta: dict):
-    from safetensors.torch import save_file
-
-    os.makedirs(out_dir, exist_ok=True)
-    hf = {k: v.detach().to(torch.float16).contiguous() for k, v in npuspec_to_hf(model.state_dict(), cfg).items()}
-    save_file(hf, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    os.chmod(os.path.join(out_dir, "model.safetensors"), 0o644)  # package data: world-readable
-    d = cfg.to_hf_dict()
-    d["dtype"] = "float32"  # weights are stored fp16 for size; compute in fp32
-    d["npuspec_training"] = meta
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(d, f, indent=2)
-        f.write("\n")
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    # Weights are stored fp16 for size; the config says compute in fp32.
+    save_model(model, out_dir, tok, dtype=torch.float16,
+               extra_config={"dtype": "float32", "npuspec_training": meta})
 
 
 def parse_args(argv=None):

@@ -38,10 +38,9 @@ _TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i
 def _save_random(out_dir, tok, *, vocab_size=300, hidden=64, layers=2, heads=4, kv_heads=2, seed=0):
     """A random-initialised HF checkpoint (config.json, model.safetensors, tokenizer.json)."""
     import torch
-    from safetensors.torch import save_file
 
     from npuspec.models.decoder import DecoderLM
-    from npuspec.models.loading import npuspec_to_hf
+    from npuspec.models.loading import save_model
 
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers, num_heads=heads,
                       num_kv_heads=kv_heads, head_dim=hidden // heads, intermediate_size=2 * hidden,
@@ -52,13 +51,7 @@ def _save_random(out_dir, tok, *, vocab_size=300, hidden=64, layers=2, heads=4, 
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.3)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in npuspec_to_hf(model.state_dict(), cfg).items()},
-              os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f)
-    tok.save(os.path.join(out_dir, "tokenizer.json"))
-    return str(out_dir)
+    return save_model(model, out_dir, tok)
 
 
 @pytest.fixture(scope="session")

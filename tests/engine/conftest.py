@@ -3,15 +3,13 @@
 Random weights make greedy decoding fall into repetitive loops quickly, which is exactly what
 n-gram and suffix drafting feed on, so acceptance is non-trivial even without training.
 """
-import json
-import os
 
 import pytest
 import torch
 
 from npuspec.models.config import ModelConfig
 from npuspec.models.decoder import DecoderLM
-from npuspec.models.loading import npuspec_to_hf
+from npuspec.models.loading import save_model
 
 TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
         "class Queue:\n    def __init__(self):\n        self.items = []\n",
@@ -33,7 +31,6 @@ def make_tokenizer(vocab_size: int):
 
 def save_checkpoint(out_dir, *, vocab_size=300, hidden=64, layers=2, heads=4, kv_heads=2,
                     seed=0, eos=None, tokenizer=None, max_pos=512):
-    from safetensors.torch import save_file
 
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=hidden, num_layers=layers,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads,
@@ -45,14 +42,7 @@ def save_checkpoint(out_dir, *, vocab_size=300, hidden=64, layers=2, heads=4, kv
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.1)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in npuspec_to_hf(model.state_dict(), cfg).items()},
-              os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(cfg.to_hf_dict(), f)
-    if tokenizer is not None:
-        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    return str(out_dir)
+    return save_model(model, out_dir, tokenizer)
 
 
 @pytest.fixture(scope="session")
