@@ -42,7 +42,7 @@ from torch import Tensor
 FLT_MIN = 1.1754943508222875e-38  # smallest normal float32: floor for the Exp(1) race draws
 ENTROPY_EPS = 1e-10
 
-__all__ = ["rejection_sample", "rejection_sample_reference", "synthetic_rates_from_length",
+__all__ = ["rejection_sample", "rejection_sample_reference", "probs_verify", "synthetic_rates_from_length",
            "conditional_rates", "draw_uniforms", "draw_exponentials", "use_impl", "RowStats",
            "reference_row_stats", "filter_thresholds"]
 
@@ -300,6 +300,71 @@ def _emit(xpad: Tensor, n_acc: Tensor, st: RowStats, greedy_rows: Tensor, bad: T
 
 
 # --------------------------------------------------------------------------------------------
+# Probability-input mode (target_is_probs=True): the user's own p, plain PyTorch
+# --------------------------------------------------------------------------------------------
+
+def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
+                 exponentials: Tensor) -> tuple[Tensor, Tensor]:
+    """Standard verify on already-normalised target probabilities; its own reference.
+
+    p [B, K+1, V] (the user's softmax, after their temperature/top-k/top-p), drafts int [B, K]
+    (-1 or out of range = no draft), q [B, K, V] or None (one-hot), uniforms [B, K],
+    exponentials [B, V] (one vector per request) or [B, K+1, V] (one per row).
+    Every value is the plain float expression the eager idiom evaluates (no softmax, no
+    reciprocal, no clamp of E), so the decisions are bit-identical to that idiom:
+      accept x_i iff x_i is a draft and p_i(x_i) / q_i(x_i) >= u_i   (one-hot: p_i(x_i) >= u_i;
+          one division: q(x) = 0 < p(x) gives inf and accepts, 0/0 gives NaN and rejects)
+      row n = the first rejection: argmax_v max(p_n - q_n, 0) / E_n   (one-hot: p_n with x_n
+          set to 0, / E_n); a -1 draft or the bonus row n = K: argmax_v p_n / E_n
+    argmax takes the first index among ties (and the first NaN), as torch.argmax does.
+    Only row n's [V] vectors are computed: elementwise IEEE ops give the same value per
+    element whatever the tensor they sit in. No host syncs, static shapes."""
+    B, K1, V = p.shape
+    K = K1 - 1
+    p = p.float()
+    xpad = _padded_drafts(draft_token_ids, V)                   # [B, K+1]
+    x, has = xpad[:, :K], xpad[:, :K] >= 0                      # [B, K]
+    xs = x.clamp_min(0)[..., None]                              # [B, K, 1]
+    px = p[:, :K].gather(-1, xs).squeeze(-1)                    # [B, K]
+    ratio = px if q is None else px / q.float().gather(-1, xs).squeeze(-1)
+    n = _leading(has & (ratio >= uniforms.float()))             # [B]
+    rows = n[:, None, None].expand(B, 1, V)                     # [B, 1, V]
+    pn = p.gather(1, rows).squeeze(1)                           # [B, V] p at row n
+    e = exponentials.float()
+    en = e if e.dim() == 2 else e.gather(1, rows).squeeze(1)    # [B, V]
+    xn = xpad.gather(1, n[:, None])                             # [B, 1] draft at row n, or -1
+    if q is None or K == 0:  # (K = 0: row n is the bonus row, xn = -1, r = pn)
+        r = torch.where(torch.arange(V, device=p.device) == xn, 0.0, pn)
+    else:
+        qn = q.float().gather(1, rows.clamp_max(K - 1)).squeeze(1)  # [B, V] (row K: unused)
+        r = torch.where(xn >= 0, torch.clamp(pn - qn, min=0), pn)
+    tok = (r / en).argmax(-1)                                   # [B]
+    pos = torch.arange(K1, device=p.device)[None, :]
+    out = torch.where(pos < n[:, None], xpad, -1)
+    out = torch.where(pos == n[:, None], tok[:, None], out)
+    return out.to(torch.int32), (n + 1).to(torch.int32)
+
+
+def _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
+                      synthetic_rates, exponentials, B, K1, V) -> None:
+    """target_is_probs=True takes the user's finished distribution: nothing to apply on top."""
+    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                    ("synthetic_rates", synthetic_rates), ("entropy_verify", posterior_threshold)):
+        if v is not None:
+            raise ValueError(f"{name} given with target_is_probs=True: target_logits then holds "
+                             f"the final probabilities p; apply {name} to p yourself, or pass "
+                             f"logits with target_is_probs=False")
+    if block_verify:
+        raise ValueError("block_verify=True with target_is_probs=True: the probability mode "
+                         "runs standard verification only; pass logits with "
+                         "target_is_probs=False for block verification")
+    if exponentials is not None and tuple(exponentials.shape) not in ((B, V), (B, K1, V)):
+        raise ValueError(f"exponentials: expected float32 [B, V] = [{B}, {V}] or [B, K+1, V] = "
+                         f"[{B}, {K1}, {V}] with target_is_probs=True; got "
+                         f"{tuple(exponentials.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
 # The op
 # --------------------------------------------------------------------------------------------
 
@@ -448,12 +513,19 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
                          top_k: Optional[Tensor], top_p: Optional[Tensor],
                          uniforms: Optional[Tensor], exponentials: Optional[Tensor],
                          block_verify: bool, posterior_threshold: Optional[float],
-                         posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor]
-                         ) -> tuple[Tensor, Tensor]:
+                         posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor],
+                         *, target_is_probs: bool = False) -> tuple[Tensor, Tensor]:
     """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
 
     Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
     calls); missing draws come from the default generator."""
+    if target_is_probs:  # plain PyTorch on every device (probs_verify is its own reference)
+        B, K1, V = target_logits.shape
+        _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
+                          synthetic_rates, exponentials, B, K1, V)
+        u = draw_uniforms(B, K1 - 1, target_logits.device) if uniforms is None else uniforms
+        e = draw_exponentials(B, V, target_logits.device) if exponentials is None else exponentials
+        return probs_verify(target_logits, draft_token_ids, draft_probs, u, e)
     impl = _pick_impl(target_logits.device)
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, block_verify, posterior_threshold, posterior_alpha,
@@ -462,14 +534,16 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
 
 @_rejection_sample_op.register_fake
 def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
-      exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates):
+      exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates, *,
+      target_is_probs=False):
     B, K1, _ = target_logits.shape
     return (target_logits.new_empty((B, K1), dtype=torch.int32),
             target_logits.new_empty((B,), dtype=torch.int32))
 
 
 def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
-              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify):
+              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
+              target_is_probs=False):
     """Shape/dtype checks (metadata only: no host syncs)."""
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits: expected [B, K+1, V], got shape "
@@ -478,6 +552,10 @@ def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, t
         raise ValueError(f"target_logits: expected a float tensor, got {target_logits.dtype}")
     B, K1, V = target_logits.shape
     K = K1 - 1
+    if target_is_probs:
+        _check_probs_mode(temperature, top_k, top_p, block_verify,
+                          entropy_verify, synthetic_rates,
+                          exponentials, B, K1, V)
     if tuple(draft_token_ids.shape) != (B, K):
         raise ValueError(f"draft_token_ids: expected shape [B, K] = [{B}, {K}] to match "
                          f"target_logits [B, K+1, V]; got {tuple(draft_token_ids.shape)}")
@@ -496,7 +574,7 @@ def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, t
     if uniforms is not None and tuple(uniforms.shape) != (B, K):
         raise ValueError(f"uniforms: expected float32 [B, K] = [{B}, {K}]; got "
                          f"{tuple(uniforms.shape)}")
-    if exponentials is not None and tuple(exponentials.shape) != (B, V):
+    if exponentials is not None and tuple(exponentials.shape) != (B, V) and not target_is_probs:
         raise ValueError(f"exponentials: expected float32 [B, V] = [{B}, {V}]; got "
                          f"{tuple(exponentials.shape)}")
     if entropy_verify is not None:
@@ -525,22 +603,30 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      block_verify: bool = False,
                      entropy_verify: Optional[Sequence[float]] = None,
                      synthetic_rates: Optional[Tensor] = None,
-                     uniforms: Optional[Tensor] = None, exponentials: Optional[Tensor] = None
-                     ) -> tuple[Tensor, Tensor]:
+                     uniforms: Optional[Tensor] = None, exponentials: Optional[Tensor] = None,
+                     target_is_probs: bool = False) -> tuple[Tensor, Tensor]:
     """Verify K drafts per request (DESIGN.md §3.3). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
+
+    target_is_probs=True: `target_logits` holds the caller's final target probabilities p
+    [B, K+1, V] (their temperature/top-k/top-p already applied); every row is sampled by
+    standard verification with exactly the eager arithmetic (`probs_verify`), and temperature,
+    top_k, top_p, block_verify, entropy_verify and synthetic_rates are refused. exponentials
+    may then also be [B, K+1, V] (one vector per row).
 
     Draws not given are made here: uniforms [B, K] (float64 U[0,1) cast to float32) and
     exponentials [B, V] (float32 Exp(1)), from `generators[row]` for seeded rows (uniforms
     first, then exponentials) and from the default generator for the others. Then the pure
     custom op `torch.ops.npuspec.rejection_sample` runs."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
-              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify)
+              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
+              target_is_probs)
     B, K1, V = target_logits.shape
     dev = target_logits.device
-    if uniforms is None and (temperature is not None or synthetic_rates is not None):
+    sampled = temperature is not None or target_is_probs
+    if uniforms is None and (sampled or synthetic_rates is not None):
         uniforms = draw_uniforms(B, K1 - 1, dev, generators)
-    if exponentials is None and temperature is not None:
+    if exponentials is None and sampled:
         exponentials = draw_exponentials(B, V, dev, generators)
     thr, alpha = (None, None) if entropy_verify is None else (float(entropy_verify[0]),
                                                               float(entropy_verify[1]))
@@ -548,7 +634,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
         synthetic_rates = synthetic_rates.to(device=dev, dtype=torch.float32)
     return torch.ops.npuspec.rejection_sample(
         target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
-        exponentials, bool(block_verify), thr, alpha, synthetic_rates)
+        exponentials, bool(block_verify), thr, alpha, synthetic_rates,
+        target_is_probs=bool(target_is_probs))
 
 
 def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
@@ -560,11 +647,19 @@ def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
                                synthetic_rates: Optional[Tensor] = None,
                                uniforms: Optional[Tensor] = None,
                                exponentials: Optional[Tensor] = None,
-                               impl: str = "reference") -> tuple[Tensor, Tensor]:
+                               impl: str = "reference", target_is_probs: bool = False
+                               ) -> tuple[Tensor, Tensor]:
     """The op computed directly (no dispatcher) with the chosen row-statistics implementation;
-    `impl="reference"` is the specification. Raises ValueError on non-finite logits."""
+    `impl="reference"` is the specification. Raises ValueError on non-finite logits.
+    target_is_probs=True runs `probs_verify` (one implementation, its own reference)."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
-              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify)
+              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
+              target_is_probs)
+    if target_is_probs:
+        B, K1, V = target_logits.shape
+        u = draw_uniforms(B, K1 - 1, target_logits.device) if uniforms is None else uniforms
+        e = draw_exponentials(B, V, target_logits.device) if exponentials is None else exponentials
+        return probs_verify(target_logits, draft_token_ids, draft_probs, u, e)
     thr, alpha = (None, None) if entropy_verify is None else entropy_verify
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, bool(block_verify), thr, alpha, synthetic_rates, impl)
