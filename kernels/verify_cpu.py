@@ -1,17 +1,31 @@
 """Fused CPU lowering of the row statistics of `npuspec::rejection_sample`.
 
-One C++ kernel, compiled and cached by Inductor's C++ toolchain (`CppCodeCache`: the same
+C++ kernels, compiled and cached by Inductor's C++ toolchain (`CppCodeCache`: the same
 compiler flags, vector ISA selection, OpenMP and cache directory as `torch.compile` on CPU).
-Each row of logits is read while it stays in L1/L2: a vectorised max, then one pass that
-computes exp, the normaliser, the race scores and their maximum; the race winner is then found
-by an early-exit scan for the first index whose score equals that maximum, which is far cheaper
-than a tracking argmax. Elementwise it uses the formulas of `reference_row_stats` with the
-same vector math (at::vec, i.e. torch's own exp/log), so the per-element values match eager
-PyTorch; only the order of the sums (S, rho, H) differs.
+
+- `npuspec_standard_rows`, standard verify with the uniforms known (the common case): each
+  request walks its rows in order and stops at the row that emits. An accepted sampling row
+  costs one read of the logits (an online softmax over L1-sized chunks: chunk max, then exp
+  and sum while the chunk sits in L1); the emitting row adds one race over the stored exps;
+  greedy rows never exp; rows after the emitting row get only the NaN/inf check. Its exp is
+  a polynomial (Cody-Waite reduction, the classic single-precision minimax polynomial, at most
+  1.3 ulp from exact) that costs about half of at::vec's Sleef exp on AVX-512.
+- `npuspec_row_stats`, every other mode (block, entropy, or no uniforms): a vectorised max,
+  then one pass computing exp (at::vec), the normaliser, the race scores and their maximum,
+  then an early-exit scan for the race winner; the residual and entropy passes follow while
+  the row is in cache.
+
+Elementwise both use the formulas of `reference_row_stats`: z = l / t, e = exp(z - max z),
+p = e / S, race scores e * (1 / max(E, FLT_MIN)), residual max(p - q, 0), lowest index wins
+ties. What differs from the reference is the last bit of exp (torch.exp, at::vec's exp and
+the polynomial each differ from the others by up to one ulp on some inputs), the order of the
+sums and, in the online softmax, the rescaling of earlier chunks when the running max moves.
+So the tokens are identical except when a decision lies within a few ulps of a tie; see
+docs/verify.md for the measured rate.
 
 Why not a plain `torch.compile` of the reference: Inductor keeps a running (value, index) pair
-per lane for every argmax, which made the fused kernel compute-bound at ~1.5x the unfused
-eager pipeline on this machine; the max-then-scan race here reaches the memory-read regime.
+per lane for every argmax over every row, which made the fused kernel compute-bound at ~1.5x
+the unfused eager pipeline on this machine.
 """
 from __future__ import annotations
 
@@ -114,6 +128,126 @@ inline void pass2(const float* f, int64_t V, float t, float th, float zmax, floa
       vSt = vSt + et;
     }
   }
+}
+
+// ---- standard verify with early exit: the fast path -------------------------------------
+// exp for x <= 0 as 2^n * poly(r) (Cody-Waite reduction, the classic single-precision
+// minimax polynomial; at most 1.3 ulp from exact, as torch.exp is at most 1 ulp: both differ
+// from each other in the last bit only). x < -110 gives 0, like exp(-inf).
+inline Vec fexp(const Vec& xv) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 x = _mm512_max_ps(__m512(xv), _mm512_set1_ps(-110.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return Vec(_mm512_scalef_ps(p, n));
+#else
+  return xv.exp();  // other ISAs: at::vec's exp (Sleef)
+#endif
+}
+inline float fexp1(float x) {
+  __at_align__ float a[kL];
+  fexp(Vec(x)).store(a);
+  return a[0];
+}
+
+constexpr int64_t kChunk = 2048;  // floats; a chunk is read twice while it sits in L1
+
+// One row of a sampling request: running max and normaliser in a single read of the row
+// (online softmax over L1-sized chunks). e = exp(z - m_c) is stored to eb with m_c, the
+// running max z when chunk c was done, so a later race can rescale it to the final max.
+// Returns the raw max (NaN-propagating); S is relative to z max = raw max / t.
+template <bool DIV, bool THR>
+inline float online_row(const float* f, int64_t V, float t, float th, float* eb, float* mc,
+                        float& S) {
+  float M = kNegInf;        // raw running max
+  float zM = kNegInf;       // running max of z (M / t: division is monotone)
+  Vec vS(0.f);
+  for (int64_t c0 = 0, c = 0; c0 < V; c0 += kChunk, ++c) {
+    const int64_t ce = std::min(V, c0 + kChunk);
+    const float cm = row_max(f + c0, ce - c0);
+    if (std::isnan(cm)) { S = 0.f; return cm; }
+    if (cm > M) {
+      const float zn = DIV ? cm / t : cm;
+      if (zM != kNegInf) vS = vS * Vec(fexp1(zM - zn));
+      M = cm; zM = zn;
+    }
+    mc[c] = zM;
+    if (zM == kNegInf || zM == std::numeric_limits<float>::infinity()) {
+      for (int64_t v = c0; v < ce; v += kL) store(Vec(0.f), eb + v, ce - v);
+      continue;
+    }
+    const Vec vzM(zM);
+    for (int64_t v = c0; v < ce; v += kL) {
+      const int64_t n = ce - v;
+      Vec z = load(f + v, n, kNegInf);
+      if (DIV) z = z / Vec(t);
+      if (THR) z = Vec::blendv(Vec(kNegInf), z, z >= Vec(th));
+      const Vec e = fexp(z - vzM);
+      store(e, eb + v, n);
+      vS = vS + e;  // tail lanes: exp(-inf) = 0
+    }
+  }
+  S = hsum(vS);
+  return M;
+}
+
+// e rescaled from chunk c's running max to the final max zmax.
+inline float chunk_scale(float m, float zmax) { return m == zmax ? 1.f : fexp1(m - zmax); }
+
+// Lane-wise first-index argmax: lanes keep their first maximum (strict >); at the end the
+// smallest index among the lanes holding the overall maximum wins. Indices are tracked as
+// floats (exact below 2^24 > any vocabulary).
+struct ArgMax {
+  Vec vb = Vec(-1.f), vi = Vec(0.f);
+  const Vec lane = Vec::arange(0.f, 1.f);
+  inline void add(const Vec& s, int64_t v) {
+    const Vec gt = s > vb;
+    vb = Vec::blendv(vb, s, gt);
+    vi = Vec::blendv(vi, lane + Vec(float(v)), gt);
+  }
+  inline int64_t index(float& best) const {
+    __at_align__ float bv[kL], bi[kL];
+    vb.store(bv); vi.store(bi);
+    best = -1.f; float idx = 0.f;
+    for (int64_t i = 0; i < kL; ++i)
+      if (bv[i] > best || (bv[i] == best && bi[i] < idx)) { best = bv[i]; idx = bi[i]; }
+    return int64_t(idx);
+  }
+};
+
+// The race over a row: first-index argmax of s_v = score_v * R_v, R = 1 / max(E, FLT_MIN)
+// (the reference's formula), where score is e rescaled to the final max (RESID = false) or
+// the residual max(e / S - q, 0) (RESID = true). Tail lanes score -2 and never win.
+template <bool RESID>
+inline int64_t race(const float* eb, const float* mc, float zmax, float S, const float* q,
+                    const float* E, int64_t V, float& best) {
+  ArgMax am;
+  for (int64_t c0 = 0, c = 0; c0 < V; c0 += kChunk, ++c) {
+    const int64_t ce = std::min(V, c0 + kChunk);
+    const Vec sc(chunk_scale(mc[c], zmax));
+    const bool one = mc[c] == zmax;
+    for (int64_t v = c0; v < ce; v += kL) {
+      const int64_t n = ce - v;
+      const Vec R = Vec(1.f) / at::vec::maximum(load(E + v, n, 1.f), Vec(kFltMin));
+      Vec e = load(eb + v, n, 0.f);
+      if (!one) e = e * sc;
+      Vec s;
+      if (RESID) s = at::vec::maximum(e / Vec(S) - load(q + v, n, 0.f), Vec(0.f)) * R;
+      else s = e * R;
+      if (n < kL) s = Vec::set(Vec(-2.f), s, n);
+      am.add(s, v);
+    }
+  }
+  return am.index(best);
 }
 }  // namespace
 
@@ -242,28 +376,125 @@ extern "C" void npuspec_row_stats(
     }
   }
 }
+
+// Standard verify (sampling or greedy rows, uniforms known): each request walks its rows in
+// order and stops at its emission row. Rows after it get only the NaN/inf check (one read);
+// accepted sampling rows need only the normaliser (one read, online softmax); the emission
+// row adds one race over the stored exps. Greedy rows never exp. Statistics the decisions do
+// not read (gidx of sampling rows, races of accepted rows, rho) are left at 0.
+extern "C" void npuspec_standard_rows(
+    const void* logits, int64_t dtype, const int64_t* xpad, const float* q, const float* temp,
+    const float* thr, const float* E, const float* uni, const uint8_t* greedy, int64_t* gidx,
+    float* rawmax, float* px, float* qx, int64_t* race_p, int64_t* race_r, int64_t B,
+    int64_t K1, int64_t V, int64_t has_q, int64_t has_thr, int64_t nthreads) {
+  const int64_t K = K1 - 1;
+  const int64_t nchunks = (V + kChunk - 1) / kChunk;
+#pragma omp parallel num_threads(nthreads)
+  {
+    std::vector<float> fbuf(dtype ? V : 0), ebuf(V + kL), mbuf(nchunks);
+    float* eb = ebuf.data();
+    float* mc = mbuf.data();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b) {
+      const float t = temp[b];
+      const bool grd = greedy[b] != 0;
+      const float* Eb = E + b * V;
+      bool done = false;
+      for (int64_t j = 0; j < K1; ++j) {
+        const int64_t r = b * K1 + j;
+        const float* f = (const float*)logits + r * V;
+        if (dtype == 1) {  // bfloat16 -> float32 is exact: the bf16 bits are the high half
+          const uint16_t* src = (const uint16_t*)logits + r * V;
+          uint32_t* dst = (uint32_t*)fbuf.data();
+          for (int64_t v = 0; v < V; ++v) dst[v] = uint32_t(src[v]) << 16;
+          f = fbuf.data();
+        } else if (dtype == 2) {
+          const c10::Half* src = (const c10::Half*)logits + r * V;
+          for (int64_t v = 0; v < V; ++v) fbuf[v] = static_cast<float>(src[v]);
+          f = fbuf.data();
+        }
+        gidx[r] = 0; px[r] = 0.f; qx[r] = 0.f; race_p[r] = 0; race_r[r] = 0;
+        const int64_t x = xpad[r];
+        if (done || grd) {
+          const float mx = row_max(f, V);
+          rawmax[r] = mx;
+          if (done) continue;
+          gidx[r] = std::max(first_eq(f, V, mx), int64_t(0));
+          if (!std::isfinite(mx) || j == K || x < 0 || x != gidx[r]) done = true;
+          continue;
+        }
+        const float th = has_thr ? thr[r] : kNegInf;
+        float S = 0.f, mx;
+        const int64_t mode = (t != 1.f) | (has_thr << 1);
+        switch (mode) {  // l / 1 == l exactly, so skip the division at t = 1
+          case 0: mx = online_row<false, false>(f, V, t, th, eb, mc, S); break;
+          case 1: mx = online_row<true, false>(f, V, t, th, eb, mc, S); break;
+          case 2: mx = online_row<false, true>(f, V, t, th, eb, mc, S); break;
+          default: mx = online_row<true, true>(f, V, t, th, eb, mc, S); break;
+        }
+        rawmax[r] = mx;
+        if (!std::isfinite(mx)) { done = true; continue; }  // the caller raises
+        const float zmax = mx / t;
+        const float* qrow = (has_q && j < K) ? q + (b * K + j) * V : nullptr;
+        float ex = 0.f;
+        if (x >= 0) {  // e[x] = exp(z_x - max z), z_x masked like the row
+          float zx = t != 1.f ? f[x] / t : f[x];
+          if (has_thr && !(zx >= th)) zx = kNegInf;
+          ex = fexp1(zx - zmax);
+          px[r] = ex / S;
+          qx[r] = qrow ? qrow[x] : 1.f;
+        }
+        const bool accepted = j < K && x >= 0 && qx[r] > 0.f && px[r] / qx[r] >= uni[b * K + j];
+        if (accepted) continue;
+        done = true;  // this row emits: a recovered token, or a sample from p
+        float best;
+        if (qrow && x >= 0) {
+          const int64_t i = race<true>(eb, mc, zmax, S, qrow, Eb, V, best);
+          race_r[r] = best > 0.f ? i : -1;
+          if (race_r[r] < 0) race_p[r] = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
+        } else if (x >= 0) {  // one-hot: the residual is p with the draft masked out
+          eb[x] = 0.f;
+          const int64_t i = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
+          race_r[r] = best > 0.f ? i : -1;
+          if (race_r[r] < 0) {  // only float underflow empties it: fall back to p (x or 0)
+            const float sx = ex * (1.f / std::max(Eb[x], kFltMin));
+            race_p[r] = sx > 0.f ? x : 0;
+          }
+        } else {
+          race_p[r] = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
+          race_r[r] = best > 0.f ? race_p[r] : -1;
+        }
+      }
+    }
+  }
+}
 """.replace("FLT_MIN_VALUE", repr(FLT_MIN) + "f")
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @functools.lru_cache(maxsize=None)
-def _library():
-    """The compiled kernel, or None (logged once) when no C++ toolchain works here."""
+def _compiled():
+    """The compiled library, or None (logged once) when no C++ toolchain works here."""
     try:
         from torch._inductor.codecache import CppCodeCache
         lib = CppCodeCache.load(_SOURCE)
-        fn = lib.npuspec_row_stats
-        fn.restype = None
-        return fn
+        for name in ("npuspec_row_stats", "npuspec_standard_rows"):
+            getattr(lib, name).restype = None
+        return lib
     except Exception as e:  # no compiler, no OpenMP, ...
         log.warning("npuspec: the fused CPU verify kernel could not be compiled (%s); "
                     "falling back to the PyTorch reference", e)
         return None
 
 
+def _library():
+    lib = _compiled()
+    return lib.npuspec_row_stats if lib is not None else None
+
+
 def available() -> bool:
-    return _library() is not None
+    return _compiled() is not None
 
 
 def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optional[torch.Tensor],
@@ -281,6 +512,8 @@ def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optiona
         counters.bump("eager_fallbacks")
         return reference_row_stats(logits, xpad, draft_probs, t, thr, exponentials, weights,
                                    random=random, entropy=entropy, residual=residual)
+    if early_exit is not None and random and not entropy and residual:
+        return _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit)
     B, K1, V = logits.shape
     lg = logits.contiguous()
     f32 = dict(dtype=torch.float32)
@@ -309,3 +542,31 @@ def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optiona
        i64(int(entropy)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())),
        ptr(uni), ptr(grd))
     return RowStats(gidx, rawmax, px, qx, race_p, race_r, rho, ent)
+
+
+def _ptr(a: Optional[torch.Tensor]) -> ctypes.c_void_p:
+    return ctypes.c_void_p(a.data_ptr() if a is not None else 0)
+
+
+def _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit) -> RowStats:
+    """Standard verify with the uniforms known: the early-exit kernel (see its C++ comment).
+    Statistics the decisions never read are 0: gidx of sampling rows, races of accepted rows,
+    everything but rawmax after a request's emission row, and rho."""
+    B, K1, V = logits.shape
+    assert V < 1 << 24, V  # race indices are tracked in float32 lanes
+    lg = logits.contiguous()
+    gidx, race_p, race_r = (torch.empty(B, K1, dtype=torch.int64) for _ in range(3))
+    rawmax, px, qx = (torch.empty(B, K1, dtype=torch.float32) for _ in range(3))
+    q = draft_probs.float().contiguous() if draft_probs is not None else None
+    E = exponentials.float().contiguous()
+    thr_ = thr.float().contiguous() if thr is not None else None
+    uni = early_exit[0].float().contiguous()
+    grd = early_exit[1].to(torch.uint8).contiguous()
+    xp, tt = xpad.long().contiguous(), t.float().contiguous()  # kept alive over the call
+    i64 = ctypes.c_int64
+    _compiled().npuspec_standard_rows(
+        _ptr(lg), i64(_DTYPES[lg.dtype]), _ptr(xp), _ptr(q), _ptr(tt), _ptr(thr_), _ptr(E),
+        _ptr(uni), _ptr(grd), _ptr(gidx),        _ptr(rawmax), _ptr(px), _ptr(qx), _ptr(race_p), _ptr(race_r), i64(B), i64(K1), i64(V),
+        i64(int(q is not None)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())))
+    zeros = torch.zeros(B, K1, dtype=torch.float32)
+    return RowStats(gidx, rawmax, px, qx, race_p, race_r, zeros, zeros.clone())
