@@ -13,6 +13,7 @@ from npuspec.passes.patterns import (  # noqa: F401
     VerifyPattern,
     default_patterns,
 )
+from npuspec.passes.patterns_sample import SampleVerify  # noqa: F401
 
 
 def pass_uuids() -> tuple:

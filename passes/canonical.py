@@ -10,7 +10,10 @@ in both graphs first:
 - `slice(x, dim, start, end, step)` gets explicit start/end clamped into [0, size];
 - `select(x, dim, index)` gets a non-negative index;
 - `a <= b` becomes `b >= a` and `a < b` becomes `b > a` (tensor-tensor compares; identical
-  results, NaN included), so `u <= ratio` and `ratio >= u` are one pattern.
+  results, NaN included), so `u <= ratio` and `ratio >= u` are one pattern;
+- repeated identical views (`slice`, `select`, `unsqueeze`, `squeeze` of the same node with the
+  same literals) become one node, so `pk = p[:, :K]` used twice and `p[:, :K]` written twice
+  are one pattern. Views are pure, so sharing one changes no value.
 
 The rewrite never changes what a node computes. Nodes whose input rank or size is unknown
 (no `meta["val"]`) or symbolic are left alone.
@@ -133,4 +136,25 @@ def canonicalize(graph: Graph) -> Graph:
             _canon_dim(node, *_DIM_ARG[t])
         elif t in _DIMS_ARG:
             _canon_dims(node, _DIMS_ARG[t])
+    _merge_views(graph)
     return graph
+
+
+_VIEWS = (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _merge_views(graph: Graph) -> None:
+    """Replace each repeated view node by its first occurrence (same target, args, kwargs)."""
+    seen: dict = {}
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _VIEWS:
+            continue
+        key = (node.target, tuple(tuple(a) if isinstance(a, list) else a for a in node.args),
+               tuple(sorted(node.kwargs.items())))
+        try:
+            first = seen.setdefault(key, node)
+        except TypeError:  # an unhashable literal: leave it
+            continue
+        if first is not node:
+            node.replace_all_uses_with(first)
+            graph.erase_node(node)

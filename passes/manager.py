@@ -184,6 +184,11 @@ class PassManager:
             if n:
                 found[p.name] = n
         if found:
+            # a replacement goes before its pattern's first output; one whose input is made
+            # later (an RNG draw after the ratio test) moves down after it (see
+            # patterns_sample._late_inputs_ok); a sorted graph is left as it is
+            from torch._inductor.pattern_matcher import stable_topological_sort
+            stable_topological_sort(graph)
             graph.eliminate_dead_code()
             graph.lint()
         return found

@@ -169,7 +169,8 @@ class VerifyPattern:
     def uuid(self) -> str:
         """Hash of this family's source (class and this module) and its config."""
         cfg = json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str)
-        src = _source_hash(type(self), inspect.getmodule(type(self)))
+        mods = {inspect.getmodule(type(self)), inspect.getmodule(VerifyPattern)}  # + shared helpers
+        src = _source_hash(type(self), *sorted(mods, key=lambda m: m.__name__))
         return hashlib.sha256(f"{self.name}|{src}|{cfg}".encode()).hexdigest()
 
     def __repr__(self):
@@ -321,6 +322,18 @@ class RatioAcceptConfig:
     enabled: bool = True
     tails: tuple = ("cumprod", "cumprod_long", "cumsum_not", "cumsum_not_all", "cummin_int")
     one_hot: bool = True  # also match p(x) >= u without draft probs
+    bounded: tuple = ("min", "clamp")  # gpt-fast's u <= min(1, p/q), and u <= (p/q).clamp(max=1)
+    bounded_tails: tuple = ("cumprod", "cumsum_not")
+
+
+def _bounded(ratio, how):        # min(1, ratio), as gpt-fast writes it or as a clamp
+    return torch.minimum(torch.ones(()), ratio) if how == "min" else ratio.clamp(max=1)
+
+
+def _unbounded_u(u):
+    """u' with (ratio >= u') == (min(1, ratio) >= u) for every float: u <= min(1, r) holds iff
+    u <= 1 and u <= r, and a NaN (in u or r) is false on both sides."""
+    return torch.where(u <= 1, u, float("nan"))
 
 
 def _gather_at(p, ids):          # p [B, K, V], ids [B, K] -> [B, K]
@@ -344,6 +357,7 @@ class RatioAccept(VerifyPattern):
         px = p.gather(-1, ids[..., None]).squeeze(-1)   # [B, K]   p: target probs [B, K, V]
         qx = q.gather(-1, ids[..., None]).squeeze(-1)   # [B, K]   q: draft probs  [B, K, V]
         ok = px / qx >= u                               # or  u <= px / qx ;  one-hot: px >= u
+        ok = u <= torch.minimum(torch.ones(()), px / qx)  # gpt-fast; or (px / qx).clamp(max=1)
         n = ok.cumprod(-1).sum(-1)                      # any prefix-length spelling
 
     and HF transformers' `_speculative_sampling` spelling (B = 1):
@@ -352,7 +366,8 @@ class RatioAccept(VerifyPattern):
 
     The uniforms u are a pattern input (the user's own torch.rand draw stays in the graph).
     Replaced by `npuspec::ratio_accept(p[:, :K], q, ids, u)`, which evaluates the same
-    division and comparison. p, q must be same-dtype float [B, K, V]; ids int64 [B, K]."""
+    division and comparison (for min(1, .): with u -> where(u <= 1, u, nan), the same truth
+    values for every float). p, q must be same-dtype float [B, K, V]; ids int64 [B, K]."""
 
     name = "ratio_accept"
     Config = RatioAcceptConfig
@@ -383,6 +398,18 @@ class RatioAccept(VerifyPattern):
                                torch.rand(2, 4)]
                 out.append(Spelling(f"onehot_{pname}_{tail}", _bind(s1, pick=pick, t=t),
                                     _bind(r1, tail=tail), ex1))
+
+        # gpt-fast: accept iff u <= min(1, p/q) (it keeps the rejections, `u > min(1, p/q)`,
+        # whose complement differs for NaN; only the accept spelling is matched)
+        for how, tail in itertools.product(self.config.bounded, self.config.bounded_tails):
+            def s_b(p, q, ids, u, how, t):
+                return t(_bounded(_gather_at(p, ids) / _gather_at(q, ids), how) >= u)
+
+            def r_b(p, q, ids, u, tail):
+                return _tail_out(tail, npuspec_ops.ratio_accept(p, q, ids, _unbounded_u(u)))
+
+            out.append(Spelling(f"bounded_{how}_{tail}", _bind(s_b, how=how, t=TAILS[tail]),
+                                _bind(r_b, tail=tail), ex))
 
         # The draw made from the ratio itself, `u = torch.rand_like(ratio)`: the ratio then has
         # a second user, so the draw must be inside the pattern. The replacement makes the same
@@ -529,7 +556,8 @@ class Residual(VerifyPattern):
 
 # The library, supersets first (the manager's order).
 def default_patterns() -> list[VerifyPattern]:
-    return [GreedyVerify(), GreedyAccept(), RatioAccept(), Residual()]
+    from npuspec.passes.patterns_sample import SampleVerify  # it builds on this module
+    return [GreedyVerify(), SampleVerify(), GreedyAccept(), RatioAccept(), Residual()]
 
 
 __all__ = ["VerifyPattern", "Spelling", "GreedyVerify", "GreedyAccept", "RatioAccept", "Residual",

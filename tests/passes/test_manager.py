@@ -7,7 +7,7 @@ import torch
 
 from npuspec import counters
 from npuspec.passes import (GreedyAccept, GreedyVerify, InductorVerifyPass, PassManager, RatioAccept,
-                            Residual, default_patterns, manager)
+                            Residual, SampleVerify, default_patterns, manager)
 from passes_helpers import aten_graph, compact, compile_npuspec, three_way
 
 
@@ -30,7 +30,7 @@ def _args(seed=0):
 
 def test_order_is_supersets_first():
     assert [p.name for p in default_patterns()] == [
-        "greedy_verify", "greedy_accept", "ratio_accept", "residual"]
+        "greedy_verify", "sample_verify", "greedy_accept", "ratio_accept", "residual"]
     # the whole step wins over the narrow count when both could apply
     gm = aten_graph(step, *_args())
     assert PassManager().run(gm, flavor="aten") == {"greedy_verify": 1}
@@ -54,8 +54,9 @@ def test_uuid_hashes_config_and_source():
             return False
 
     assert PatchedGreedyAccept().uuid() != p.uuid()
-    uuids = {q.uuid() for q in (GreedyVerify(), GreedyAccept(), RatioAccept(), Residual())}
-    assert len(uuids) == 4
+    uuids = {q.uuid() for q in (GreedyVerify(), SampleVerify(), GreedyAccept(), RatioAccept(),
+                                Residual())}
+    assert len(uuids) == 5
 
 
 def test_config_is_honoured():

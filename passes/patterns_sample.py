@@ -1,0 +1,191 @@
+"""The standard-sampling whole verify step -> one `npuspec::rejection_sample(target_is_probs=True)`.
+
+The user hands in their own finished target distribution p [B, K+1, V] (softmax after whatever
+temperature / top-k / top-p they apply; that stays in their graph), draft probabilities q
+[B, K, V] (or none: one-hot drafts), their uniforms u [B, K] and Exp(1) draws E ([B, V], one
+vector per request as vLLM draws them, or [B, K+1, V], one per row). The idiom:
+
+    px = p[:, :K].gather(-1, ids[..., None]).squeeze(-1)       # [B, K]
+    qx = q.gather(-1, ids[..., None]).squeeze(-1)
+    n = (px / qx >= u).cumprod(-1).sum(-1)                     # any prefix tail; one-hot: px >= u
+    rec = (torch.clamp(p[:, :K] - q, min=0) / E[:, None]).argmax(-1)      # [B, K] recovered
+          # one-hot: (p[:, :K].scatter(-1, ids[..., None], 0.0) / E[:, None]).argmax(-1)
+    bonus = (p[:, K] / E).argmax(-1)                           # [B]
+    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None]).squeeze(1)   # [B]
+    return tok, n            # or the -1 padded [B, K+1] emission (`where(pos < n, ids, -1)`,
+                             #   then `where(pos == n, tok, ...)`) and n
+
+The ratio test may also be gpt-fast's `u <= torch.minimum(torch.ones(()), px / qx)` or
+`u <= (px / qx).clamp(max=1)`; the replacement then passes `where(u <= 1, u, nan)` as the
+uniforms, which accepts exactly when `u <= min(1, ratio)` does (a NaN anywhere rejects in both).
+
+Exactness: `probs_verify` (kernels/verify.py) evaluates the same float expressions (one division
+and one `>=` per draft, `max(p - q, 0)` or the zeroed draft, one division by E, first-index
+argmax), only on the row it needs, and elementwise IEEE results do not depend on the tensor
+they sit in. Spellings whose arithmetic differs are not matched: a residual normalised by its
+sum (the sum's order), Gumbel-max (`log` is not correctly rounded), and the bonus row written
+as `clamp(p_K - 0, 0)` with a zero-padded q (differs from `p_K` for negative inputs).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+
+from npuspec.passes.patterns import (TAILS, Spelling, VerifyPattern, _bind, _eq_shape,
+                                     _bounded, _gather_at, _is_random, _static_shape, _tail_out,
+                                     _unbounded_u, _val, npuspec_ops)
+
+
+# the ratio test, [B, K] bool: px [B, K] target prob of the draft, qx draft prob or None
+def _ok_plain(px, qx, u):
+    return (px if qx is None else px / qx) >= u
+
+
+def _ok_min(px, qx, u):            # gpt-fast
+    return _bounded(px / qx, "min") >= u
+
+
+def _ok_clamp(px, qx, u):
+    return _bounded(px / qx, "clamp") >= u
+
+
+RATIOS = {"plain": _ok_plain, "min": _ok_min, "clamp": _ok_clamp}
+
+
+def _race_rows(p, q, ids, e, per_row):
+    """[B, K] recovered token per row, and [B] bonus token, exponential race with the user's E."""
+    pk = p[:, :-1]                                                  # [B, K, V]
+    r = pk.scatter(-1, ids.unsqueeze(-1), 0.0) if q is None else torch.clamp(pk - q, min=0)
+    if per_row:                                                     # E [B, K+1, V]
+        return (r / e[:, :-1]).argmax(dim=-1), (p[:, -1] / e[:, -1]).argmax(dim=-1)
+    return (r / e[:, None, :]).argmax(dim=-1), (p[:, -1] / e).argmax(dim=-1)
+
+
+def _step(p, q, ids, u, e, ratio, tail, per_row, out):
+    ok = RATIOS[ratio](_gather_at(p[:, :-1], ids), None if q is None else _gather_at(q, ids), u)
+    n = tail(ok)                                                    # [B]
+    rec, bonus = _race_rows(p, q, ids, e, per_row)
+    tok = torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1)   # [B]
+    if out == "token":
+        return tok, n
+    pos = torch.arange(p.shape[1], device=p.device)[None, :]      # [1, K+1]
+    emitted = torch.where(pos < n[:, None], torch.nn.functional.pad(ids, (0, 1), value=-1), -1)
+    return torch.where(pos == n[:, None], tok[:, None], emitted), n
+
+
+def _op(p, q, ids, u, e, ratio, tail, out):
+    if ratio != "plain":   # u <= min(1, r)  <=>  u <= 1 and r >= u (NaN u or r: false in both)
+        u = _unbounded_u(u)
+    tokens, num = npuspec_ops.rejection_sample(p, ids, q, None, None, None, u, e, False, None,
+                                               None, None, target_is_probs=True)
+    n = _tail_out(tail, num.to(torch.int64) - 1)
+    tokens = tokens.to(torch.int64)
+    if out == "token":
+        return tokens.gather(1, n[:, None]).squeeze(1), n
+    return tokens, n
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleVerifyConfig:
+    enabled: bool = True
+    tails: tuple = ("cumprod", "cumsum_not")
+    ratios: tuple = ("plain", "min", "clamp")   # min/clamp only with draft probs
+    one_hot: bool = True
+    forms: tuple = ("padded", "token")          # the -1 padded emission first: it holds the token
+    e_shapes: tuple = ("request", "row")        # E [B, V] broadcast over rows, or E [B, K+1, V]
+    max_k: int = 64
+
+
+class SampleVerify(VerifyPattern):
+    """The whole standard-sampling verify step on the user's probabilities (module docstring):
+    ratio test + accepted prefix + recovered/bonus exponential race + emission, replaced by
+    one `npuspec::rejection_sample(p, ids, q, ..., uniforms=u, exponentials=E,
+    target_is_probs=True)`. The user's draws stay in the graph as the op's inputs. p, q, u, E
+    must be float32 (the op's arithmetic), ids int64 [B, K], p [B, K+1, V], q [B, K, V],
+    E [B, V] or [B, K+1, V]; K and V static."""
+
+    name = "sample_verify"
+    Config = SampleVerifyConfig
+
+    def spellings(self):
+        c = self.config
+        out = []
+        combos = [(r, True) for r in c.ratios] + ([("plain", False)] if c.one_hot else [])
+        for (ratio, has_q), tail, per_row, form in itertools.product(
+                combos, c.tails, [e == "row" for e in c.e_shapes], c.forms):
+            name = f"{'q' if has_q else 'onehot'}_{ratio}_{tail}_{'erow' if per_row else 'ereq'}_{form}"
+            fixed = dict(ratio=ratio, tail=TAILS[tail], per_row=per_row, out=form)
+            rfix = dict(ratio=ratio, tail=tail, out=form)
+            eshape = (2, 5, 11) if per_row else (2, 11)
+            if has_q:
+                def s(p, q, ids, u, e, ratio, tail, per_row, out):
+                    return _step(p, q, ids, u, e, ratio, tail, per_row, out)
+
+                def r(p, q, ids, u, e, ratio, tail, out):
+                    return _op(p, q, ids, u, e, ratio, tail, out)
+
+                ex = (lambda es: lambda: [torch.rand(2, 5, 11), torch.rand(2, 4, 11),  # noqa: E731
+                                          torch.randint(0, 11, (2, 4)), torch.rand(2, 4),
+                                          torch.rand(es) + 0.1])(eshape)
+            else:
+                def s(p, ids, u, e, ratio, tail, per_row, out):
+                    return _step(p, None, ids, u, e, ratio, tail, per_row, out)
+
+                def r(p, ids, u, e, ratio, tail, out):
+                    return _op(p, None, ids, u, e, ratio, tail, out)
+
+                ex = (lambda es: lambda: [torch.rand(2, 5, 11), torch.randint(0, 11, (2, 4)),  # noqa: E731
+                                          torch.rand(2, 4), torch.rand(es) + 0.1])(eshape)
+            out.append(Spelling(name, _bind(s, **fixed), _bind(r, **rfix), ex))
+        return out
+
+    def extra_check(self, match) -> bool:
+        if not self.config.enabled:
+            return False
+        kw = match.kwargs
+        p, ids, u, e = (_val(kw.get(k)) for k in ("p", "ids", "u", "e"))
+        q = _val(kw["q"]) if "q" in kw else None
+        if p is None or ids is None or u is None or e is None or ("q" in kw and q is None):
+            return False
+        f32 = torch.float32
+        if p.dtype != f32 or u.dtype != f32 or e.dtype != f32 or ids.dtype != torch.int64:
+            return False
+        if p.dim() != 3 or ids.dim() != 2 or not (_static_shape(p) and _static_shape(ids)):
+            return False
+        B, K = ids.shape
+        V = p.shape[2]
+        if not (1 <= K <= self.config.max_k and p.shape[1] == K + 1
+                and _eq_shape(p.shape[:1], (B,)) and _eq_shape(u.shape, (B, K))):
+            return False
+        if q is not None and (q.dtype != f32 or not _eq_shape(q.shape, (B, K, V))):
+            return False
+        return ((_eq_shape(e.shape, (B, V)) or _eq_shape(e.shape, (B, K + 1, V)))
+                and _late_inputs_ok(match))
+
+
+def _late_inputs_ok(match) -> bool:
+    """The replacement is inserted before the pattern's first output (n), but users often draw
+    E after the ratio test (it is only needed at a rejection). The manager's topological sort
+    then moves the op, and everything that depends on it, after the draw. That keeps the
+    user's RNG stream only if no random op that depends on the pattern's outputs sits between
+    the two places (it would move after the draw); refuse the match in that case."""
+    graph = match.nodes[0].graph
+    pos = {n: i for i, n in enumerate(graph.nodes)}
+    outs = [o for o in match.output_nodes() if o is not None]
+    ins = [n for n in match.kwargs.values() if isinstance(n, torch.fx.Node)]
+    first_out, last_in = min(pos[o] for o in outs), max(pos[n] for n in ins)
+    if last_in < first_out:
+        return True
+    dependents, stack = set(), list(outs)
+    while stack:
+        for u in stack.pop().users:
+            if u not in dependents:
+                dependents.add(u)
+                stack.append(u)
+    between = list(graph.nodes)[first_out + 1:last_in]
+    return not any(_is_random(n) and n in dependents for n in between)
+
+
+__all__ = ["SampleVerify", "SampleVerifyConfig"]
