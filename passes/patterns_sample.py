@@ -90,7 +90,7 @@ def _op(p, q, ids, u, e, ratio, tail, out):
 @dataclasses.dataclass(frozen=True)
 class SampleVerifyConfig:
     enabled: bool = True
-    tails: tuple = ("cumprod", "cumsum_not")
+    tails: tuple = ("cumprod", "cumprod_long", "cumsum_not")
     ratios: tuple = ("plain", "min", "clamp")   # min/clamp only with draft probs
     one_hot: bool = True
     forms: tuple = ("padded", "token")          # the -1 padded emission first: it holds the token

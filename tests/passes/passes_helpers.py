@@ -21,7 +21,7 @@ def three_way(fn, args, *, lowering="eager", matched=1, family=None, gone=(), ap
     (and `verify_patterns_matched.<family>` too when given). Returns (outputs, graph text)."""
     manager.HISTORY.clear()
     fresh = compiled is None if fresh is None else fresh  # fresh: this call compiles
-    cf = compile_npuspec(fn, lowering) if fresh else compiled
+    cf = compile_npuspec(fn, lowering) if compiled is None else compiled
     torch.manual_seed(seed)
     expected = fn(*args)
     before = counters.snapshot()

@@ -157,6 +157,65 @@ def gumbel_style(p, q, ids):
     return torch.argmax(torch.log(residual) + gumbels, dim=-1)
 
 
+# 11. gpt-fast's verify, batched and without the host sync: min(1, target/draft) and the user's
+#     own draws; gpt-fast names the draft distribution p and the target q
+def gpt_fast_batched_style(target_probs, draft_probs, draft_tokens, uniforms, exp_noise):
+    k = draft_tokens.shape[1]
+    p = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)
+    q = torch.gather(target_probs[:, :k], 2, draft_tokens.unsqueeze(2)).squeeze(2)
+    accept_draft_prob = torch.minimum(torch.ones(()), q / p)
+    accept_length = (uniforms <= accept_draft_prob).cumprod(dim=1).sum(dim=1)
+    new = torch.clamp(target_probs[:, :k] - draft_probs, min=0)
+    recovered = (new / exp_noise[:, None, :]).argmax(dim=-1)
+    bonus = (target_probs[:, k] / exp_noise).argmax(dim=-1)
+    next_token = torch.cat([recovered, bonus[:, None]], 1).gather(1, accept_length[:, None])
+    return next_token.squeeze(1), accept_length
+
+
+# 12. vLLM-v1-like whole step: per-request Exp(1) vector, -1 padded output ----------------------
+def vllm_v1_whole_step_style(target_probs, draft_probs, draft_token_ids, uniform_probs, q):
+    num_spec = draft_token_ids.shape[1]
+    target_p = target_probs[:, :num_spec]
+    draft_p = draft_probs.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
+    accepted = target_p.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1) / draft_p >= uniform_probs
+    num_accepted = ((~accepted).cumsum(dim=-1) < 1).sum(dim=-1)
+    recovered = (torch.clamp(target_p - draft_probs, min=0) / q.unsqueeze(1)).argmax(dim=-1)
+    bonus = (target_probs[:, -1] / q).argmax(dim=-1)
+    token = torch.cat([recovered, bonus.unsqueeze(1)], 1).gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+    pos = torch.arange(num_spec + 1, device=target_probs.device).unsqueeze(0)
+    padded = torch.nn.functional.pad(draft_token_ids, (0, 1), value=-1)
+    out = torch.where(pos < num_accepted.unsqueeze(1), padded, -1)
+    return torch.where(pos == num_accepted.unsqueeze(1), token.unsqueeze(1), out), num_accepted
+
+
+# 13. n-gram drafts (one-hot) with temperature sampling: the draft's probability zeroed ----------
+def ngram_temperature_whole_step_style(logits, draft_probs_unused, draft_ids, uniforms, exp_noise):
+    probs = torch.softmax(logits / 0.7, dim=-1)                                # [B, K+1, V]
+    k = draft_ids.size(1)
+    accept = probs[:, :k].gather(2, draft_ids.unsqueeze(2)).squeeze(2) >= uniforms
+    n = accept.long().cumprod(dim=1).sum(dim=1)
+    residual = probs[:, :k].scatter(2, draft_ids.unsqueeze(2), 0.0)
+    rec = (residual / exp_noise[:, None, :]).argmax(dim=2)
+    bonus = (probs[:, k] / exp_noise).argmax(dim=1)
+    return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
+
+
+def _whole_step(seed, b=B):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, K + 1, V, generator=g) * 2
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn(b, K, V, generator=g) * 0.3 + logits[:, :K] * 0.7, -1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(b, K)
+    u = torch.rand(b, K, dtype=torch.float64, generator=g).float()
+    u[0] = 0.0                                      # one request takes the bonus row
+    return p, q, ids, u, torch.empty(b, V).exponential_(generator=g)
+
+
+def _logits_step(seed):
+    p, q, ids, u, e = _whole_step(seed)
+    return torch.log(p), q, ids, u, e
+
+
 CORPUS = [
     (vllm_style, _greedy, "greedy_verify", "npuspec.rejection_sample"),
     (medusa_style, None, "greedy_accept", "npuspec.greedy_accept"),
@@ -166,6 +225,9 @@ CORPUS = [
     (ngram_onehot_style, _sampling, "ratio_accept", "npuspec.ratio_accept"),
     (vllm_recovered_style, _sampling, "residual", "npuspec.residual_sample"),
     (gumbel_style, _sampling, "residual", "npuspec.residual_sample"),
+    (gpt_fast_batched_style, _whole_step, "sample_verify", "npuspec.rejection_sample"),
+    (vllm_v1_whole_step_style, _whole_step, "sample_verify", "npuspec.rejection_sample"),
+    (ngram_temperature_whole_step_style, _logits_step, "sample_verify", "npuspec.rejection_sample"),
 ]
 
 

@@ -25,6 +25,16 @@ def ratio_then_race(p, q, ids, u, e):
     return n, (r / r.sum(-1, keepdim=True) / e).argmax(-1)
 
 
+def sampling_step(p, q, ids, u, e):
+    K = ids.shape[1]
+    px = p[:, :K].gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    qx = q.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    n = (px / qx >= u).cumprod(dim=-1).sum(dim=-1)
+    rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
+    bonus = (p[:, K] / e).argmax(dim=-1)
+    return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
+
+
 def _run(fn, *args):
     gm = aten_graph(fn, *args)
     PassManager().run(gm, flavor="aten")
@@ -67,6 +77,26 @@ select = aten.select(p_1, 1, 0)
 select_1 = aten.select(q_1, 1, 0)
 residual_sample_default = npuspec.residual_sample(select, select_1, e_1, row, race)
 return (ratio_accept_default, residual_sample_default)""")
+
+    def test_sampling_step(self):
+        p, q = torch.rand(2, 4, 9), torch.rand(2, 3, 9)
+        self.assertExpectedInline(_run(sampling_step, p, q, torch.randint(0, 9, (2, 3)),
+                                       torch.rand(2, 3), torch.rand(2, 9)), """\
+p_1 = input
+q_1 = input
+ids_1 = input
+u_1 = input
+e_1 = input
+rejection_sample_default = npuspec.rejection_sample(p_1, ids_1, q_1, None, None, None, u_1, e_1, False, None, None, None, target_is_probs=True)
+getitem = getitem(rejection_sample_default, 0)
+getitem_1 = getitem(rejection_sample_default, 1)
+_to_copy_default = aten._to_copy(getitem_1, dtype=torch.int64)
+sub_tensor = aten.sub(_to_copy_default, 1)
+_to_copy_default_1 = aten._to_copy(getitem, dtype=torch.int64)
+unsqueeze_default = aten.unsqueeze(sub_tensor, 1)
+gather_default = aten.gather(_to_copy_default_1, 1, unsqueeze_default)
+squeeze_dim = aten.squeeze(gather_default, 1)
+return (squeeze_dim, sub_tensor)""")
 
     def test_no_match_is_unchanged(self):
         def mlp(x, w):
