@@ -9,7 +9,8 @@ Lowerings (options["lowering"]):
 - "eager": AOT autograd traces the Dynamo graph to ATen (no decompositions), the passes run on
   it, and the rewritten graph runs op by op.
 - "torchair": the passes run on the ATen graph as for "eager", then torch_npu's torchair NPU
-  backend lowers it (Ascend only; imported only there).
+  backend lowers it (Ascend only; imported only there). With a cache directory, GE's graph
+  compile cache is pointed at the cache entry (npuspec/graphs/cache/torchair.py).
 
 Why ATen and not the Dynamo graph: Dynamo keeps every user spelling (`x == y`, `torch.eq`,
 `x.cumprod(1)`, `torch.cumprod(x, dim=-1)`, methods vs functions); AOT tracing normalises them to
@@ -63,12 +64,16 @@ def lower_eager(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Ca
 
 
 def lower_torchair(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
-    # Only reachable on npu (BackendOptions refuses torchair elsewhere). Untested here: no NPU.
+    # Only reachable on npu (BackendOptions refuses torchair elsewhere). Never run on an NPU
+    # here: tests/cache uses a fake torchair.
     from functorch.compile import make_boxed_func
     from torch_npu.dynamo import torchair  # noqa: F401
 
-    config = torchair.CompilerConfig()
-    npu_backend = torchair.get_npu_backend(compiler_config=config)
+    from npuspec.graphs.cache.torchair import compiler_config
+
+    # Inside the graph cache (npuspec.graphs.cache) the config also points GE's compile cache
+    # at the entry's private directory, under the npuspec key; otherwise torchair's default.
+    npu_backend = torchair.get_npu_backend(compiler_config=compiler_config(torchair))
     return _aot_with_passes(gm, example_inputs,
                             lambda fw, ins: make_boxed_func(npu_backend(fw, ins)))
 

@@ -3,13 +3,15 @@
     fn = cached_lower(gm, example_inputs, opts, lowering.lower)
 
 1. Key the graph (keys.py). No cache_dir: just lower.
-2. A verified entry exists: load it. For Inductor, the entry's executable part is trust-checked,
-   copied into a private 0700 temp dir from the bytes that were hashed, and Inductor is pointed
-   there (its FX graph and AOTAutograd caches then hit: nothing is generated or built).
+2. A verified entry exists: load it. For Inductor (and torchair on npu), the entry's executable
+   part is trust-checked, copied into a private 0700 temp dir from the bytes that were hashed,
+   and Inductor (GE's compile cache) is pointed there: Inductor's FX graph and AOTAutograd
+   caches then hit, nothing is generated or built; GE loads the .om instead of compiling.
 3. Otherwise take the key's lock. Whoever gets it re-checks (another process may have published
-   while it waited), quarantines a bad entry, compiles with Inductor pointed at a fresh private
-   dir, then stages and publishes the entry atomically. Waiters that time out
-   (NPUSPEC_CACHE_LOCK_TIMEOUT) compile privately and write nothing.
+   while it waited), quarantines a bad entry, compiles with Inductor (GE) pointed at a fresh
+   private dir, then stages and publishes the entry atomically. GE compiles at the graph's first
+   call, so a torchair entry is published after that call, and the lock is held until then.
+   Waiters that time out (NPUSPEC_CACHE_LOCK_TIMEOUT) compile privately and write nothing.
 Every fault (bad entry, untrusted path, read-only or full directory, lock timeout) is logged
 once, counted, and followed by a correct compile; none raises.
 """
@@ -26,19 +28,21 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from npuspec import counters, envs
 from npuspec.graphs.cache import keys as _keys
+from npuspec.graphs.cache import torchair as _torchair
 from npuspec.graphs.cache import trust as _trust
 from npuspec.graphs.cache.inductor import inductor_cache_dir, inductor_counters
 from npuspec.graphs.cache.store import CacheCorrupt, CacheDir
 
 log = logging.getLogger("npuspec.cache")
 
-# Lowerings whose own artifacts (pickles, generated code, .so) npuspec caches. torchair's
-# compile cache works per function, not per FX graph, so on npu only npuspec's JSON is cached.
-EXEC_LOWERINGS = ("inductor",)
+# Lowerings whose own artifacts npuspec caches (executable: trust rules apply): Inductor's
+# pickles, generated code and .so files; torchair's GE compile cache (.om model files).
+EXEC_LOWERINGS = ("inductor", "torchair")
 
 _logged: set = set()
 _private_dirs: list[str] = []
@@ -52,8 +56,8 @@ def _once(level: int, tag: str, msg: str, *args: Any) -> None:
     log.log(level, msg, *args)
 
 
-def _private_dir() -> str:
-    d = tempfile.mkdtemp(prefix="npuspec-inductor-")  # 0700, local disk
+def _private_dir(lowering: str = "inductor") -> str:
+    d = tempfile.mkdtemp(prefix=f"npuspec-{lowering}-")  # 0700, local disk
     _private_dirs.append(d)
     return d
 
@@ -180,7 +184,7 @@ def cached_lower(gm: Any, example_inputs: Sequence[Any], opts: Any,
             if fn is not None:
                 return fn
             return _finish_miss(sess, lower, gm, example_inputs, opts, executable,
-                                publish=not sess.entry_refused)
+                                publish=not sess.entry_refused, lock=stack)
     _once(logging.WARNING, f"timeout:{key}", "npuspec cache: waited %.0f s for another process "
           "compiling entry %s (NPUSPEC_CACHE_LOCK_TIMEOUT); compiling privately without writing",
           timeout, key[:12])
@@ -199,7 +203,7 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
         _once(logging.WARNING, f"stat:{key}", "npuspec cache: cannot read %s (%s)", top, e)
         return None
     load_exec = executable and trusted
-    priv = _private_dir() if load_exec else None
+    priv = _private_dir(opts.lowering) if load_exec else None
     try:
         res = cache.verify(key, executable=load_exec, copy_exec_to=priv,
                            trust_check=functools.partial(_check_entry_path, gid=cache.gid))
@@ -225,8 +229,12 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     if executable and not load_exec:
         return None  # JSON read from an untrusted dir; the lowering compiles privately
     if load_exec and not cache.has_exec(res["manifest"]):
-        return None  # an entry without Inductor artifacts (e.g. from a run that fell back)
-    if load_exec:
+        return None  # an entry without the lowering's artifacts (e.g. a run that fell back)
+    if load_exec and opts.lowering == "torchair":
+        with _torchair.torchair_cache_dir(priv, key):
+            fn = lower(gm, list(example_inputs), opts)
+        fn = _check_ge_loaded(key, fn, priv, top)  # GE loads (or compiles) at the first call
+    elif load_exec:
         before = inductor_counters()
         with inductor_cache_dir(priv, _keys.fingerprint_tag(sess.parts.fingerprint)):
             fn = lower(gm, list(example_inputs), opts)
@@ -255,13 +263,35 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     return fn
 
 
+def _check_ge_loaded(key: str, fn: Callable, priv: str, entry: str) -> Callable:
+    """After the first call: a new .om in the private copy means GE compiled after all."""
+    before = _torchair.om_files(priv)
+
+    def after() -> None:
+        if _torchair.om_files(priv) - before:
+            _once(logging.WARNING, f"ge-miss:{key}", "npuspec cache: entry %s is valid but GE "
+                  "did not find this graph in it and compiled it again (are the torchair "
+                  "options the same in every deployment?)", key[:12])
+            counters.bump("cache_misses")
+
+    def failed(e: BaseException) -> None:
+        _once(logging.ERROR, f"ge-load:{key}", "npuspec cache: the first run of a graph loaded "
+              "from %s failed (%s). Its files match their hashes; if GE cannot load them, remove "
+              "the entry (rm -r %s) and the next start recompiles it", entry, e, entry)
+
+    return _torchair.after_first_call(fn, after, failed)
+
+
 def _check_entry_path(path: str, recursive: bool, gid) -> None:
     _trust.check_path(path, gid=gid, recursive_fix=recursive)
 
 
 def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: bool,
-                 publish: bool) -> Callable:
-    """Compile; publish the entry when allowed. Counts one miss (and one rejection if any)."""
+                 publish: bool, lock: Optional[contextlib.ExitStack] = None) -> Callable:
+    """Compile; publish the entry when allowed. Counts one miss (and one rejection if any).
+
+    torchair: GE compiles at the first call, so the entry is published after it; `lock` (the
+    held key lock) is taken over and released then, or if that call fails."""
     counters.bump("cache_misses")
     if sess.rejected:
         counters.bump("cache_rejected")
@@ -271,9 +301,12 @@ def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: boo
     sess.state = "building"
     sess.pending_json = {}
     _record_builtin_artifacts(sess, opts)
-    staging = _private_dir() if executable else None
+    staging = _private_dir(opts.lowering) if executable else None
     before = counters.snapshot()
-    if executable:
+    if executable and opts.lowering == "torchair":
+        with _torchair.torchair_cache_dir(staging, sess.key):
+            fn = lower(gm, list(example_inputs), opts)
+    elif executable:
         with inductor_cache_dir(staging, _keys.fingerprint_tag(sess.parts.fingerprint)):
             fn = lower(gm, list(example_inputs), opts)
     else:
@@ -282,15 +315,52 @@ def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: boo
                if k.startswith("verify_patterns_matched")}
     if matches:  # what the passes rewrote in this graph (for `npuspec cache ls` and debugging)
         sess.pending_json.setdefault("pattern_matches", matches)
+    if executable and opts.lowering == "torchair" and publish and cache is not None:
+        # JSON artifacts recorded until the first call still go into the entry (state building)
+        held = lock.pop_all() if lock is not None else contextlib.ExitStack()
+        done = threading.Lock()
+
+        def release(*_: Any) -> None:
+            if done.acquire(blocking=False):
+                held.close()
+
+        def after() -> None:
+            try:
+                if not _torchair.om_files(staging):
+                    _once(logging.WARNING, f"ge-none:{sess.key}", "npuspec cache: GE wrote no "
+                          "compile cache files for entry %s (is torchair in its GE mode, "
+                          "max-autotune?); only npuspec's JSON artifacts are cached", sess.key[:12])
+                _publish(sess, staging, "torchair")
+            finally:
+                release()
+
+        def failed(e: BaseException) -> None:
+            sess.loaded_json = {**sess.loaded_json, **sess.pending_json}
+            sess.state = "private"
+            release()
+
+        wrapped = _torchair.after_first_call(fn, after, failed)
+        weakref.finalize(wrapped, release)  # never called: the lock goes with the function
+        return wrapped
     sess.loaded_json = {**sess.loaded_json, **sess.pending_json}
     sess.state = "private"
     if not publish or cache is None:
         return fn
+    _publish(sess, staging, "inductor")
+    return fn
+
+
+def _publish(sess: Session, staging: Optional[str], exec_dir: str) -> None:
+    """Stage the entry (JSON artifacts; the lowering's files in `staging` go under `exec_dir`)
+    and rename it into place."""
+    cache = sess.cache
+    sess.loaded_json = {**sess.loaded_json, **sess.pending_json}
+    sess.state = "private"
     meta = {"platform": _platform_line(sess.parts.fingerprint),
             "fingerprint": sess.parts.fingerprint, "lowering": sess.parts.lowering,
             "ks": list(sess.parts.ks)}
     try:
-        staged = cache.stage(sess.key, sess.pending_json, staging, meta)
+        staged = cache.stage(sess.key, sess.pending_json, staging, meta, exec_dir=exec_dir)
         if cache.publish(sess.key, staged):
             sess.state = "published"
         else:
@@ -305,7 +375,6 @@ def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: boo
         _once(logging.WARNING, f"write:{cache.root}:{e.errno}", "npuspec cache: could not write "
               "entry %s to %s: %s (%s); keeping the compiled graph in memory only",
               sess.key[:12], cache.root, why, e)
-    return fn
 
 
 def _record_builtin_artifacts(sess: Session, opts: Any) -> None:

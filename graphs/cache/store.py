@@ -4,7 +4,8 @@ Layout (docs/cache.md):
 
     <root>/entries/<key>/manifest.json     format, key, npuspec version, fingerprint, files{sha256,size}
     <root>/entries/<key>/json/<name>.json  npuspec's own artifacts (plain JSON, never pickle)
-    <root>/entries/<key>/inductor/...      the lowering's cache tree for this key (executable)
+    <root>/entries/<key>/inductor/...      Inductor's cache tree for this key (executable)
+    <root>/entries/<key>/torchair/...      or, on npu, GE's compile cache (.om + index; executable)
     <root>/locks/<key>.lock                fcntl lock: one process compiles a key at a time
     <root>/hits/<key>                      one byte appended per hit (size = hit count)
     <root>/quarantine/<key>.<time>.<pid>/  entries that failed verification, kept for inspection
@@ -34,6 +35,7 @@ from typing import Any, Callable, Iterator, Optional
 FORMAT = 1
 MANIFEST = "manifest.json"
 EXEC_DIR = "inductor"  # executable part of an entry: trust-checked, never read when untrusted
+EXEC_DIRS = (EXEC_DIR, "torchair")  # one per executable lowering (torchair: GE's .om cache)
 JSON_DIR = "json"
 
 
@@ -214,12 +216,12 @@ class CacheDir:
         missing = sorted(listed - present)
         if missing:
             raise CacheCorrupt(f"{top}: manifest lists {missing[0]!r} but it is missing")
-        extra = sorted(p for p in present - listed if p.startswith(EXEC_DIR + os.sep))
+        extra = sorted(p for p in present - listed if _exec_top(p))
         if extra:
             raise CacheCorrupt(f"{top}: {extra[0]!r} is not in the manifest")
         out: dict[str, Any] = {"manifest": m, "json": {}, "inode": (st.st_dev, st.st_ino)}
         for rel in sorted(listed):
-            is_exec = rel.startswith(EXEC_DIR + os.sep)
+            is_exec = _exec_top(rel) is not None
             if is_exec and not executable:
                 continue
             path = os.path.join(top, rel)
@@ -236,7 +238,7 @@ class CacheDir:
                 raise CacheCorrupt(f"{path}: sha256 {digest[:12]}... does not match the manifest "
                                    f"({str(want.get('sha256'))[:12]}...)")
             if is_exec and copy_exec_to is not None:
-                dst = os.path.join(copy_exec_to, os.path.relpath(rel, EXEC_DIR))
+                dst = os.path.join(copy_exec_to, os.path.relpath(rel, _exec_top(rel)))
                 os.makedirs(os.path.dirname(dst), mode=0o700, exist_ok=True)
                 with open(dst, "wb") as f:
                     f.write(data)
@@ -248,12 +250,14 @@ class CacheDir:
         return out
 
     def has_exec(self, manifest: dict) -> bool:
-        return any(p.startswith(EXEC_DIR + os.sep) for p in manifest["files"])
+        return any(_exec_top(p) for p in manifest["files"])
 
     # writing
     def stage(self, key: str, json_artifacts: dict, exec_src: Optional[str],
-              meta: dict) -> str:
-        """Build a complete entry under tmp/; returns its path (the caller publishes it)."""
+              meta: dict, exec_dir: str = EXEC_DIR) -> str:
+        """Build a complete entry under tmp/; returns its path (the caller publishes it).
+        `exec_src`'s files go under `exec_dir` (one of EXEC_DIRS)."""
+        assert exec_dir in EXEC_DIRS, exec_dir
         st = self.path("tmp", f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         self._mkdir(st)
         try:
@@ -270,7 +274,7 @@ class CacheDir:
                         continue
                     with open(src, "rb") as f:
                         data = f.read()
-                    self._put(st, os.path.join(EXEC_DIR, rel), data, files)
+                    self._put(st, os.path.join(exec_dir, rel), data, files)
             manifest = {"format": FORMAT, "key": key, "npuspec": _npuspec_version(),
                         "created": time.time(), "pid": os.getpid(), **meta, "files": files}
             write_atomic(os.path.join(st, MANIFEST),
@@ -407,6 +411,12 @@ def _log_no_locks(root: str) -> None:
             "npuspec cache: %s does not support fcntl locks (ENOLCK); processes may compile the "
             "same key at once (one entry still wins). Mount it with locking (e.g. NFS without "
             "`nolock`) to avoid duplicate work.", root)
+
+
+def _exec_top(rel: str) -> Optional[str]:
+    """The executable directory `rel` lies in (one of EXEC_DIRS), or None."""
+    top = rel.split(os.sep, 1)[0]
+    return top if top in EXEC_DIRS and rel != top else None
 
 
 def _parents_within(top: str, rel: str) -> list[str]:
