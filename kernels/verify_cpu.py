@@ -386,7 +386,8 @@ extern "C" void npuspec_standard_rows(
     const void* logits, int64_t dtype, const int64_t* xpad, const float* q, const float* temp,
     const float* thr, const float* E, const float* uni, const uint8_t* greedy, int64_t* gidx,
     float* rawmax, float* px, float* qx, int64_t* race_p, int64_t* race_r, int64_t B,
-    int64_t K1, int64_t V, int64_t has_q, int64_t has_thr, int64_t nthreads) {
+    int64_t K1, int64_t V, int64_t has_q, int64_t has_thr, int64_t nthreads, int32_t* out,
+    int32_t* num) {
   const int64_t K = K1 - 1;
   const int64_t nchunks = (V + kChunk - 1) / kChunk;
 #pragma omp parallel num_threads(nthreads)
@@ -400,6 +401,7 @@ extern "C" void npuspec_standard_rows(
       const bool grd = greedy[b] != 0;
       const float* Eb = E + b * V;
       bool done = false;
+      int64_t n = 0, tok = 0;  // the emitting row and its token
       for (int64_t j = 0; j < K1; ++j) {
         const int64_t r = b * K1 + j;
         const float* f = (const float*)logits + r * V;
@@ -420,7 +422,9 @@ extern "C" void npuspec_standard_rows(
           rawmax[r] = mx;
           if (done) continue;
           gidx[r] = std::max(first_eq(f, V, mx), int64_t(0));
-          if (!std::isfinite(mx) || j == K || x < 0 || x != gidx[r]) done = true;
+          if (!std::isfinite(mx) || j == K || x < 0 || x != gidx[r]) {
+            done = true; n = j; tok = gidx[r];
+          }
           continue;
         }
         const float th = has_thr ? thr[r] : kNegInf;
@@ -447,6 +451,7 @@ extern "C" void npuspec_standard_rows(
         const bool accepted = j < K && x >= 0 && qx[r] > 0.f && px[r] / qx[r] >= uni[b * K + j];
         if (accepted) continue;
         done = true;  // this row emits: a recovered token, or a sample from p
+        n = j;
         float best;
         if (qrow && x >= 0) {
           const int64_t i = race<true>(eb, mc, zmax, S, qrow, Eb, V, best);
@@ -464,6 +469,14 @@ extern "C" void npuspec_standard_rows(
           race_p[r] = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
           race_r[r] = best > 0.f ? race_p[r] : -1;
         }
+        tok = (x >= 0 && race_r[r] >= 0) ? race_r[r] : race_p[r];
+      }
+      if (out) {  // the op's output layout, as the decisions + _emit would write it
+        bool bad = false;
+        for (int64_t j = 0; j < K1; ++j) bad = bad || !std::isfinite(rawmax[b * K1 + j]);
+        for (int64_t j = 0; j < K1; ++j)
+          out[b * K1 + j] = bad || j > n ? -1 : j < n ? int32_t(xpad[b * K1 + j]) : int32_t(tok);
+        num[b] = bad ? 0 : int32_t(n + 1);
       }
     }
   }
@@ -548,10 +561,12 @@ def _ptr(a: Optional[torch.Tensor]) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.data_ptr() if a is not None else 0)
 
 
-def _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit) -> RowStats:
+def _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit, *,
+                   emit: bool = False):
     """Standard verify with the uniforms known: the early-exit kernel (see its C++ comment).
     Statistics the decisions never read are 0: gidx of sampling rows, races of accepted rows,
-    everything but rawmax after a request's emission row, and rho."""
+    everything but rawmax after a request's emission row, and rho. emit=True also returns the
+    op's outputs (tokens int32 [B, K+1], num_emitted int32 [B]), decided in the kernel."""
     B, K1, V = logits.shape
     assert V < 1 << 24, V  # race indices are tracked in float32 lanes
     lg = logits.contiguous()
@@ -563,10 +578,25 @@ def _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit) 
     uni = early_exit[0].float().contiguous()
     grd = early_exit[1].to(torch.uint8).contiguous()
     xp, tt = xpad.long().contiguous(), t.float().contiguous()  # kept alive over the call
+    out = torch.empty(B, K1, dtype=torch.int32) if emit else None
+    num = torch.empty(B, dtype=torch.int32) if emit else None
     i64 = ctypes.c_int64
     _compiled().npuspec_standard_rows(
         _ptr(lg), i64(_DTYPES[lg.dtype]), _ptr(xp), _ptr(q), _ptr(tt), _ptr(thr_), _ptr(E),
         _ptr(uni), _ptr(grd), _ptr(gidx),        _ptr(rawmax), _ptr(px), _ptr(qx), _ptr(race_p), _ptr(race_r), i64(B), i64(K1), i64(V),
-        i64(int(q is not None)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())))
+        i64(int(q is not None)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())),
+        _ptr(out), _ptr(num))
     zeros = torch.zeros(B, K1, dtype=torch.float32)
-    return RowStats(gidx, rawmax, px, qx, race_p, race_r, zeros, zeros.clone())
+    st = RowStats(gidx, rawmax, px, qx, race_p, race_r, zeros, zeros.clone())
+    return (st, out, num) if emit else st
+
+
+def cpu_standard_verify(logits, xpad, draft_probs, t, thr, exponentials, early_exit):
+    """The whole standard verify (temperature rows, uniforms known) in the C++ kernel:
+    (tokens int32 [B, K+1], num_emitted int32 [B], rawmax float32 [B, K+1]), or None when the
+    kernel cannot run here (the caller then takes the row-statistics path)."""
+    if _compiled() is None or logits.dtype not in _DTYPES or logits.device.type != "cpu":
+        return None
+    st, out, num = _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit,
+                                  emit=True)
+    return out, num, st.rawmax

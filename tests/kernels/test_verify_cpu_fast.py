@@ -92,3 +92,27 @@ def test_fast_path_is_taken_and_stops_at_the_emitting_row():
     assert (st.race_r[:, 0] >= 0).all() and (st.race_p[:, 1:] == 0).all()
     assert (st.race_r[:, 1:] == 0).all() and (st.px[:, 1:] == 0).all()
     assert torch.equal(st.rawmax, logits.amax(-1))  # every row still checked
+
+
+@pytest.mark.parametrize("draft_probs", [False, True])
+def test_kernel_emission_equals_the_decisions(draft_probs):
+    """cpu_standard_verify decides and emits in C++; it must equal the reference decisions,
+    and a request with a non-finite row emits nothing (as `_emit` does inside a graph)."""
+    B, K, V = 64, 4, 3000
+    g, u, e = _draws(B, K, V, 11)
+    logits = _layout("plain", B, K, V, g)
+    x = _drafts(logits, K, g)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1) if draft_probs else None
+    t = torch.rand(B, generator=g) + 0.5
+    t[1::5] = 0.0
+    ref = rejection_sample_reference(logits, x, q, temperature=t, uniforms=u, exponentials=e)
+    tt = torch.where(t > 0, t, 1.0)
+    early = (u, ~(t > 0))
+    out, num, rawmax = verify_cpu.cpu_standard_verify(logits, _padded_drafts(x, V), q, tt, None,
+                                                      e, early)
+    assert torch.equal(out, ref[0]) and torch.equal(num, ref[1])
+    logits[3, K, 17] = math.nan                   # the bonus row: read by every request
+    out, num, rawmax = verify_cpu.cpu_standard_verify(logits, _padded_drafts(x, V), q, tt, None,
+                                                      e, early)
+    assert rawmax[3, K].isnan() and num[3] == 0 and (out[3] == -1).all()
+    assert torch.equal(out[4:], ref[0][4:]) and torch.equal(num[:3], ref[1][:3])
