@@ -1,14 +1,16 @@
 """The pass manager: runs the verify patterns over an ATen graph, supersets first.
 
     manager = PassManager()                  # default_patterns(), in this order:
-        1. greedy_verify   (whole greedy step -> npuspec::rejection_sample)
-        2. greedy_accept   (prefix length     -> npuspec::greedy_accept)
-        3. ratio_accept    (standard test     -> npuspec::ratio_accept)
-        4. residual        (residual resample -> npuspec::residual_sample / residual_probs)
+        1. greedy_verify   (whole greedy step   -> npuspec::rejection_sample)
+        2. sample_verify   (whole sampling step -> npuspec::rejection_sample(target_is_probs=True))
+        3. greedy_accept   (prefix length       -> npuspec::greedy_accept)
+        4. ratio_accept    (standard test       -> npuspec::ratio_accept)
+        5. residual        (residual resample   -> npuspec::residual_sample / residual_probs)
     n = manager.run(graph, flavor="inductor")   # or "aten"
 
 A superset runs first so that a whole greedy step becomes one rejection_sample call instead of
-an argmax plus a greedy_accept. Each family is compiled into its own Inductor
+an argmax plus a greedy_accept (and a whole sampling step one call instead of ratio_accept plus
+residual_sample). Each family is compiled into its own Inductor
 `PatternMatcherPass` per *flavor*: the ATen spelling of a pattern depends on the decomposition
 table the graph was traced with (Inductor decomposes softmax, for example), so patterns are
 traced with the same table as the graph they run on:

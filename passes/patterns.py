@@ -10,9 +10,11 @@ the match, so a near miss is left alone and still computes what the user wrote.
 Families, in the order the manager runs them (supersets first):
 
 1. GreedyVerify   argmax + accepted prefix + emitted tokens   -> npuspec::rejection_sample
-2. GreedyAccept   eq + cumprod/cumsum/cummin prefix length    -> npuspec::greedy_accept
-3. RatioAccept    p(x)/q(x) vs u + prefix length              -> npuspec::ratio_accept
-4. Residual       clamp(p - q, 0) [normalised] + race/Gumbel/multinomial
+2. SampleVerify   ratio test + prefix + residual/bonus race + emission on the user's p
+                  (patterns_sample.py)        -> npuspec::rejection_sample(target_is_probs=True)
+3. GreedyAccept   eq + cumprod/cumsum/cummin prefix length    -> npuspec::greedy_accept
+4. RatioAccept    p(x)/q(x) vs u + prefix length              -> npuspec::ratio_accept
+5. Residual       clamp(p - q, 0) [normalised] + race/Gumbel/multinomial
                                                               -> npuspec::residual_sample / residual_probs
 
 Exactness: every replacement is bit-identical to the eager idiom it replaces, for the same

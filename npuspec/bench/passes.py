@@ -3,9 +3,10 @@
     python -m npuspec.bench.passes [--batch 8 64] [--k 4] [--vocab 32000] [--repeats 20]
 
 The step function is plain PyTorch the way users write it: a greedy verify (argmax, cumprod
-accept length, emitted tokens with -1 padding) and a standard sampling verify (softmax, gather,
-p/q >= u with the user's torch.rand draws, accept length, exponential-race residual). The npuspec
-backend rewrites them into npuspec::rejection_sample / ratio_accept / residual_sample. The table
+accept length, emitted tokens with -1 padding) and a whole standard sampling verify (softmax,
+gather, p/q >= u with the user's uniforms, accept length, exponential-race residual and bonus
+token with the user's Exp(1) draws, the token at the first rejection). The npuspec backend
+rewrites each into one npuspec::rejection_sample call (greedy, and target_is_probs=True). The table
 shows the median step time of each, the ratios against eager and Inductor, whether the tokens
 equal eager's from the same RNG state, and how many verify patterns the npuspec compile matched.
 
@@ -23,35 +24,40 @@ from npuspec import counters
 from npuspec.bench.table import median_time, print_table
 
 
-def verify_step_draws(logits, drafts, draft_probs, u, e):
-    """The same step with the draws made by the caller (u [B, K], e [B, K, V])."""
-    target = logits.argmax(dim=-1)
-    n_greedy = (drafts == target[:, :-1]).cumprod(dim=-1).sum(dim=-1)
-    pos = torch.arange(target.shape[1], device=logits.device)
-    greedy_out = torch.where(pos[None, :] <= n_greedy[:, None], target, -1)
-    p = torch.softmax(logits[:, :-1], dim=-1)
-    px = p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    qx = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    n_sample = (px / qx >= u).cumprod(dim=-1).sum(dim=-1)
-    recovered = (torch.clamp(p - draft_probs, min=0) / e).argmax(dim=-1)
-    return greedy_out, n_greedy, n_sample, recovered
-
-
-def verify_step(logits, drafts, draft_probs):
+def _greedy(logits, drafts):
     # greedy requests: accept drafts while they equal the target argmax
     target = logits.argmax(dim=-1)                                       # [B, K+1]
     n_greedy = (drafts == target[:, :-1]).cumprod(dim=-1).sum(dim=-1)    # [B]
     pos = torch.arange(target.shape[1], device=logits.device)
-    greedy_out = torch.where(pos[None, :] <= n_greedy[:, None], target, -1)
-    # sampling requests: Leviathan et al. with the user's own draws
-    p = torch.softmax(logits[:, :-1], dim=-1)                            # [B, K, V]
-    u = torch.rand(drafts.shape, device=logits.device)                   # [B, K]
-    px = p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    return torch.where(pos[None, :] <= n_greedy[:, None], target, -1), n_greedy
+
+
+def _sampled(p, drafts, draft_probs, u, e):
+    # sampling requests: Leviathan et al. on the user's p [B, K+1, V] with the user's draws
+    # u [B, K] and e [B, V] (one Exp(1) vector per request), recovered or bonus token
+    k = drafts.shape[1]
+    px = p[:, :k].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     qx = draft_probs.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     n_sample = (px / qx >= u).cumprod(dim=-1).sum(dim=-1)                # [B]
-    e = torch.empty_like(p).exponential_()
-    recovered = (torch.clamp(p - draft_probs, min=0) / e).argmax(dim=-1)  # [B, K]
-    return greedy_out, n_greedy, n_sample, recovered
+    recovered = (torch.clamp(p[:, :k] - draft_probs, min=0) / e[:, None, :]).argmax(dim=-1)
+    bonus = (p[:, k] / e).argmax(dim=-1)                                 # [B]
+    token = torch.cat([recovered, bonus[:, None]], 1).gather(1, n_sample[:, None]).squeeze(1)
+    return token, n_sample
+
+
+def verify_step_draws(logits, drafts, draft_probs, u, e):
+    """The same step with the draws made by the caller (u [B, K], e [B, V])."""
+    greedy_out, n_greedy = _greedy(logits, drafts)
+    p = torch.softmax(logits, dim=-1)                                    # [B, K+1, V]
+    return (greedy_out, n_greedy) + _sampled(p, drafts, draft_probs, u, e)
+
+
+def verify_step(logits, drafts, draft_probs):
+    greedy_out, n_greedy = _greedy(logits, drafts)
+    p = torch.softmax(logits, dim=-1)                                    # [B, K+1, V]
+    u = torch.rand(drafts.shape, device=logits.device)                   # [B, K]
+    e = torch.empty(p.shape[0], p.shape[2], device=logits.device).exponential_()  # [B, V]
+    return (greedy_out, n_greedy) + _sampled(p, drafts, draft_probs, u, e)
 
 
 def make_inputs(B: int, K: int, V: int, device: str, seed: int = 0):
@@ -73,7 +79,7 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str) -> l
         step = verify_step_draws
         g = torch.Generator().manual_seed(1)
         args = args + (torch.rand(B, K, generator=g).to(device),
-                       torch.empty(B, K, V).exponential_(generator=g).to(device))
+                       torch.empty(B, V).exponential_(generator=g).to(device))
     sync = torch.cuda.synchronize if device == "cuda" else None
     torch.manual_seed(0)
     ref = step(*args)
