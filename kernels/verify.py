@@ -3,7 +3,9 @@
 One call verifies K drafted tokens per request against the target logits and emits the
 accepted prefix plus one recovered/bonus token. Every mode is here: greedy, standard
 (Leviathan et al.), exact block verification (Sun et al., ICLR 2025), entropy verify (lossy,
-opt-in) and synthetic acceptance (benchmarking).
+opt-in) and synthetic acceptance (benchmarking). `target_is_probs=True` takes the caller's
+probabilities instead of logits and runs standard verify with the eager idiom's arithmetic
+(`probs_verify`, plain PyTorch on every device; docs/verify.md).
 
 The op is split in two so that every implementation shares the same decisions:
 

@@ -93,7 +93,7 @@ class SampleVerifyConfig:
     tails: tuple = ("cumprod", "cumprod_long", "cumsum_not")
     ratios: tuple = ("plain", "min", "clamp")   # min/clamp only with draft probs
     one_hot: bool = True
-    forms: tuple = ("padded", "token")          # the -1 padded emission first: it holds the token
+    forms: tuple = ("padded", "token")          # padded first: it contains the token form's nodes
     e_shapes: tuple = ("request", "row")        # E [B, V] broadcast over rows, or E [B, K+1, V]
     max_k: int = 64
 

@@ -133,11 +133,11 @@ def nm_strict(p, q, ids, u, e):                        # > instead of >=
     return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
 
 
-def nm_wrong_dim(p, q, ids, u, e):                     # argmax over the positions, not V
-    n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(dim=-1).sum(dim=-1)
+def nm_wrong_dim(p, q, ids, u, e):                     # prefix product over the batch
+    n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(dim=0).sum(dim=-1)
     rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
-    bonus = (p[:, K] / e).argmax(dim=0)
-    return torch.cat([rec, bonus[None, :].expand(B, V)[:, :1]], dim=1).gather(1, n[:, None]), n
+    bonus = (p[:, K] / e).argmax(dim=-1)
+    return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
 
 
 def nm_extra_use(p, q, ids, u, e):                     # the recovered rows are returned too
@@ -218,3 +218,21 @@ def test_bounded_ratio_accept(fn):
     q[4, 1, ids[4, 1]] = 0.0
     three_way(fn, (p, q, ids, u, e), family="ratio_accept", appear=["npuspec.ratio_accept"],
               gone=["aten.minimum", "aten.clamp", "aten.cumprod", "aten.cumsum"])
+
+
+def test_varying_batch_still_matches():
+    """A second batch size recompiles with a symbolic batch; the whole step must match there
+    too (K and V stay static), and a third size reuses that graph."""
+    from npuspec import counters
+    cf = compile_npuspec(step_padded)
+    for b, matched in ((3, 1), (5, 1), (7, 0)):
+        g = torch.Generator().manual_seed(b)
+        p = torch.softmax(torch.randn(b, K + 1, V, generator=g), -1)
+        q = torch.softmax(torch.randn(b, K, V, generator=g), -1)
+        ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(b, K)
+        args = (p, q, ids, torch.rand(b, K, generator=g), torch.rand(b, V, generator=g) + 0.1)
+        before = counters.snapshot()
+        out = cf(*args)
+        assert counters.delta(before).get("verify_patterns_matched.sample_verify", 0) == matched
+        ref = step_padded(*args)
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
