@@ -19,12 +19,18 @@ The ratio test may also be gpt-fast's `u <= torch.minimum(torch.ones(()), px / q
 `u <= (px / qx).clamp(max=1)`; the replacement then passes `where(u <= 1, u, nan)` as the
 uniforms, which accepts exactly when `u <= min(1, ratio)` does (a NaN anywhere rejects in both).
 
+The bonus row may also come from a residual over all K+1 rows against q with a zero row appended
+(`torch.cat([q, torch.zeros_like(q[:, :1])], 1)` or `F.pad(q, (0, 0, 0, 1))`, race with E [B, V],
+then `.gather(1, n[:, None])`), but only when p is a softmax output in the graph: the zero row's
+`clamp(p_K - 0, min=0)` equals `p_K` exactly when no entry of p is negative.
+
 Exactness: `probs_verify` (kernels/verify.py) evaluates the same float expressions (one division
 and one `>=` per draft, `max(p - q, 0)` or the zeroed draft, one division by E, first-index
 argmax), only on the row it needs, and elementwise IEEE results do not depend on the tensor
 they sit in. Spellings whose arithmetic differs are not matched: a residual normalised by its
-sum (the sum's order), Gumbel-max (`log` is not correctly rounded), and the bonus row written
-as `clamp(p_K - 0, 0)` with a zero-padded q (differs from `p_K` for negative inputs).
+sum (the sum's order), Gumbel-max (`log` is not correctly rounded), and the zero-row spelling
+when p is not a softmax output in the graph (`clamp(p_K - 0, 0)` differs from `p_K` for negative
+entries).
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ def _ok_clamp(px, qx, u):
 
 
 RATIOS = {"plain": _ok_plain, "min": _ok_min, "clamp": _ok_clamp}
+aten = torch.ops.aten
 
 
 def _race_rows(p, q, ids, e, per_row):
@@ -68,6 +75,20 @@ def _step(p, q, ids, u, e, ratio, tail, per_row, out):
     n = tail(ok)                                                    # [B]
     rec, bonus = _race_rows(p, q, ids, e, per_row)
     tok = torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1)   # [B]
+    return _emitted(p, ids, n, tok, out)
+
+
+def _step_zero_row(p, q, ids, u, e, ratio, tail, pad, out):
+    """The residual over all K+1 rows against q with a zero row appended (the bonus row's
+    residual is then p_K itself), and the row at n picked out."""
+    n = tail(RATIOS[ratio](_gather_at(p[:, :-1], ids), _gather_at(q, ids), u))     # [B]
+    qz = (torch.cat([q, torch.zeros_like(q[:, :1])], dim=1) if pad == "cat"
+          else torch.nn.functional.pad(q, (0, 0, 0, 1)))                         # [B, K+1, V]
+    race = (torch.clamp(p - qz, min=0) / e[:, None, :]).argmax(dim=-1)            # [B, K+1]
+    return _emitted(p, ids, n, race.gather(1, n[:, None]).squeeze(1), out)
+
+
+def _emitted(p, ids, n, tok, out):
     if out == "token":
         return tok, n
     pos = torch.arange(p.shape[1], device=p.device)[None, :]      # [1, K+1]
@@ -94,6 +115,8 @@ class SampleVerifyConfig:
     ratios: tuple = ("plain", "min", "clamp")   # min/clamp only with draft probs
     one_hot: bool = True
     forms: tuple = ("padded", "token")          # padded first: it contains the token form's nodes
+    zero_row_q: tuple = ("cat", "pad")          # q with a zero bonus row: cat zeros_like / F.pad
+    zero_row_tails: tuple = ("cumprod", "cumsum_not")
     e_shapes: tuple = ("request", "row")        # E [B, V] broadcast over rows, or E [B, K+1, V]
     max_k: int = 64
 
@@ -139,6 +162,19 @@ class SampleVerify(VerifyPattern):
                 ex = (lambda es: lambda: [torch.rand(2, 5, 11), torch.randint(0, 11, (2, 4)),  # noqa: E731
                                           torch.rand(2, 4), torch.rand(es) + 0.1])(eshape)
             out.append(Spelling(name, _bind(s, **fixed), _bind(r, **rfix), ex))
+        for ratio, tail, pad, form in itertools.product(c.ratios, c.zero_row_tails,
+                                                        c.zero_row_q, c.forms):
+            def s(p, q, ids, u, e, ratio, tail, pad, out):
+                return _step_zero_row(p, q, ids, u, e, ratio, tail, pad, out)
+
+            def r(p, q, ids, u, e, ratio, tail, out):
+                return _op(p, q, ids, u, e, ratio, tail, out)
+
+            ex = lambda: [torch.rand(2, 5, 11), torch.rand(2, 4, 11),  # noqa: E731
+                          torch.randint(0, 11, (2, 4)), torch.rand(2, 4), torch.rand(2, 11) + 0.1]
+            out.append(Spelling(f"zero_row_{pad}_{ratio}_{tail}_{form}",
+                                _bind(s, ratio=ratio, tail=TAILS[tail], pad=pad, out=form),
+                                _bind(r, ratio=ratio, tail=tail, out=form), ex))
         return out
 
     def extra_check(self, match) -> bool:
@@ -161,8 +197,30 @@ class SampleVerify(VerifyPattern):
             return False
         if q is not None and (q.dtype != f32 or not _eq_shape(q.shape, (B, K, V))):
             return False
+        if _zero_row(match) and not _softmax_output(kw["p"]):
+            return False
         return ((_eq_shape(e.shape, (B, V)) or _eq_shape(e.shape, (B, K + 1, V)))
                 and _late_inputs_ok(match))
+
+
+def _zero_row(match) -> bool:
+    """A zero-row spelling: `p - qz` on the whole p (the others subtract from a slice of p)."""
+    p = match.kwargs["p"]
+    return any(n.target is aten.sub.Tensor and n.args[0] is p for n in match.nodes)
+
+
+def _softmax_output(p) -> bool:
+    """p is a softmax (aten's, or Inductor's decomposition exp(x - max) / sum(exp)), so every
+    entry is >= 0 or NaN. Only then is the zero row's `clamp(p_K - 0, min=0)` equal to the
+    op's bonus row `p_K` (a negative entry would be clamped to 0 by the user's code only)."""
+    t = getattr(p, "target", None)
+    if t in (aten._softmax.default, aten.softmax.int):
+        return True
+    if t is not aten.div.Tensor or len(p.args) != 2:
+        return False
+    num, den = p.args
+    return (getattr(num, "target", None) is aten.exp.default
+            and getattr(den, "target", None) is aten.sum.dim_IntList and den.args[0] is num)
 
 
 def _late_inputs_ok(match) -> bool:

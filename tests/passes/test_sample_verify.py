@@ -84,6 +84,20 @@ def step_clamp(p, q, ids, u, e):
     return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
 
 
+# the residual over all K+1 rows against q with a zero row appended; p is a softmax here -----
+def step_zero_row(logits, q, ids, u, e):
+    p = torch.softmax(logits / 0.8, dim=-1)
+    n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(-1).sum(-1)
+    q_all = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)                    # [B, K+1, V]
+    race = (torch.clamp(p - q_all, min=0) / e[:, None, :]).argmax(dim=-1)         # [B, K+1]
+    return race.gather(1, n[:, None]).squeeze(1), n
+
+
+def _logit_inputs(seed=0):
+    p, q, ids, u, e = _inputs(seed)
+    return p.log() * 0.8, q, ids, u, e
+
+
 def _bounded_inputs(seed=0):
     p, q, ids, u, e = _inputs(seed)
     u[3] = torch.tensor([1.0, 1.5, 0.0, 0.0])     # u = 1 accepts, u = 1.5 rejects (even at inf)
@@ -100,8 +114,9 @@ def _gpt_fast_inputs(seed=0):
 
 @pytest.mark.parametrize("fn,make", [(step_token, _inputs), (step_padded, _inputs),
                                      (step_gpt_fast, _gpt_fast_inputs), (step_onehot, _inputs),
-                                     (step_clamp, _bounded_inputs)],
-                         ids=["token", "padded", "gpt_fast", "onehot", "clamp"])
+                                     (step_clamp, _bounded_inputs),
+                                     (step_zero_row, _logit_inputs)],
+                         ids=["token", "padded", "gpt_fast", "onehot", "clamp", "zero_row"])
 def test_sample_verify_three_way(fn, make):
     cf = compile_npuspec(fn)
     for seed in range(3):  # compiled by the first call; the others reuse it
@@ -120,9 +135,12 @@ def test_sample_verify_exact_on_edge_rows():
     assert n1[0] == K + 1 and n1[1] >= 2 and n1[2] >= 2
 
 
-def test_sample_verify_inductor_lowering(no_fx_cache):
-    three_way(step_padded, _inputs(4), lowering="inductor", family="sample_verify", appear=OP,
-              gone=["aten.cumsum", "aten.argmax"])
+@pytest.mark.parametrize("fn,make", [(step_padded, _inputs), (step_zero_row, _logit_inputs)],
+                         ids=["padded", "zero_row"])
+def test_sample_verify_inductor_lowering(no_fx_cache, fn, make):
+    # zero_row: Inductor decomposes the softmax; the guard recognises exp(x - max) / sum too
+    three_way(fn, make(4), lowering="inductor", family="sample_verify", appear=OP,
+              gone=["aten.cumsum", "aten.cumprod", "aten.argmax"])
 
 
 # --- near misses: not the whole-step op, and still what the user wrote ------------------------
@@ -176,7 +194,14 @@ def nm_late_draw_dependent(p, q, ids, u, e):           # a draw that uses n, bef
     return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n, noise
 
 
-NEAR = [nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u, nm_normalised, nm_gpt_fast_reject,
+def nm_zero_row_not_softmax(p, q, ids, u, e):          # p is an input: it could be negative
+    n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(-1).sum(-1)
+    q_all = F.pad(q, (0, 0, 0, 1))
+    race = (torch.clamp(p - q_all, min=0) / e[:, None, :]).argmax(dim=-1)
+    return race.gather(1, n[:, None]).squeeze(1), n
+
+
+NEAR = [nm_zero_row_not_softmax, nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u, nm_normalised, nm_gpt_fast_reject,
         nm_late_draw_dependent]
 
 
@@ -185,6 +210,8 @@ def test_near_miss_not_the_whole_step(fn):
     args = _inputs(5)
     args[0][3, 1, 0] = float("nan")        # a NaN ratio somewhere (rejects with >=, not with ~>)
     args[2][3, 1] = 0
+    args[0][0, K] = -args[0][0, K]         # a negative bonus row (request 0 accepts all):
+    #                                        clamp(p_K - 0, 0) is all 0 there, p_K / E is not
     three_way(fn, args, matched=None, gone=["npuspec.rejection_sample"])
     assert three_way.last_delta.get("verify_patterns_matched.sample_verify", 0) == 0
 
