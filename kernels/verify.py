@@ -44,9 +44,9 @@ from torch import Tensor
 FLT_MIN = 1.1754943508222875e-38  # smallest normal float32: floor for the Exp(1) race draws
 ENTROPY_EPS = 1e-10
 
-__all__ = ["rejection_sample", "rejection_sample_reference", "probs_verify", "synthetic_rates_from_length",
-           "conditional_rates", "draw_uniforms", "draw_exponentials", "use_impl", "RowStats",
-           "reference_row_stats", "filter_thresholds"]
+__all__ = ["rejection_sample", "rejection_sample_reference", "probs_verify",
+           "synthetic_rates_from_length", "conditional_rates", "draw_uniforms",
+           "draw_exponentials", "use_impl", "RowStats", "reference_row_stats", "filter_thresholds"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,17 +330,16 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     px = p[:, :K].gather(-1, xs).squeeze(-1)                    # [B, K]
     ratio = px if q is None else px / q.float().gather(-1, xs).squeeze(-1)
     n = _leading(has & (ratio >= uniforms.float()))             # [B]
-    rows = n[:, None, None].expand(B, 1, V)                     # [B, 1, V]
-    pn = p.gather(1, rows).squeeze(1)                           # [B, V] p at row n
+    b = torch.arange(B, device=p.device)
+    pn = p[b, n]                                                # [B, V] p at row n (a copy)
     e = exponentials.float()
-    en = e if e.dim() == 2 else e.gather(1, rows).squeeze(1)    # [B, V]
+    en = e if e.dim() == 2 else e[b, n]                         # [B, V]
     xn = xpad.gather(1, n[:, None])                             # [B, 1] draft at row n, or -1
     if q is None or K == 0:  # (K = 0: row n is the bonus row, xn = -1, r = pn)
-        r = torch.where(torch.arange(V, device=p.device) == xn, 0.0, pn)
-    else:
-        qn = q.float().gather(1, rows.clamp_max(K - 1)).squeeze(1)  # [B, V] (row K: unused)
-        r = torch.where(xn >= 0, torch.clamp(pn - qn, min=0), pn)
-    tok = (r / en).argmax(-1)                                   # [B]
+        r = pn.masked_fill_(torch.arange(V, device=p.device) == xn, 0.0)
+    else:  # max(p - q, 0) in place: the same values as torch.clamp(p - q, min=0)
+        r = torch.where(xn >= 0, torch.sub(pn, q.float()[b, n.clamp_max(K - 1)]).clamp_min_(0), pn)
+    tok = r.div_(en).argmax(-1)                                 # [B]
     pos = torch.arange(K1, device=p.device)[None, :]
     out = torch.where(pos < n[:, None], xpad, -1)
     out = torch.where(pos == n[:, None], tok[:, None], out)
@@ -555,9 +554,8 @@ def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, t
     B, K1, V = target_logits.shape
     K = K1 - 1
     if target_is_probs:
-        _check_probs_mode(temperature, top_k, top_p, block_verify,
-                          entropy_verify, synthetic_rates,
-                          exponentials, B, K1, V)
+        _check_probs_mode(temperature, top_k, top_p, block_verify, entropy_verify,
+                          synthetic_rates, exponentials, B, K1, V)
     if tuple(draft_token_ids.shape) != (B, K):
         raise ValueError(f"draft_token_ids: expected shape [B, K] = [{B}, {K}] to match "
                          f"target_logits [B, K+1, V]; got {tuple(draft_token_ids.shape)}")

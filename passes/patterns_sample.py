@@ -138,7 +138,8 @@ class SampleVerify(VerifyPattern):
         combos = [(r, True) for r in c.ratios] + ([("plain", False)] if c.one_hot else [])
         for (ratio, has_q), tail, per_row, form in itertools.product(
                 combos, c.tails, [e == "row" for e in c.e_shapes], c.forms):
-            name = f"{'q' if has_q else 'onehot'}_{ratio}_{tail}_{'erow' if per_row else 'ereq'}_{form}"
+            e_name = "erow" if per_row else "ereq"
+            name = f"{'q' if has_q else 'onehot'}_{ratio}_{tail}_{e_name}_{form}"
             fixed = dict(ratio=ratio, tail=TAILS[tail], per_row=per_row, out=form)
             rfix = dict(ratio=ratio, tail=tail, out=form)
             eshape = (2, 5, 11) if per_row else (2, 11)

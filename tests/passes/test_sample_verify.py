@@ -201,8 +201,8 @@ def nm_zero_row_not_softmax(p, q, ids, u, e):          # p is an input: it could
     return race.gather(1, n[:, None]).squeeze(1), n
 
 
-NEAR = [nm_zero_row_not_softmax, nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u, nm_normalised, nm_gpt_fast_reject,
-        nm_late_draw_dependent]
+NEAR = [nm_zero_row_not_softmax, nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u,
+        nm_normalised, nm_gpt_fast_reject, nm_late_draw_dependent]
 
 
 @pytest.mark.parametrize("fn", NEAR, ids=[f.__name__ for f in NEAR])
