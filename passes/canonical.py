@@ -15,6 +15,10 @@ in both graphs first:
   same literals) become one node, so `pk = p[:, :K]` used twice and `p[:, :K]` written twice
   are one pattern. Views are pure, so sharing one changes no value.
 
+`split_views` does the opposite (one copy of a view per user). The manager runs the patterns a
+second time on a graph split that way: a view the merge made shared with code outside a
+pattern would otherwise count as an intermediate with an outside user and block the match.
+
 The rewrite never changes what a node computes. Nodes whose input rank or size is unknown
 (no `meta["val"]`) or symbolic are left alone.
 """
@@ -158,3 +162,15 @@ def _merge_views(graph: Graph) -> None:
         if first is not node:
             node.replace_all_uses_with(first)
             graph.erase_node(node)
+
+
+def split_views(graph: Graph) -> None:
+    """Give each user of a view node its own copy of the view (values unchanged)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _VIEWS or len(node.users) < 2:
+            continue
+        for user in list(node.users)[1:]:
+            with graph.inserting_after(node):
+                copy = graph.call_function(node.target, node.args, dict(node.kwargs))
+            copy.meta = dict(node.meta)
+            user.replace_input_with(node, copy)

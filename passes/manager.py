@@ -179,12 +179,15 @@ class PassManager:
 
     def _rewrite(self, graph: torch.fx.Graph, flavor: str) -> dict:
         _remove_noop_ops(graph)
-        canonical.canonicalize(graph)
+        canonical.canonicalize(graph)  # repeated views merged: shared inputs match
         found = {}
-        for p in self.patterns:
-            n = compiled(p, flavor).pass_.apply(graph)
-            if n:
-                found[p.name] = n
+        for views in ("merged", "split"):
+            if views == "split":  # a merged view shared with outside code then blocks nothing
+                canonical.split_views(graph)
+            for p in self.patterns:
+                n = compiled(p, flavor).pass_.apply(graph)
+                if n:
+                    found[p.name] = found.get(p.name, 0) + n
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
             # later (an RNG draw after the ratio test) moves down after it (see

@@ -229,6 +229,28 @@ def test_late_exponential_draw_still_matches():
     three_way(step, _inputs(6), family="sample_verify", appear=OP + ["aten.exponential"])
 
 
+def onehot_normalised_shared_idx(p, q, ids, u, e):
+    """Not a whole step (normalised residual); `idx` is shared by the ratio test's gather and the
+    residual's scatter. The narrow families must still take both halves."""
+    idx = ids.unsqueeze(-1)
+    n = (p[:, :K].gather(-1, idx).squeeze(-1) >= u).cumprod(-1).sum(-1)
+    r = p[:, :K].scatter(-1, idx, 0.0)
+    return (r / r.sum(-1, keepdim=True) / e[:, None, :]).argmax(-1), n
+
+
+def shared_idx_ratio(p, q, ids, u, e):
+    idx = ids[..., None]
+    return (p[:, :K].gather(-1, idx).squeeze(-1) / q.gather(-1, idx).squeeze(-1) >= u).cumprod(-1).sum(-1)
+
+
+def test_shared_views_do_not_block_matches():
+    three_way(onehot_normalised_shared_idx, _inputs(8), family="ratio_accept",
+              appear=["npuspec.ratio_accept"], gone=["aten.cumprod"])
+    torch._dynamo.reset()
+    three_way(shared_idx_ratio, _inputs(8), family="ratio_accept",
+              appear=["npuspec.ratio_accept"], gone=["aten.cumprod"])
+
+
 # --- gpt-fast's bounded ratio on its own -> npuspec::ratio_accept ------------------------------
 def ratio_min(p, q, ids, u, e):
     return (u <= torch.minimum(torch.ones(()), _at(p[:, :K], ids) / _at(q, ids))).cumprod(-1).sum(-1)
