@@ -478,6 +478,14 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
     # standard verify never looks past the first rejection: let the CPU lowering skip those rows
     early = (uniforms.to(dev), greedy_rows) if random and not block and not synthetic \
         and entropy_verify is None else None
+    if early is not None and impl == "cpu" and K > 0:  # the C++ kernel decides and emits too
+        from npuspec.kernels.verify_cpu import cpu_standard_verify
+        fused = cpu_standard_verify(target_logits, xpad, draft_probs, t, thr, exponentials, early)
+        if fused is not None:
+            if not _capturing(dev):
+                _check_finite(target_logits, fused[2], draft_probs)
+                _check_values(draft_token_ids, V, temperature, top_p)
+            return fused[0], fused[1]
     st = stats_fn(target_logits, xpad, draft_probs, t, thr, exponentials, None, random=random,
                   entropy=entropy_verify is not None and random, residual=not block,
                   early_exit=early)
