@@ -48,7 +48,8 @@ def eager_probs_verify(p, x, q, u, e):
 def make(B, K, V, seed, *, draft_probs, per_row_e=False, ties=True):
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 2, -1)
-    q = torch.softmax(torch.randn(B, K, V, generator=g) + p[:, :K].log(), -1) if draft_probs else None
+    q = torch.softmax(torch.randn(B, K, V, generator=g) + p[:, :K].log(), -1)
+    q = q if draft_probs else None
     x = torch.where(torch.rand(B, K, generator=g) < 0.5, p[:, :K].argmax(-1),
                     torch.randint(0, V, (B, K), generator=g))
     x[torch.rand(B, K, generator=g) < 0.15] = -1

@@ -125,7 +125,7 @@ def test_sample_verify_three_way(fn, make):
         graphs = g if seed == 0 else graphs
     if fn is step_gpt_fast:
         assert "aten.rand" in graphs and "aten.exponential" in graphs   # the user's draws
-        assert "aten._softmax" in graphs                                 # temperature + softmax stay
+        assert "aten._softmax" in graphs               # the temperature and softmax stay
 
 
 def test_sample_verify_exact_on_edge_rows():
@@ -240,7 +240,8 @@ def onehot_normalised_shared_idx(p, q, ids, u, e):
 
 def shared_idx_ratio(p, q, ids, u, e):
     idx = ids[..., None]
-    return (p[:, :K].gather(-1, idx).squeeze(-1) / q.gather(-1, idx).squeeze(-1) >= u).cumprod(-1).sum(-1)
+    ok = p[:, :K].gather(-1, idx).squeeze(-1) / q.gather(-1, idx).squeeze(-1) >= u
+    return ok.cumprod(-1).sum(-1)
 
 
 def test_shared_views_do_not_block_matches():
@@ -253,7 +254,8 @@ def test_shared_views_do_not_block_matches():
 
 # --- gpt-fast's bounded ratio on its own -> npuspec::ratio_accept ------------------------------
 def ratio_min(p, q, ids, u, e):
-    return (u <= torch.minimum(torch.ones(()), _at(p[:, :K], ids) / _at(q, ids))).cumprod(-1).sum(-1)
+    ok = u <= torch.minimum(torch.ones(()), _at(p[:, :K], ids) / _at(q, ids))
+    return ok.cumprod(-1).sum(-1)
 
 
 def ratio_clamp(p, q, ids, u, e):
