@@ -5,10 +5,12 @@ pointer (no in-kernel RNG, no fp64), the grid is capped by `grid_size` (vector-c
 NPU, <= 65535) and each program walks rows with a grid-stride loop, and the vocab is processed
 in BLOCK_V blocks so no [B, K+1, V] softmax is ever materialised.
 
-Each program reads a logits row two or three times back to back (max; exp/sum/races; the
-draft-probs residual or the entropy), so the re-reads hit cache. The elementwise formulas are
-exactly those of `reference_row_stats` in verify.py; see its module docstring for what is
-bit-identical (everything but the last ulp of exp and the order of the sums).
+Each program reads a logits row once (greedy, one-hot drafts) or twice back to back (draft
+probs, whose residual needs the final normaliser; entropy verify), so the second read hits
+cache. The first read is an online softmax: max, normaliser, e[x] and the races are kept
+relative to the running max of the row and rescaled when it grows. The elementwise formulas
+are those of `reference_row_stats` in verify.py; what differs is the last ulp of exp, the
+order of the sums and the rescaling (docs/verify.md gives the measured effect on tokens).
 """
 from __future__ import annotations
 
@@ -71,11 +73,21 @@ def _row_stats_kernel(logits_ptr, x_ptr, q_ptr, t_ptr, thr_ptr, e_ptr, w_ptr,
             t = tl.load(t_ptr + b)
             if FILTER:
                 thr = tl.load(thr_ptr + r)
-        # pass 1: raw max + greedy argmax (first index), NaN flag, max of the filtered z
+        # pass 1, one read: raw max + greedy argmax (first index) + NaN flag, and, online
+        # (rescaled whenever the running max of z grows, as in an online softmax): S = sum e,
+        # e[x], the race over p, the one-hot residual race, and the entropy's normaliser
         gmax = NEG_INF
         gidx = 0
         nan_any = 0
         zmax = NEG_INF
+        eb = e_ptr + tl.cast(b, tl.int64) * V
+        S = 0.0
+        ex = 0.0
+        st = 0.0            # entropy: sum of exp(l - running raw max)
+        bp = -1.0
+        ip = 0
+        br = 0.0
+        ir = -1
         for v0 in range(0, V, BLOCK_V):
             idx = v0 + offs
             m = idx < V
@@ -84,48 +96,39 @@ def _row_stats_kernel(logits_ptr, x_ptr, q_ptr, t_ptr, thr_ptr, e_ptr, w_ptr,
             bmax = tl.max(lg, axis=0)
             bidx = tl.min(tl.where(lg == bmax, idx, V), axis=0)
             gidx = tl.where(bmax > gmax, bidx, gidx)
-            gmax = tl.maximum(gmax, bmax)
+            gnew = tl.maximum(gmax, bmax)
+            if ENTROPY:
+                gsc = tl.where(gmax == NEG_INF, 0.0, tl.exp(gmax - gnew))
+                eg = tl.where(gnew == NEG_INF, 0.0, tl.exp(lg - gnew))
+                st = st * gsc + tl.sum(eg, axis=0)
+            gmax = gnew
             if RANDOM:
                 z = lg / t
                 if FILTER:
                     z = tl.where(z >= thr, z, NEG_INF)
-                zmax = tl.maximum(zmax, tl.max(z, axis=0))
-        tl.store(gidx_ptr + r, gidx.to(tl.int64))
-        tl.store(rawmax_ptr + r, tl.where(nan_any > 0, float("nan"), gmax))
-        if RANDOM:
-            # pass 2: S = sum e, e[x], the race over p and the one-hot residual race
-            eb = e_ptr + tl.cast(b, tl.int64) * V
-            S = 0.0
-            ex = 0.0
-            st = 0.0        # entropy: sum of exp(l - raw max)
-            bp = -1.0
-            ip = 0
-            br = 0.0
-            ir = -1
-            for v0 in range(0, V, BLOCK_V):
-                idx = v0 + offs
-                m = idx < V
-                lg = tl.load(row + idx, mask=m, other=NEG_INF).to(tl.float32)
-                z = lg / t
-                if FILTER:
-                    z = tl.where(z >= thr, z, NEG_INF)
-                e = tl.exp(z - zmax)
-                S += tl.sum(e, axis=0)
-                ex += tl.sum(tl.where(idx == x, e, 0.0), axis=0)
+                znew = tl.maximum(zmax, tl.max(z, axis=0))
+                sc = tl.where(zmax == NEG_INF, 0.0, tl.exp(zmax - znew))  # 1 when unchanged
+                e = tl.where(znew == NEG_INF, 0.0, tl.exp(z - znew))
+                zmax = znew
+                S = S * sc + tl.sum(e, axis=0)
+                ex = ex * sc + tl.sum(tl.where(idx == x, e, 0.0), axis=0)
                 R = 1.0 / tl.maximum(tl.load(eb + idx, mask=m, other=1.0), FLT_MIN)
                 s = tl.where(m, e * R, -1.0)
+                bp = tl.where(bp > 0.0, bp * sc, bp)
                 bm = tl.max(s, axis=0)
                 bi = tl.min(tl.where(s == bm, idx, V), axis=0)
                 ip = tl.where(bm > bp, bi, ip)
                 bp = tl.maximum(bp, bm)
                 if not HAS_Q:
+                    br = br * sc
                     s1 = tl.where(idx == x, 0.0, s)
                     bm1 = tl.max(s1, axis=0)
                     bi1 = tl.min(tl.where(s1 == bm1, idx, V), axis=0)
                     ir = tl.where(bm1 > br, bi1, ir)
                     br = tl.maximum(br, bm1)
-                if ENTROPY:
-                    st += tl.sum(tl.exp(lg - gmax), axis=0)
+        tl.store(gidx_ptr + r, gidx.to(tl.int64))
+        tl.store(rawmax_ptr + r, tl.where(nan_any > 0, float("nan"), gmax))
+        if RANDOM:
             has = x >= 0
             tl.store(px_ptr + r, tl.where(has, ex / S, 0.0))
             tl.store(racep_ptr + r, ip.to(tl.int64))
@@ -137,7 +140,8 @@ def _row_stats_kernel(logits_ptr, x_ptr, q_ptr, t_ptr, thr_ptr, e_ptr, w_ptr,
             else:
                 tl.store(qx_ptr + r, tl.where(has, 1.0, 0.0))
                 tl.store(racer_ptr + r, ir.to(tl.int64))
-            # pass 3: draft-probs residual max(w p - q, 0) (race + mass) and/or the entropy
+            # pass 2 (second read, while the row is cached): the draft-probs residual
+            # max(w p - q, 0) (race + mass) and/or the entropy, with the final max and sums
             if (HAS_Q and RESIDUAL) or ENTROPY:
                 w = 1.0
                 if HAS_Q and RESIDUAL:

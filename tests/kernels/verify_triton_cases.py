@@ -42,6 +42,7 @@ def main(device: str = "cpu") -> int:
                     return 1
             n += 1
     n += hypothesis_cases(device)
+    n += ramp_cases(device)
     print(f"all equal: {n} cases")
     return 0
 
@@ -56,6 +57,25 @@ def compare(B, K, V, mode, seed, device, bf16=False) -> None:
     tri = rejection_sample_reference(dev(logits), dev(x), dev(qq), impl="triton",
                                      **{k: dev(v) for k, v in args.items()})
     assert all(torch.equal(a, b.cpu()) for a, b in zip(ref, tri)), (B, K, V, mode, ref, tri)
+
+
+def ramp_cases(device: str) -> int:
+    """Logits rising along the vocab: the running max grows in every block, so the online
+    softmax rescales S, e[x], the races and the entropy sum at every step."""
+    n = 0
+    for mode in ("standard", "standard_q", "entropy"):
+        logits, x, q, t, u, e = make_case(2, 2, 20000, 7, draft_probs=True, greedy_frac=0.0)
+        logits = logits * 0.1 + torch.linspace(-30.0, 5.0, 20000)
+        x[:, 0] = 19999                      # drafts near the top of the ramp get accepted
+        kw, qq = mode_kwargs(mode, 2, t, q, 2, 20000, torch.Generator().manual_seed(n))
+        args = dict(uniforms=u, exponentials=e, **kw)
+        ref = rejection_sample_reference(logits, x, qq, **args)
+        dev = lambda a: a.to(device) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        tri = rejection_sample_reference(dev(logits), dev(x), dev(qq), impl="triton",
+                                         **{k: dev(v) for k, v in args.items()})
+        assert all(torch.equal(a, b.cpu()) for a, b in zip(ref, tri)), (mode, ref, tri)
+        n += 1
+    return n
 
 
 def hypothesis_cases(device: str) -> int:
