@@ -243,6 +243,8 @@ def _late_inputs_ok(match) -> bool:
             if u not in dependents:
                 dependents.add(u)
                 stack.append(u)
+    if any(n in dependents for n in ins):  # an input made from an output: no place for one op
+        return False
     between = list(graph.nodes)[first_out + 1:last_in]
     return not any(_is_random(n) and n in dependents for n in between)
 

@@ -201,7 +201,15 @@ def nm_zero_row_not_softmax(p, q, ids, u, e):          # p is an input: it could
     return race.gather(1, n[:, None]).squeeze(1), n
 
 
-NEAR = [nm_zero_row_not_softmax, nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u,
+def nm_e_depends_on_n(p, q, ids, u, e):               # E made from n: no place for one op
+    n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(dim=-1).sum(dim=-1)
+    e = e + n[:, None].float()
+    rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
+    bonus = (p[:, K] / e).argmax(dim=-1)
+    return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
+
+
+NEAR = [nm_e_depends_on_n, nm_zero_row_not_softmax, nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u,
         nm_normalised, nm_gpt_fast_reject, nm_late_draw_dependent]
 
 
