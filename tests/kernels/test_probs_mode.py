@@ -127,12 +127,21 @@ def test_probs_mode_refuses_what_it_cannot_apply(kw, name):
 
 
 def test_probs_mode_seeded_rows_use_their_generator():
+    """A seeded row draws its uniforms, then its exponentials, from its own generator, whatever
+    the default generator's state."""
+    from npuspec.kernels.verify import draw_exponentials, draw_uniforms
     p, x, q, _, _ = make(3, 3, 13, 2, draft_probs=True, ties=False)
-    a = rejection_sample(p, x, q, target_is_probs=True,
-                         generators={1: torch.Generator().manual_seed(9)})
-    b = rejection_sample(p, x, q, target_is_probs=True,
-                         generators={1: torch.Generator().manual_seed(9)})
-    assert torch.equal(a[0][1], b[0][1])
+    outs = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        outs.append(rejection_sample(p, x, q, target_is_probs=True,
+                                     generators={1: torch.Generator().manual_seed(9)}))
+    g = torch.Generator().manual_seed(9)
+    u = draw_uniforms(3, 3, "cpu", {1: g})
+    e = draw_exponentials(3, 13, "cpu", {1: g})
+    want = eager_probs_verify(p, x, q, u, e)
+    for out, num in outs:
+        assert torch.equal(out[1], want[0][1]) and num[1] == want[1][1]
 
 
 @pytest.mark.parametrize("draft_probs", [False, True])
