@@ -250,6 +250,56 @@ inline int64_t race(const float* eb, const float* mc, float zmax, float S, const
   }
   return am.index(best);
 }
+// The race over p (RESID = false above) without a division per element, same winner: an
+// approximate score a_v = e_v * rcp14(max(E_v, FLT_MIN)) is within 2^-13 of the exact
+// s_v = e_v * (1 / max(E_v, FLT_MIN)), so every index holding the exact maximum has
+// a_v >= max a * (1 - 2^-11); only those few candidates get the exact score, in index order.
+// ab: scratch for the approximate scores (V + kL floats).
+inline int64_t race_fast(const float* eb, const float* mc, float zmax, const float* E, int64_t V,
+                      float* ab, float& best) {
+  Vec vmax(-2.f);
+  for (int64_t c0 = 0, c = 0; c0 < V; c0 += kChunk, ++c) {
+    const int64_t ce = std::min(V, c0 + kChunk);
+    const Vec sc(chunk_scale(mc[c], zmax));
+    const bool one = mc[c] == zmax;
+    for (int64_t v = c0; v < ce; v += kL) {
+      const int64_t n = ce - v;
+      const Vec Ep = at::vec::maximum(load(E + v, n, 1.f), Vec(kFltMin));
+#if defined(CPU_CAPABILITY_AVX512)
+      const Vec rcp(_mm512_rcp14_ps(__m512(Ep)));
+#else
+      const Vec rcp = Vec(1.f) / Ep;  // exact: the candidates are then exactly the maxima
+#endif
+      Vec e = load(eb + v, n, 0.f);
+      if (!one) e = e * sc;
+      Vec a = e * rcp;
+      if (n < kL) a = Vec::set(Vec(-2.f), a, n);
+      a.store(ab + v);
+      vmax = at::vec::maximum(vmax, a);
+    }
+  }
+  const float amax = hmax(vmax);
+  // Near the denormals the relative bound fails: there, the exact race (never in practice:
+  // the row's max has e = 1 unless it is the masked draft and everything else underflows).
+  if (!(amax > 1e-30f)) return race<false>(eb, mc, zmax, 1.f, nullptr, E, V, best);
+  best = -1.f;
+  const Vec T(amax * (1.f - 1.f / 2048.f));
+  int64_t idx = 0;
+  for (int64_t v = 0; v < V; v += kL) {
+    const int64_t miss = (Vec::loadu(ab + v) >= T).zero_mask();  // bit set: lane below T
+    int64_t hit = ~miss & ((int64_t(1) << kL) - 1);
+    while (hit) {
+      const int64_t i = v + __builtin_ctzll(hit);
+      hit &= hit - 1;
+      if (i >= V) break;
+      const int64_t c = i / kChunk;
+      const float e = mc[c] == zmax ? eb[i] : eb[i] * chunk_scale(mc[c], zmax);
+      const float sv = e * (1.f / std::max(E[i], kFltMin));
+      if (sv > best) { best = sv; idx = i; }
+    }
+  }
+  return idx;
+}
 }  // namespace
 
 extern "C" void npuspec_row_stats(
@@ -393,9 +443,10 @@ extern "C" void npuspec_standard_rows(
   const int64_t nchunks = (V + kChunk - 1) / kChunk;
 #pragma omp parallel num_threads(nthreads)
   {
-    std::vector<float> fbuf(dtype ? V : 0), ebuf(V + kL), mbuf(nchunks);
+    std::vector<float> fbuf(dtype ? V : 0), ebuf(V + kL), abuf(V + kL), mbuf(nchunks);
     float* eb = ebuf.data();
     float* mc = mbuf.data();
+    float* ab = abuf.data();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b) {
       const float t = temp[b];
@@ -457,17 +508,17 @@ extern "C" void npuspec_standard_rows(
         if (qrow && x >= 0) {
           const int64_t i = race<true>(eb, mc, zmax, S, qrow, Eb, V, best);
           race_r[r] = best > 0.f ? i : -1;
-          if (race_r[r] < 0) race_p[r] = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
+          if (race_r[r] < 0) race_p[r] = race_fast(eb, mc, zmax, Eb, V, ab, best);
         } else if (x >= 0) {  // one-hot: the residual is p with the draft masked out
           eb[x] = 0.f;
-          const int64_t i = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
+          const int64_t i = race_fast(eb, mc, zmax, Eb, V, ab, best);
           race_r[r] = best > 0.f ? i : -1;
           if (race_r[r] < 0) {  // only float underflow empties it: fall back to p (x or 0)
             const float sx = ex * (1.f / std::max(Eb[x], kFltMin));
             race_p[r] = sx > 0.f ? x : 0;
           }
         } else {
-          race_p[r] = race<false>(eb, mc, zmax, S, nullptr, Eb, V, best);
+          race_p[r] = race_fast(eb, mc, zmax, Eb, V, ab, best);
           race_r[r] = best > 0.f ? race_p[r] : -1;
         }
         tok = (x >= 0 && race_r[r] >= 0) ? race_r[r] : race_p[r];
