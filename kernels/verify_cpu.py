@@ -168,7 +168,7 @@ constexpr int64_t kChunk = 2048;  // floats; a chunk is read twice while it sits
 // Returns the raw max (NaN-propagating); S is relative to z max = raw max / t.
 template <bool DIV, bool THR>
 inline float online_row(const float* f, int64_t V, float t, float th, float* eb, float* mc,
-                        float& S) {
+                        float& S, const float* pf) {
   float M = kNegInf;        // raw running max
   float zM = kNegInf;       // running max of z (M / t: division is monotone)
   Vec vS(0.f);
@@ -189,6 +189,9 @@ inline float online_row(const float* f, int64_t V, float t, float th, float* eb,
     const Vec vzM(zM);
     for (int64_t v = c0; v < ce; v += kL) {
       const int64_t n = ce - v;
+      // the next chunk (or the next row) streams in while this one computes its exps
+      _mm_prefetch(reinterpret_cast<const char*>(f + v + kChunk), _MM_HINT_T0);
+      if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + v), _MM_HINT_T1);  // E, for the race
       Vec z = load(f + v, n, kNegInf);
       if (DIV) z = z / Vec(t);
       if (THR) z = Vec::blendv(Vec(kNegInf), z, z >= Vec(th));
@@ -480,13 +483,14 @@ extern "C" void npuspec_standard_rows(
           continue;
         }
         const float th = has_thr ? thr[r] : kNegInf;
+        const float* pf = j == 0 ? Eb : nullptr;  // the request's E row, into L2 for its race
         float S = 0.f, mx;
         const int64_t mode = (t != 1.f) | (has_thr << 1);
         switch (mode) {  // l / 1 == l exactly, so skip the division at t = 1
-          case 0: mx = online_row<false, false>(f, V, t, th, eb, mc, S); break;
-          case 1: mx = online_row<true, false>(f, V, t, th, eb, mc, S); break;
-          case 2: mx = online_row<false, true>(f, V, t, th, eb, mc, S); break;
-          default: mx = online_row<true, true>(f, V, t, th, eb, mc, S); break;
+          case 0: mx = online_row<false, false>(f, V, t, th, eb, mc, S, pf); break;
+          case 1: mx = online_row<true, false>(f, V, t, th, eb, mc, S, pf); break;
+          case 2: mx = online_row<false, true>(f, V, t, th, eb, mc, S, pf); break;
+          default: mx = online_row<true, true>(f, V, t, th, eb, mc, S, pf); break;
         }
         rawmax[r] = mx;
         if (!std::isfinite(mx)) { done = true; continue; }  // the caller raises
