@@ -156,7 +156,10 @@ class GraphSet:
         # writes) then touch only what padding rows touch (e.g. a scratch slot), never real data.
         self._fill_pad(static, args)
         runner = make_runner(self.runner_kind)
-        outs = runner.capture(self._typed_fn, static)
+        # The capture runs draw from a copy of the CPU generator, so the call that captures
+        # sees eager's random stream (device generators: see docs/graphs.md).
+        with torch.random.fork_rng(devices=[]):
+            outs = runner.capture(self._typed_fn, static)
         self._learn_outputs(outs, units)
         e = self.entries[units] = _Entry(units, runner, static, runner.outs)
         log.debug("npuspec graphs: captured %s K=%d at %d tokens (%s runner)", self.name, self.k,

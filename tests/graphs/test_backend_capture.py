@@ -206,3 +206,20 @@ def test_dynamic_k_rounding_warns_once_across_graphs(fresh_dynamo, delta):
     assert len(msgs) == 1 and "K=2: 16->18" in msgs[0] and "K=3: 6->8" in msgs[0], msgs
     # tokens: K=1 [6, 16, 30]; K=2 [6, 18, 30]; K=3 [8, 16, 32] -> 9 graphs
     assert delta()["graphs_captured"] == 9
+
+
+def draw_step(x):
+    return x * 2 + torch.rand(x.shape[0], 3)
+
+
+def test_the_capturing_call_sees_eagers_random_stream():
+    """Capture runs draw from a forked CPU generator: the first call (the one that captures
+    every size) and the later ones return exactly eager's draws from the same RNG state."""
+    step = compile_step(draw_step)
+    for call, B in enumerate([3, 5, 3]):
+        x = torch.randn(B, 3)
+        torch.manual_seed(100 + call)
+        want = draw_step(x)
+        torch.manual_seed(100 + call)
+        got = step(x)
+        assert torch.equal(got, want), (call, B)
