@@ -442,7 +442,9 @@ def _check_finite(logits: Tensor, rawmax: Tensor, draft_probs: Optional[Tensor])
             f"target_logits[{b}, {j}] contains NaN or +inf (or is -inf everywhere): the verify "
             f"step cannot sample from it; check the model output (dtype overflow, a bad "
             f"logits processor) before calling rejection_sample")
-    if draft_probs is not None and not bool(torch.isfinite(draft_probs).all()):
+    # aminmax: one vectorised pass, NaN propagates (isfinite().all() costs ~15x more on CPU)
+    if draft_probs is not None and not all(math.isfinite(float(v))
+                                           for v in torch.aminmax(draft_probs)):
         raise ValueError("draft_probs contains NaN or inf; pass the drafter's probabilities "
                          "(finite, >= 0) or None for one-hot drafts")
 
