@@ -166,9 +166,23 @@ constexpr int64_t kChunk = 2048;  // floats; a chunk is read twice while it sits
 // (online softmax over L1-sized chunks). e = exp(z - m_c) is stored to eb with m_c, the
 // running max z when chunk c was done, so a later race can rescale it to the final max.
 // Returns the raw max (NaN-propagating); S is relative to z max = raw max / t.
+// Lines to bring into L2 while a compute-bound loop runs (another request's rows that only
+// need their NaN/inf check later): two lines per loop step.
+struct Stream {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  inline void step() {
+    if (p < end) {
+      _mm_prefetch(p, _MM_HINT_T1);
+      _mm_prefetch(p + 64, _MM_HINT_T1);
+      p += 128;
+    }
+  }
+};
+
 template <bool DIV, bool THR>
 inline float online_row(const float* f, int64_t V, float t, float th, float* eb, float* mc,
-                        float& S, const float* pf) {
+                        float& S, const float* pf, Stream& ps) {
   float M = kNegInf;        // raw running max
   float zM = kNegInf;       // running max of z (M / t: division is monotone)
   Vec vS(0.f);
@@ -192,6 +206,7 @@ inline float online_row(const float* f, int64_t V, float t, float th, float* eb,
       // the next chunk (or the next row) streams in while this one computes its exps
       _mm_prefetch(reinterpret_cast<const char*>(f + v + kChunk), _MM_HINT_T0);
       if (pf) _mm_prefetch(reinterpret_cast<const char*>(pf + v), _MM_HINT_T1);  // E, for the race
+      ps.step();
       Vec z = load(f + v, n, kNegInf);
       if (DIV) z = z / Vec(t);
       if (THR) z = Vec::blendv(Vec(kNegInf), z, z >= Vec(th));
@@ -450,35 +465,58 @@ extern "C" void npuspec_standard_rows(
     float* eb = ebuf.data();
     float* mc = mbuf.data();
     float* ab = abuf.data();
-#pragma omp for schedule(dynamic, 1)
+    const int64_t esize = dtype ? 2 : 4;
+    auto row_ptr = [&](int64_t r) -> const float* {
+      if (dtype == 1) {  // bfloat16 -> float32 is exact: the bf16 bits are the high half
+        const uint16_t* src = (const uint16_t*)logits + r * V;
+        uint32_t* dst = (uint32_t*)fbuf.data();
+        for (int64_t v = 0; v < V; ++v) dst[v] = uint32_t(src[v]) << 16;
+        return fbuf.data();
+      }
+      if (dtype == 2) {
+        const c10::Half* src = (const c10::Half*)logits + r * V;
+        for (int64_t v = 0; v < V; ++v) fbuf[v] = static_cast<float>(src[v]);
+        return fbuf.data();
+      }
+      return (const float*)logits + r * V;
+    };
+    // Rows after request b's emitting row n: only the NaN/inf check, then b's output.
+    auto finish = [&](int64_t b, int64_t n, int64_t tok) {
+      for (int64_t j = n + 1; j < K1; ++j) {
+        const int64_t r = b * K1 + j;
+        gidx[r] = 0; px[r] = 0.f; qx[r] = 0.f; race_p[r] = 0; race_r[r] = 0;
+        rawmax[r] = row_max(row_ptr(r), V);
+      }
+      if (!out) return;  // the op's output layout, as the decisions + _emit would write it
+      bool bad = false;
+      for (int64_t j = 0; j < K1; ++j) bad = bad || !std::isfinite(rawmax[b * K1 + j]);
+      for (int64_t j = 0; j < K1; ++j)
+        out[b * K1 + j] = bad || j > n ? -1 : j < n ? int32_t(xpad[b * K1 + j]) : int32_t(tok);
+      num[b] = bad ? 0 : int32_t(n + 1);
+    };
+    // The checks of one request are deferred until this thread has done its next request,
+    // whose compute-bound exp loops prefetch those rows into L2 meanwhile (memory and exp
+    // then overlap instead of taking turns).
+    int64_t pb = -1, pn = 0, ptok = 0;
+    Stream ps;
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t b = 0; b < B; ++b) {
       const float t = temp[b];
       const bool grd = greedy[b] != 0;
       const float* Eb = E + b * V;
-      bool done = false;
-      int64_t n = 0, tok = 0;  // the emitting row and its token
+      int64_t n = K, tok = 0;  // the emitting row and its token
       for (int64_t j = 0; j < K1; ++j) {
         const int64_t r = b * K1 + j;
-        const float* f = (const float*)logits + r * V;
-        if (dtype == 1) {  // bfloat16 -> float32 is exact: the bf16 bits are the high half
-          const uint16_t* src = (const uint16_t*)logits + r * V;
-          uint32_t* dst = (uint32_t*)fbuf.data();
-          for (int64_t v = 0; v < V; ++v) dst[v] = uint32_t(src[v]) << 16;
-          f = fbuf.data();
-        } else if (dtype == 2) {
-          const c10::Half* src = (const c10::Half*)logits + r * V;
-          for (int64_t v = 0; v < V; ++v) fbuf[v] = static_cast<float>(src[v]);
-          f = fbuf.data();
-        }
+        const float* f = row_ptr(r);
         gidx[r] = 0; px[r] = 0.f; qx[r] = 0.f; race_p[r] = 0; race_r[r] = 0;
         const int64_t x = xpad[r];
-        if (done || grd) {
+        if (grd) {
           const float mx = row_max(f, V);
           rawmax[r] = mx;
-          if (done) continue;
           gidx[r] = std::max(first_eq(f, V, mx), int64_t(0));
           if (!std::isfinite(mx) || j == K || x < 0 || x != gidx[r]) {
-            done = true; n = j; tok = gidx[r];
+            n = j; tok = gidx[r];
+            break;
           }
           continue;
         }
@@ -487,13 +525,13 @@ extern "C" void npuspec_standard_rows(
         float S = 0.f, mx;
         const int64_t mode = (t != 1.f) | (has_thr << 1);
         switch (mode) {  // l / 1 == l exactly, so skip the division at t = 1
-          case 0: mx = online_row<false, false>(f, V, t, th, eb, mc, S, pf); break;
-          case 1: mx = online_row<true, false>(f, V, t, th, eb, mc, S, pf); break;
-          case 2: mx = online_row<false, true>(f, V, t, th, eb, mc, S, pf); break;
-          default: mx = online_row<true, true>(f, V, t, th, eb, mc, S, pf); break;
+          case 0: mx = online_row<false, false>(f, V, t, th, eb, mc, S, pf, ps); break;
+          case 1: mx = online_row<true, false>(f, V, t, th, eb, mc, S, pf, ps); break;
+          case 2: mx = online_row<false, true>(f, V, t, th, eb, mc, S, pf, ps); break;
+          default: mx = online_row<true, true>(f, V, t, th, eb, mc, S, pf, ps); break;
         }
         rawmax[r] = mx;
-        if (!std::isfinite(mx)) { done = true; continue; }  // the caller raises
+        if (!std::isfinite(mx)) { n = j; break; }  // the caller raises (or emits nothing)
         const float zmax = mx / t;
         const float* qrow = (has_q && j < K) ? q + (b * K + j) * V : nullptr;
         float ex = 0.f;
@@ -506,8 +544,7 @@ extern "C" void npuspec_standard_rows(
         }
         const bool accepted = j < K && x >= 0 && qx[r] > 0.f && px[r] / qx[r] >= uni[b * K + j];
         if (accepted) continue;
-        done = true;  // this row emits: a recovered token, or a sample from p
-        n = j;
+        n = j;  // this row emits: a recovered token, or a sample from p
         float best;
         if (qrow && x >= 0) {
           const int64_t i = race<true>(eb, mc, zmax, S, qrow, Eb, V, best);
@@ -526,15 +563,15 @@ extern "C" void npuspec_standard_rows(
           race_r[r] = best > 0.f ? race_p[r] : -1;
         }
         tok = (x >= 0 && race_r[r] >= 0) ? race_r[r] : race_p[r];
+        break;
       }
-      if (out) {  // the op's output layout, as the decisions + _emit would write it
-        bool bad = false;
-        for (int64_t j = 0; j < K1; ++j) bad = bad || !std::isfinite(rawmax[b * K1 + j]);
-        for (int64_t j = 0; j < K1; ++j)
-          out[b * K1 + j] = bad || j > n ? -1 : j < n ? int32_t(xpad[b * K1 + j]) : int32_t(tok);
-        num[b] = bad ? 0 : int32_t(n + 1);
-      }
+      if (pb >= 0) finish(pb, pn, ptok);
+      pb = b; pn = n; ptok = tok;
+      const char* base = (const char*)logits;
+      ps.p = base + ((b * K1 + n + 1) * V) * esize;
+      ps.end = base + ((b + 1) * K1 * V) * esize;
     }
+    if (pb >= 0) finish(pb, pn, ptok);
   }
 }
 """.replace("FLT_MIN_VALUE", repr(FLT_MIN) + "f")
