@@ -243,6 +243,12 @@ struct ArgMax {
   }
 };
 
+// e of chunk c's stored exps at v, rescaled from the chunk's running max to the final one.
+inline Vec stored_e(const float* eb, int64_t v, int64_t n, bool one, const Vec& sc) {
+  const Vec e = load(eb + v, n, 0.f);
+  return one ? e : e * sc;
+}
+
 // The race over a row: first-index argmax of s_v = score_v * R_v, R = 1 / max(E, FLT_MIN)
 // (the reference's formula), where score is e rescaled to the final max (RESID = false) or
 // the residual max(e / S - q, 0) (RESID = true). Tail lanes score -2 and never win.
@@ -257,8 +263,7 @@ inline int64_t race(const float* eb, const float* mc, float zmax, float S, const
     for (int64_t v = c0; v < ce; v += kL) {
       const int64_t n = ce - v;
       const Vec R = Vec(1.f) / at::vec::maximum(load(E + v, n, 1.f), Vec(kFltMin));
-      Vec e = load(eb + v, n, 0.f);
-      if (!one) e = e * sc;
+      const Vec e = stored_e(eb, v, n, one, sc);
       Vec s;
       if (RESID) s = at::vec::maximum(e / Vec(S) - load(q + v, n, 0.f), Vec(0.f)) * R;
       else s = e * R;
@@ -288,8 +293,7 @@ inline int64_t race_fast(const float* eb, const float* mc, float zmax, const flo
 #else
       const Vec rcp = Vec(1.f) / Ep;  // exact: the candidates are then exactly the maxima
 #endif
-      Vec e = load(eb + v, n, 0.f);
-      if (!one) e = e * sc;
+      const Vec e = stored_e(eb, v, n, one, sc);
       Vec a = e * rcp;
       if (n < kL) a = Vec::set(Vec(-2.f), a, n);
       a.store(ab + v);
@@ -325,7 +329,7 @@ extern "C" void npuspec_row_stats(
     const float* thr, const float* E, const float* w, int64_t* gidx, float* rawmax, float* px,
     float* qx, int64_t* race_p, int64_t* race_r, float* rho, float* ent, int64_t B, int64_t K1,
     int64_t V, int64_t random, int64_t has_q, int64_t residual, int64_t entropy, int64_t has_thr,
-    int64_t nthreads, const float* uni, const uint8_t* greedy) {
+    int64_t nthreads) {
   const int64_t K = K1 - 1;
   // Requests are split over threads; a request's K+1 rows share R = 1 / max(E, FLT_MIN).
 #pragma omp parallel num_threads(nthreads)
@@ -343,10 +347,6 @@ extern "C" void npuspec_row_stats(
         for (int64_t v = 0; v < V; v += kL)
           store(Vec(1.f) / at::vec::maximum(load(Eb + v, V - v, 1.f), Vec(kFltMin)), R + v, V - v);
       }
-      // Early exit (standard verify, uni given): once a draft is rejected, the later rows
-      // cannot change the result, so they only get the NaN/inf check (one read), not the
-      // exp pass. The test below is the decision code's, with the same float operations.
-      bool rejected = false;
       for (int64_t j = 0; j < K1; ++j) {
         const int64_t r = b * K1 + j;
         const float* f = (const float*)logits + r * V;
@@ -366,7 +366,7 @@ extern "C" void npuspec_row_stats(
         const int64_t g = first_eq(f, V, mx);
         gidx[r] = g >= 0 ? g : 0;
         px[r] = 0.f; qx[r] = 0.f; race_p[r] = 0; race_r[r] = 0; rho[r] = 0.f; ent[r] = 0.f;
-        if (!std::isfinite(mx) || !random || rejected) continue;  // non-finite: caller raises
+        if (!std::isfinite(mx) || !random) continue;  // non-finite: the caller raises
         const int64_t x = xpad[r];
         const float* qrow = (has_q && j < K) ? q + (b * K + j) * V : nullptr;
         // pass 2: e = exp(z - max z) with z = l / t masked below thr; S; race scores e * R
@@ -435,11 +435,6 @@ extern "C" void npuspec_row_stats(
             vh = vh + pt * (pt + Vec(1e-10f)).log();
           }
           ent[r] = -hsum(vh);
-        }
-        if (uni && j < K) {
-          const int64_t x = xpad[r];
-          if (greedy[b]) rejected = x < 0 || x != gidx[r];
-          else rejected = !(x >= 0 && qx[r] > 0.f && px[r] / qx[r] >= uni[b * K + j]);
         }
       }
     }
@@ -610,9 +605,9 @@ def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optiona
                   early_exit: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> RowStats:
     """Same contract as `reference_row_stats`, computed by the fused C++ kernel.
 
-    early_exit=(uniforms [B, K], greedy_rows [B]) (standard verify only): rows after a
-    request's first rejected draft get only the NaN/inf check, not the exp pass; their other
-    statistics are left at 0, which the decisions never read."""
+    early_exit=(uniforms [B, K], greedy_rows [B]) (standard verify: random, no entropy,
+    residual) runs `npuspec_standard_rows`: rows after a request's emitting row get only the
+    NaN/inf check; statistics the decisions never read are left at 0. Elsewhere it is ignored."""
     fn = _library()
     if fn is None or logits.dtype not in _DTYPES or logits.device.type != "cpu":
         counters.bump("eager_fallbacks")
@@ -636,17 +631,12 @@ def cpu_row_stats(logits: torch.Tensor, xpad: torch.Tensor, draft_probs: Optiona
             w[:, :K1 - 1] = weights.float()
     tt = t.float().contiguous()
     xp = xpad.long().contiguous()
-    uni = grd = None
-    if early_exit is not None and random:
-        uni = early_exit[0].float().contiguous()
-        grd = early_exit[1].to(torch.uint8).contiguous()
-    ptr = lambda a: ctypes.c_void_p(a.data_ptr() if a is not None else 0)  # noqa: E731
     i64 = ctypes.c_int64
-    fn(ptr(lg), i64(_DTYPES[lg.dtype]), ptr(xp), ptr(q), ptr(tt), ptr(thr_), ptr(E), ptr(w),
-       ptr(gidx), ptr(rawmax), ptr(px), ptr(qx), ptr(race_p), ptr(race_r), ptr(rho), ptr(ent),
-       i64(B), i64(K1), i64(V), i64(int(random)), i64(int(has_q)), i64(int(residual)),
-       i64(int(entropy)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())),
-       ptr(uni), ptr(grd))
+    fn(_ptr(lg), i64(_DTYPES[lg.dtype]), _ptr(xp), _ptr(q), _ptr(tt), _ptr(thr_), _ptr(E),
+       _ptr(w), _ptr(gidx), _ptr(rawmax), _ptr(px), _ptr(qx), _ptr(race_p), _ptr(race_r),
+       _ptr(rho), _ptr(ent), i64(B), i64(K1), i64(V), i64(int(random)), i64(int(has_q)),
+       i64(int(residual)), i64(int(entropy)), i64(int(thr is not None)),
+       i64(max(1, torch.get_num_threads())))
     return RowStats(gidx, rawmax, px, qx, race_p, race_r, rho, ent)
 
 
@@ -676,9 +666,9 @@ def _standard_rows(logits, xpad, draft_probs, t, thr, exponentials, early_exit, 
     i64 = ctypes.c_int64
     _compiled().npuspec_standard_rows(
         _ptr(lg), i64(_DTYPES[lg.dtype]), _ptr(xp), _ptr(q), _ptr(tt), _ptr(thr_), _ptr(E),
-        _ptr(uni), _ptr(grd), _ptr(gidx),        _ptr(rawmax), _ptr(px), _ptr(qx), _ptr(race_p), _ptr(race_r), i64(B), i64(K1), i64(V),
-        i64(int(q is not None)), i64(int(thr is not None)), i64(max(1, torch.get_num_threads())),
-        _ptr(out), _ptr(num))
+        _ptr(uni), _ptr(grd), _ptr(gidx), _ptr(rawmax), _ptr(px), _ptr(qx), _ptr(race_p),
+        _ptr(race_r), i64(B), i64(K1), i64(V), i64(int(q is not None)),
+        i64(int(thr is not None)), i64(max(1, torch.get_num_threads())), _ptr(out), _ptr(num))
     zeros = torch.zeros(B, K1, dtype=torch.float32)
     st = RowStats(gidx, rawmax, px, qx, race_p, race_r, zeros, zeros.clone())
     return (st, out, num) if emit else st
