@@ -42,8 +42,8 @@ def _layout(name, B, K, V, g):
 def _drafts(logits, K, g):
     B, _, V = logits.shape
     top = logits[:, :K].argmax(-1)
-    rnd = torch.randint(0, V, (B, K), generator=g)
-    x = torch.where(torch.rand(B, K, generator=g) < 0.6, top, rnd)
+    pick = torch.rand(B, K, generator=g) < 0.6                  # drawn first, as before
+    x = torch.where(pick, top, torch.randint(0, V, (B, K), generator=g))
     x[torch.rand(B, K, generator=g) < 0.1] = -1
     return x
 
