@@ -1,0 +1,102 @@
+"""`LLM(...)` argument checks: each bad value raises a ValueError naming it and the fix."""
+from __future__ import annotations
+
+import difflib
+import logging
+from typing import Any, Optional
+
+import torch
+
+from npuspec.config import SpeculativeConfig, merge_additional_config
+
+log = logging.getLogger("npuspec.engine")
+
+ENGINE_METHODS = ("ngram", "suffix", "draft_model")
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+COMPILATION_KEYS = ("cudagraph_capture_sizes", "cudagraph_mode", "backend")
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def arg_error(key: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"LLM: {key}={value!r}: {fix}")
+
+
+def pos_int(key: str, v: Any, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise arg_error(key, v, f"must be an integer >= {lo}")
+    return v
+
+
+def parse_dtype(dtype: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32
+    if dtype not in DTYPES:
+        raise arg_error("dtype", dtype, f"use one of {', '.join(DTYPES)} or 'auto'")
+    return DTYPES[dtype]
+
+
+def _default_lowering() -> Optional[str]:
+    # The knob is `npuspec.engine.DEFAULT_LOWERING` (tests set it with monkeypatch), so it is
+    # read on the package at call time rather than copied into this module.
+    import npuspec.engine
+    return npuspec.engine.DEFAULT_LOWERING
+
+
+def parse_compilation(cc: Any, enforce_eager: bool) -> tuple[Any, Optional[list], Optional[str]]:
+    """-> (capture: True | False, capture sizes in tokens or None, lowering or None)."""
+    if cc is None:
+        cc = {}
+    if not isinstance(cc, dict):
+        raise arg_error("compilation_config", cc, "must be a dict such as "
+                        "{'cudagraph_capture_sizes': [4, 8, 16], 'cudagraph_mode': 'FULL'}")
+    for k in cc:
+        if k not in COMPILATION_KEYS:
+            near = difflib.get_close_matches(str(k), COMPILATION_KEYS, n=1, cutoff=0.5)
+            hint = f"did you mean {near[0]!r}?" if near else f"valid keys: {', '.join(COMPILATION_KEYS)}"
+            raise ValueError(f"LLM: compilation_config has unknown key {k!r}; {hint}")
+    sizes = cc.get("cudagraph_capture_sizes")
+    if sizes is not None:
+        if not isinstance(sizes, (list, tuple)) or not sizes or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+            raise arg_error("compilation_config.cudagraph_capture_sizes", sizes,
+                            "must be a non-empty list of positive token counts, e.g. [4, 8, 16]")
+        sizes = sorted(set(sizes))
+    mode = cc.get("cudagraph_mode", "FULL_DECODE_ONLY")
+    if isinstance(mode, str):
+        mode = mode.upper()
+    if mode not in CUDAGRAPH_MODES:
+        raise arg_error("compilation_config.cudagraph_mode", cc.get("cudagraph_mode"),
+                        f"must be one of {', '.join(CUDAGRAPH_MODES)}")
+    lowering = cc.get("backend", _default_lowering())
+    if lowering is not None and lowering not in ("inductor", "eager"):
+        raise arg_error("compilation_config.backend", lowering, "must be 'inductor' or 'eager'")
+    if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        log.info("npuspec captures the whole decode step (FULL); cudagraph_mode=%s behaves "
+                 "as FULL_DECODE_ONLY", mode)
+    capture = not enforce_eager and mode != "NONE"
+    return capture, sizes, lowering
+
+
+def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfig]:
+    if spec is None:
+        if additional:
+            keys = [k for k in ("rejection_sampler_config", "dynamic_spec_config")
+                    if isinstance(additional, dict) and k in additional]
+            if keys:
+                raise ValueError(f"LLM: additional_config.{keys[0]} needs a speculative_config; "
+                                 f"pass speculative_config={{'method': ..., ...}} or drop it")
+        return None
+    from npuspec.platform import current_platform
+    d = merge_additional_config(spec, additional)
+    cfg = SpeculativeConfig.from_dict(d, tensor_parallel_size=tp,
+                                      device=current_platform().device)
+    if cfg.method not in ENGINE_METHODS:
+        raise NotImplementedError(
+            f"speculative_config.method={cfg.method!r} is not implemented yet in npuspec's "
+            f"engine; use one of {', '.join(ENGINE_METHODS)} (or drop speculative_config)")
+    return cfg

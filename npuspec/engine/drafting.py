@@ -1,0 +1,64 @@
+"""The engine's drafter: which proposer a speculative config builds, and one step's drafts.
+
+Token-only proposers (ngram, suffix) return ragged lists; model drafters (draft_model) return
+[B, K] tokens with draft probabilities and per-position confidences, which the confidence
+budget (dynamic K) may cut.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from npuspec.config import SpeculativeConfig
+from npuspec.engine.request import Request
+from npuspec.engine.scheduler import fill_drafts
+from npuspec.runtime import dynamic_k
+
+
+def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device, vocab_size: int,
+                  max_num_seqs: int, cache_len: int):
+    s = spec
+    if s is None:
+        return None
+    if s.method == "ngram":
+        from npuspec.runtime.ngram import NgramProposer
+        return NgramProposer(prompt_lookup_min=s.prompt_lookup_min,
+                             prompt_lookup_max=s.prompt_lookup_max)
+    if s.method == "suffix":
+        from npuspec.runtime.suffix import SuffixProposer
+        return SuffixProposer(max_tree_depth=s.suffix_decoding_max_tree_depth,
+                              max_cached_requests=s.suffix_decoding_max_cached_requests,
+                              max_spec_factor=s.suffix_decoding_max_spec_factor,
+                              min_token_prob=s.suffix_decoding_min_token_prob)
+    from npuspec.models import load_model
+    from npuspec.runtime.draft_model import DraftModelProposer
+    dcfg, dmodel = load_model(s.model, dtype=dtype, device=device)
+    if dcfg.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative_config.model={s.model!r}: the draft model's vocab_size "
+            f"({dcfg.vocab_size}) differs from the target's ({vocab_size}); "
+            f"a draft model must share the target's tokenizer and vocabulary")
+    return DraftModelProposer(dmodel, max_num_seqs, cache_len, device=device)
+
+
+def draft(proposer, budget: Optional[dynamic_k.ConfidenceBudget], reqs: list[Request], k: int,
+          caps: list[int], random: bool):
+    """-> (drafts int64 [B, K], -1 = none; draft probs [B, K, V] or None). `caps` bounds each
+    request's drafts; `random`: the call has sampled requests (model drafters then sample
+    with each request's temperature and return their probabilities)."""
+    B = len(reqs)
+    if k == 0:
+        return np.full((B, 0), -1, dtype=np.int64), None
+    ids = [r.req_id for r in reqs]
+    if not hasattr(proposer, "draft"):  # token-only drafters (ngram, suffix)
+        return fill_drafts(proposer.propose(ids, caps), B, k), None
+    # model drafters: tokens [B, K], draft probs and per-position confidences
+    temps = np.array([r.params.temperature for r in reqs], dtype=np.float64)
+    d = proposer.draft(ids, k, temps if random else None,
+                       [r.generator for r in reqs], want_probs=random)
+    allow = np.asarray(caps, dtype=np.int64)
+    if budget is not None:
+        allow = np.minimum(allow, budget(d.conf))
+    return dynamic_k.cut_drafts(d.tokens, allow), d.probs

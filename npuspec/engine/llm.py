@@ -1,0 +1,175 @@
+"""`LLM`: the offline engine's API, built from the scheduler, drafter and model runner.
+
+One `generate()` call runs every request to completion with continuous batching: a request
+holds a KV-cache slot while it runs, and a waiting request takes a freed slot at the next
+step. Each iteration is
+    admit + prefill (its own step: the prompts' K/V, eager)
+    draft (ngram / suffix / draft model; dynamic K picks K from the batch size, the
+           confidence budget cuts low-confidence drafts)
+    verify step (model forward + npuspec::rejection_sample, compiled with
+           torch.compile(backend="npuspec") and replayed from captured graphs; one
+           device->host transfer of (tokens, num_emitted))
+    bookkeeping (stop rules, proposer updates, metrics).
+See docs/engine.md.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from npuspec.engine import args
+from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS, arg_error, pos_int
+from npuspec.engine.drafting import draft, make_proposer
+from npuspec.engine.metrics import EngineMetrics, record_prefill, record_step
+from npuspec.engine.model_runner import ModelRunner
+from npuspec.engine.request import Request, RequestOutput, parse_requests, request_output
+from npuspec.engine.sampling import SamplingParams
+from npuspec.engine.scheduler import Scheduler
+from npuspec.runtime import dynamic_k
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", speculative_config: Union[dict, str, None] = None,
+                 max_model_len: Optional[int] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 enforce_eager: bool = False, compilation_config: Optional[dict] = None,
+                 additional_config: Optional[dict] = None, tensor_parallel_size: int = 1,
+                 seed: int = 0, dtype: Any = "auto", device: Optional[str] = None):
+        from npuspec.models import load_model, load_tokenizer
+        from npuspec.platform import current_platform
+
+        if tensor_parallel_size != 1:
+            raise NotImplementedError(
+                f"LLM: tensor_parallel_size={tensor_parallel_size!r} is not supported yet; "
+                f"npuspec's engine runs on one device: use tensor_parallel_size=1")
+        self.max_num_seqs = pos_int("max_num_seqs", max_num_seqs)
+        if not isinstance(enforce_eager, bool):
+            raise arg_error("enforce_eager", enforce_eager, "must be True or False")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise arg_error("seed", seed, "must be an integer")
+        self.spec = args.parse_spec(speculative_config, additional_config, tensor_parallel_size)
+        self.capture, self.capture_sizes, lowering = args.parse_compilation(compilation_config,
+                                                                            enforce_eager)
+        self.enforce_eager = enforce_eager
+        self.device = torch.device(device or current_platform().device)
+        torch_dtype = args.parse_dtype(dtype)
+
+        self.model_path = model
+        self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
+        self.tokenizer = load_tokenizer(model)
+        cfg = self.model_config
+        limit = min(cfg.max_position_embeddings, args.DEFAULT_MAX_MODEL_LEN)
+        if max_model_len is None:
+            max_model_len = limit
+        self.max_model_len = pos_int("max_model_len", max_model_len, lo=2)
+        if max_model_len > cfg.max_position_embeddings:
+            raise arg_error("max_model_len", max_model_len,
+                            f"exceeds the model's max_position_embeddings "
+                            f"({cfg.max_position_embeddings}); use a value <= that")
+        self.eos_ids = frozenset(cfg.eos_token_ids)
+
+        self.k_max = self.spec.num_speculative_tokens if self.spec else 0
+        cache_len = self.max_model_len + self.k_max + 1  # draft positions run K past the end
+        self.proposer = make_proposer(self.spec, torch_dtype, self.device, cfg.vocab_size,
+                                      self.max_num_seqs, cache_len)
+        dsc = self.spec.dynamic_spec_config if self.spec else None
+        self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
+        self.runner = ModelRunner(
+            self.model, cfg, self.spec, max_num_seqs=self.max_num_seqs, cache_len=cache_len,
+            device=self.device, capture=self.capture, capture_sizes=self.capture_sizes,
+            lowering=lowering, enforce_eager=enforce_eager)
+        self.k_values = self.runner.k_values
+        self._rng = np.random.default_rng(seed)
+        self._calls = itertools.count()
+        self.metrics: Optional[EngineMetrics] = None   # of the last generate() call
+        if self.capture:
+            self.runner.warm_up()
+
+    # the runner's state, where tests and npuspec.bench.tune reach it
+    @property
+    def cache(self):
+        return self.runner.cache
+
+    @property
+    def step_module(self):
+        return self.runner.step_module
+
+    @property
+    def _plans(self) -> dict[int, Optional[list[int]]]:
+        return self.runner.plans
+
+    def _inputs(self, k: int, reqs: list[Request], rows: int, drafts, probs) -> dict:
+        return self.runner.step_inputs(k, reqs, rows, drafts, probs)
+
+    def _run_step(self, inp: dict) -> torch.Tensor:
+        return self.runner.run_step(inp)
+
+    # -- generation ---------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
+                                                      None] = None, use_tqdm: bool = False
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in prompt order. (`use_tqdm` is
+        accepted for vLLM compatibility and ignored.)"""
+        reqs = parse_requests(  # all checks first
+            prompts, sampling_params, next(self._calls), vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+            model_path=self.model_path, eos_ids=self.eos_ids, rng=self._rng, device=self.device)
+        sched = Scheduler(self.max_num_seqs)
+        for r in reqs:
+            sched.add(r)
+        m = EngineMetrics(num_requests=len(reqs), num_prompt_tokens=sum(len(r.prompt_ids) for r in reqs))
+        self.runner.start_call(reqs)
+        t_start = time.perf_counter()
+        try:
+            while sched.has_work():
+                new = sched.admit()
+                if new:
+                    self._prefill(new, m)
+                self._decode_step(sched.running, m)
+                for r in sched.retire():
+                    r.stats.total_s = time.perf_counter() - t_start
+                    if self.proposer is not None:
+                        self.proposer.stop_request(r.req_id)
+        finally:  # an error mid-call must not leave proposer state (draft cache slots) behind
+            if self.proposer is not None:
+                for r in sched.running:
+                    try:
+                        self.proposer.stop_request(r.req_id)
+                    except KeyError:  # failed before its start_request
+                        pass
+        m.total_s = time.perf_counter() - t_start
+        m.num_output_tokens = sum(len(r.output) for r in reqs)
+        self.metrics = m
+        return [request_output(r, self.tokenizer) for r in reqs]
+
+    def _prefill(self, new: list[Request], m: EngineMetrics) -> None:
+        t0 = time.perf_counter()
+        self.runner.prefill(new)
+        if self.proposer is not None:
+            for r in new:
+                self.proposer.start_request(r.req_id, r.prompt_ids)
+        record_prefill(m, new, time.perf_counter() - t0)
+
+    def _decode_step(self, reqs: list[Request], m: EngineMetrics) -> None:
+        t0 = time.perf_counter()
+        B = len(reqs)
+        k = dynamic_k.k_for_step(self.spec, B)
+        caps = [min(k, max(r.max_new - 1, 0)) for r in reqs]  # never draft past the end
+        drafts, probs = draft(self.proposer, self.budget, reqs, k, caps,  # [B, K], [B, K, V]
+                              self.runner.random)
+        t1 = time.perf_counter()
+        rows = self.runner.rows_for(B, k)
+        inputs = self.runner.step_inputs(k, reqs, rows, drafts, probs)
+        t2 = time.perf_counter()
+        res = self.runner.run_step(inputs).cpu().numpy()         # the one device->host copy
+        t3 = time.perf_counter()
+        for b, r in enumerate(reqs):
+            kept = r.append(res[b, :int(res[b, k + 1])].tolist())
+            if not r.finished and self.proposer is not None:
+                self.proposer.extend(r.req_id, kept)
+        t4 = time.perf_counter()
+        record_step(m, reqs, k, res, drafts, rows, draft_s=t1 - t0, step_s=t3 - t2,
+                    book_s=(t2 - t1) + (t4 - t3))

@@ -1,0 +1,112 @@
+"""Per-request and per-call metrics, and the accounting of each prefill and verify step."""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from npuspec.engine.request import Request
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Counts and times for one request (times in seconds; a step's time is charged to every
+    request that ran in it)."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0              # verify steps this request took part in
+    num_drafted: int = 0            # draft tokens verified (after cuts; -1 not counted)
+    num_accepted: int = 0
+    drafted_by_position: list[int] = dataclasses.field(default_factory=list)
+    accepted_by_position: list[int] = dataclasses.field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    step_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    total_s: float = 0.0            # from the start of generate() to this request's last token
+
+    def _grow(self, k: int) -> None:
+        while len(self.accepted_by_position) < k:
+            self.accepted_by_position.append(0)
+            self.drafted_by_position.append(0)
+
+    @property
+    def mean_acceptance_length(self) -> Optional[float]:
+        """Tokens emitted per verify step: 1 + accepted drafts per step."""
+        return (self.num_steps + self.num_accepted) / self.num_steps if self.num_steps else None
+
+    @property
+    def acceptance_rate(self) -> Optional[float]:
+        return self.num_accepted / self.num_drafted if self.num_drafted else None
+
+    @property
+    def acceptance_by_position(self) -> list[Optional[float]]:
+        """P(draft i accepted | a draft was verified at i)."""
+        return [a / d if d else None
+                for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return self.num_output_tokens / self.total_s if self.total_s > 0 else None
+
+
+@dataclasses.dataclass
+class EngineMetrics(RequestMetrics):
+    """Totals over one generate() call; times are wall-clock (not summed over requests).
+    `num_steps` counts request-steps (a step of B requests counts B), so
+    `mean_acceptance_length` is per request; `num_engine_steps` counts batched steps."""
+    num_requests: int = 0
+    num_engine_steps: int = 0
+    steps_by_k: dict = dataclasses.field(default_factory=dict)  # K -> verify steps run with it
+    padded_rows: int = 0            # rows added to reach captured sizes
+
+
+def record_prefill(m: EngineMetrics, new: list[Request], dt: float) -> None:
+    m.prefill_s += dt
+    for r in new:
+        r.stats.prefill_s += dt
+
+
+def record_step(m: EngineMetrics, reqs: list[Request], k: int, res: np.ndarray,
+                drafts: np.ndarray, rows: int, draft_s: float, step_s: float,
+                book_s: float) -> None:
+    """Charge one verify step to its requests and to the call's totals.
+
+    `res` is the step's [rows, K+2] result (num_emitted in the last column), `drafts` the
+    [B, K] drafts it verified (-1 = none), `rows` the rows it ran after padding."""
+    B = len(reqs)
+    drafted = drafts >= 0                                    # [B, K]
+    for b, r in enumerate(reqs):
+        st = r.stats
+        st.num_steps += 1
+        if k:
+            st._grow(k)
+            nd = int(drafted[b].sum())
+            acc = min(int(res[b, k + 1]) - 1, nd)
+            st.num_drafted += nd
+            st.num_accepted += acc
+            for i in range(nd):
+                st.drafted_by_position[i] += 1
+            for i in range(acc):
+                st.accepted_by_position[i] += 1
+        st.draft_s += draft_s
+        st.step_s += step_s
+        st.bookkeeping_s += book_s
+    m.draft_s += draft_s
+    m.step_s += step_s
+    m.bookkeeping_s += book_s
+    m.num_engine_steps += 1
+    m.num_steps += B  # request-steps: mean_acceptance_length is per request
+    m.padded_rows += rows - B
+    m.steps_by_k[k] = m.steps_by_k.get(k, 0) + 1
+    if k:
+        m._grow(k)
+        nd = drafted.sum(0)
+        m.num_drafted += int(nd.sum())
+        acc = np.array([min(int(res[b, k + 1]) - 1, int(drafted[b].sum())) for b in range(B)])
+        m.num_accepted += int(acc.sum())
+        for i in range(k):
+            m.drafted_by_position[i] += int(nd[i])
+            m.accepted_by_position[i] += int((acc > i).sum())

@@ -1,0 +1,176 @@
+"""`ModelRunner`: the target model on its device, its KV cache, and the compiled verify step.
+
+It turns a step's requests and drafts into the step's device inputs, runs the step (eager, or
+torch.compile(backend="npuspec") replayed from captured graphs), and writes prompts' K/V at
+prefill. Everything above it (which requests run, what they draft, what their tokens mean)
+is host-side and lives in the LLM.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from npuspec.config import SpeculativeConfig
+from npuspec.engine.request import Request
+from npuspec.engine.scheduler import pad_rows
+from npuspec.engine.step import VerifyStep, fresh_step_fn, prefill
+
+# padding values of the step inputs' padded rows (slots: filled in per engine, the scratch slot)
+_PAD = {"draft_ids": -1, "top_p": 1.0, "uniforms": 1.0, "exponentials": 1.0}
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, model_config, spec: Optional[SpeculativeConfig], *,
+                 max_num_seqs: int, cache_len: int, device: torch.device, capture: bool,
+                 capture_sizes: Optional[list[int]], lowering: Optional[str],
+                 enforce_eager: bool):
+        self.model = model
+        self.model_config = model_config
+        self.spec = spec
+        self.max_num_seqs = max_num_seqs
+        self.device = device
+        self.capture = capture
+        self.capture_sizes = capture_sizes
+        self.enforce_eager = enforce_eager
+        self.k_values = spec.k_values() if spec else (0,)
+        rs = spec.rejection_sampler_config if spec else None
+        rates = spec.synthetic_rates() if spec else None
+        self._rates = None if rates is None else torch.tensor(rates, dtype=torch.float32,
+                                                              device=device)
+        # one slot per request plus the scratch slot padding rows write into
+        self.cache = model.allocate_cache(max_num_seqs + 1, cache_len)
+        self.step_module = VerifyStep(
+            model, self.cache, block_verify=bool(rs and rs.enable_block_verify),
+            entropy_verify=rs.entropy_verify if rs else None)
+        self.plans = self._plan_sizes()
+        # Compiled steps run at least 2 rows (one padding row at batch 1): Dynamo specialises
+        # a dim of size 1, so a 1-row call would compile and capture a second graph per K and
+        # variant, doubling start-up time. With max_num_seqs=1 the 1-row graph is the only one.
+        self.min_rows = 1 if enforce_eager or max_num_seqs == 1 else 2
+        self._options = self._backend_options(lowering)
+        self._compiled: dict[tuple, Any] = {}  # step variant -> torch.compile'd step
+        self.random = self.top_k = self.top_p = False  # what the current call's batch needs
+
+    def _plan_sizes(self) -> dict[int, Optional[list[int]]]:
+        """Capture sizes (tokens) per K; None when nothing is captured (no padding then)."""
+        if not self.capture:
+            return {k: None for k in self.k_values}
+        from npuspec.graphs import plan_capture_sizes
+        return {k: list(plan_capture_sizes(k, self.max_num_seqs, sizes=self.capture_sizes))
+                for k in self.k_values}
+
+    def _backend_options(self, lowering: Optional[str]) -> dict:
+        opts = {"speculative_config": self.spec, "max_num_seqs": self.max_num_seqs,
+                "capture": self.capture}
+        if self.capture_sizes is not None:
+            opts["capture_sizes"] = list(self.capture_sizes)
+        if lowering is not None:
+            opts["lowering"] = lowering
+        return opts
+
+    def warm_up(self) -> None:
+        """Compile and capture the greedy variant of every K before the first request, so a
+        K swap never compiles or captures: one call per K at the largest captured size (the
+        dynamic-batch graph, whose set captures every planned size)."""
+        for k in self.k_values:
+            sizes = self.plans.get(k)
+            top = sizes[-1] // (k + 1) if sizes else self.min_rows
+            self.run_step(self.step_inputs(k, [], max(top, self.min_rows), None, None))
+
+    def start_call(self, reqs: list[Request]) -> None:
+        """Note which optional step inputs this generate() call's batches carry."""
+        self.random = any(not r.params.greedy for r in reqs)
+        self.top_k = any(r.params.top_k > 0 for r in reqs)
+        self.top_p = any(r.params.top_p < 1 for r in reqs)
+
+    def prefill(self, new: list[Request]) -> None:
+        prefill(self.model, self.cache, [r.prompt_ids for r in new], [r.slot for r in new],
+                self.device)
+
+    def rows_for(self, batch: int, k: int) -> int:
+        """Rows a step of `batch` requests runs: padded up to K's next captured size."""
+        return pad_rows(max(batch, self.min_rows), self.plans.get(k), k)
+
+    def step_inputs(self, k: int, reqs: list[Request], rows: int, drafts, probs) -> dict:
+        """Host-side step inputs for `rows` rows (the first len(reqs) real, the rest padding
+        that writes only into the scratch slot and is never read back)."""
+        B = len(reqs)
+        dev = self.device
+        draft = np.full((rows, k), -1, dtype=np.int64)
+        ids = np.zeros((rows, k + 1), dtype=np.int64)
+        pos = np.broadcast_to(np.arange(k + 1, dtype=np.int64), (rows, k + 1)).copy()
+        slots = np.full(rows, self.max_num_seqs, dtype=np.int64)  # scratch slot
+        if B:
+            draft[:B] = drafts
+            ids[:B, 0] = [r.tokens[-1] for r in reqs]
+            ids[:B, 1:] = np.maximum(drafts, 0)  # a -1 draft still needs a valid embedding row
+            pos[:B] += np.array([len(r.tokens) - 1 for r in reqs], dtype=np.int64)[:, None]
+            slots[:B] = [r.slot for r in reqs]
+        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
+        inp = {"input_ids": t(ids), "positions": t(pos), "slots": t(slots), "draft_ids": t(draft)}
+        if self._rates is not None:
+            inp["synthetic_rates"] = self._rates[:k]
+        random = B > 0 and self.random
+        if not random:
+            return inp
+        V = self.model_config.vocab_size
+        temp = np.zeros(rows, dtype=np.float32)
+        temp[:B] = [r.params.temperature for r in reqs]
+        inp["temperature"] = t(temp)
+        if self.top_k:
+            tk = np.zeros(rows, dtype=np.int64)
+            tk[:B] = [max(r.params.top_k, 0) for r in reqs]
+            inp["top_k"] = t(tk)
+        if self.top_p:
+            tp = np.ones(rows, dtype=np.float32)
+            tp[:B] = [r.params.top_p for r in reqs]
+            inp["top_p"] = t(tp)
+        if probs is not None:
+            q = torch.zeros(rows, k, V, dtype=torch.float32, device=dev)
+            q[:B] = probs
+            inp["draft_probs"] = q
+        # draws: per request from its own generator (uniforms first, then the Exp(1) vector),
+        # so a seeded request's draws do not depend on the batch; greedy and padding rows
+        # ignore theirs
+        u = torch.ones(rows, k, dtype=torch.float32, device=dev)
+        e = torch.ones(rows, V, dtype=torch.float32, device=dev)
+        for b, r in enumerate(reqs):
+            if r.generator is not None:
+                u[b] = torch.rand(k, dtype=torch.float64, generator=r.generator,
+                                  device=dev).float()
+                e[b].exponential_(generator=r.generator)
+        inp["uniforms"], inp["exponentials"] = u, e
+        return inp
+
+    def _step_fn(self, inp: dict):
+        """The compiled step for this input variant (which optional inputs are present).
+
+        Each variant gets its own code object (`fresh_step_fn`), so Dynamo's per-code cache
+        and recompile limit are per engine and per variant: graphs of one LLM never evict or
+        count against another's, and within a variant only K and the batch-size-1 graph vary.
+        """
+        key = tuple(sorted(inp))
+        fn = self._compiled.get(key)
+        if fn is None:
+            fn = torch.compile(fresh_step_fn(self.step_module), backend="npuspec",
+                               options=self._options, dynamic=None)
+            self._compiled[key] = fn
+        return fn
+
+    @torch.inference_mode()
+    def run_step(self, inp: dict) -> torch.Tensor:
+        """-> [rows, K+2] int32 on the device: emitted tokens (-1 padded), then num_emitted."""
+        if self.enforce_eager:
+            return self.step_module(**inp)
+        from npuspec.graphs import mark_token_dim
+        # dim 0 of every per-request input is the token/batch dim: dynamic for Dynamo (one
+        # graph per K serves every batch size) and padded by the graph dispatcher with
+        # inert rows: scratch slot, no drafts, greedy.
+        for name, t in inp.items():
+            if name != "synthetic_rates":
+                pad = self.max_num_seqs if name == "slots" else _PAD.get(name, 0)
+                mark_token_dim(t, 0, pad=pad)
+        return self._step_fn(inp)(**inp)

@@ -1,0 +1,88 @@
+"""The decode/verify step the engine compiles, and the prefill step.
+
+A decode step is one function of static-shape tensors (DESIGN.md §2):
+
+    tokens [B, K+1]   = last emitted token, then K drafts (-1 drafts fed as token 0)
+    positions [B, K+1], slots [B]
+    -> target logits [B, K+1, V] -> npuspec::rejection_sample -> [B, K+2] int32
+
+The result packs the emitted tokens (-1 padded) and, in the last column, num_emitted, so the
+engine does exactly one device->host transfer per step. All random draws (uniforms, Exp(1)
+races) are inputs, made by the engine from per-request generators, so the step is a pure
+function of its inputs: it can be captured in a device graph and replayed, and a seeded
+request's result does not depend on the batch it ran in.
+
+The KV cache lives in the step module's buffers (static addresses, shared with prefill), so
+the graph runners never copy it; only the per-step inputs are copied into static buffers.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+from torch import nn
+
+import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
+from npuspec.models.decoder import KVCache
+
+
+class VerifyStep(nn.Module):
+    """model forward + fused verify. One instance per engine; compiled once per variant."""
+
+    def __init__(self, model: nn.Module, cache: KVCache, *, block_verify: bool = False,
+                 entropy_verify: Optional[tuple[float, float]] = None):
+        super().__init__()
+        self.model = model
+        # buffers share the cache's storage: prefill (eager) and the compiled step see one cache
+        self.register_buffer("k_cache", cache.k, persistent=False)
+        self.register_buffer("v_cache", cache.v, persistent=False)
+        self.block_verify = bool(block_verify)
+        self.thr, self.alpha = (None, None) if entropy_verify is None else (
+            float(entropy_verify[0]), float(entropy_verify[1]))
+
+    def forward(self, input_ids, positions, slots, draft_ids, draft_probs=None, temperature=None,
+                top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None):
+        # input_ids/positions [B, K+1], slots [B], draft_ids [B, K], draft_probs [B, K, V]
+        logits = self.model(input_ids, positions, slots, KVCache(self.k_cache, self.v_cache))
+        out, num = torch.ops.npuspec.rejection_sample(
+            logits, draft_ids, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
+            self.block_verify, self.thr, self.alpha, synthetic_rates)  # [B, K+1], [B]
+        return torch.cat([out, num[:, None]], dim=1)  # [B, K+2] int32
+
+
+def fresh_step_fn(step: VerifyStep):
+    """A plain function calling `step`, with a code object of its own.
+
+    Dynamo caches compiled graphs (and counts recompiles) per code object. Compiling the
+    module's forward would share one cache between every engine in the process; a fresh code
+    object per compiled variant keeps each engine's graphs, and their captured graph sets,
+    separate."""
+    def run(input_ids, positions, slots, draft_ids, draft_probs=None, temperature=None,
+            top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None):
+        return step(input_ids, positions, slots, draft_ids, draft_probs, temperature, top_k,
+                    top_p, uniforms, exponentials, synthetic_rates)
+    return types.FunctionType(run.__code__.replace(), run.__globals__, "npuspec_step",
+                              run.__defaults__, run.__closure__)
+
+
+@torch.inference_mode()
+def prefill(model: nn.Module, cache: KVCache, prompts: list[list[int]], slots: list[int],
+            device) -> None:
+    """Write the KV of each prompt into its slot (right-padded batch, one forward).
+
+    Prefill stops one token short: the last prompt token is the first input of the first
+    decode step, so every output token, including the first, comes out of the verify op.
+    Padding tokens land at positions past the prompt, which no query can see before the
+    decode steps overwrite them.
+    """
+    rows = [(p[:-1], s) for p, s in zip(prompts, slots) if len(p) > 1]
+    if not rows:
+        return
+    T = max(len(p) for p, _ in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.int64)
+    for b, (p, _) in enumerate(rows):
+        ids[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
+    pos = torch.arange(T, dtype=torch.int64).expand(len(rows), T)
+    sl = torch.tensor([s for _, s in rows], dtype=torch.int64)
+    model(ids.to(device), pos.to(device), sl.to(device), cache)
