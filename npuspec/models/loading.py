@@ -1,4 +1,5 @@
-"""Load HF-format checkpoints (config.json + *.safetensors [+ tokenizer.json]) into DecoderLM."""
+"""Load HF-format checkpoints (config.json + *.safetensors [+ tokenizer.json]), or llama.cpp GGUF
+files (npuspec.models.gguf), into DecoderLM."""
 from __future__ import annotations
 
 import glob
@@ -34,7 +35,7 @@ def resolve_model_dir(path: str) -> str:
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"model path {path!r} is not a directory; pass a local HF checkpoint directory "
-            "(config.json + *.safetensors) or 'tiny' for the embedded model.")
+            "(config.json + *.safetensors), a llama.cpp .gguf file, or 'tiny' for the embedded model.")
     return path
 
 
@@ -120,7 +121,19 @@ def save_model(model: DecoderLM, out_dir: str, tokenizer=None, dtype: torch.dtyp
 
 
 def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[ModelConfig, DecoderLM]:
-    """Read config.json and every *.safetensors shard of an HF checkpoint directory."""
+    """Read config.json and every *.safetensors shard of an HF checkpoint directory, or a
+    llama.cpp GGUF file (a `.gguf` path, or a directory holding one GGUF and no safetensors;
+    its tensors are dequantised to float32, see npuspec.models.gguf)."""
+    from npuspec.models.gguf import find_gguf
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from npuspec.models.gguf import read_gguf
+
+        cfg, hf = read_gguf(gguf_file)
+        return _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file, "the GGUF metadata",
+                            dtype, device)
+
     from safetensors.torch import load_file
 
     model_dir = resolve_model_dir(path)
@@ -132,19 +145,26 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
     hf = {}
     for shard in shards:
         hf.update(load_file(shard))
-    sd = hf_to_npuspec(hf, cfg, source=model_dir)
+    return _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json", dtype, device)
+
+
+def _build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], source: str, config_name: str,
+                 dtype: torch.dtype, device) -> tuple[ModelConfig, DecoderLM]:
+    """DecoderLM(cfg) holding `sd` (npuspec names), after checking names and shapes."""
     with torch.device("meta"):
         model = DecoderLM(cfg)
     expected = set(model.state_dict()) - {"inv_freq"}
     missing, extra = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or extra:
-        raise ValueError(f"{model_dir}: checkpoint does not match config.json: missing {missing[:5]}, "
-                         f"unexpected {extra[:5]}; check attention_bias / tie_word_embeddings / "
-                         "num_key_value_heads in config.json.")
+        fix = ("check attention_bias / tie_word_embeddings / num_key_value_heads in config.json."
+               if config_name == "config.json" else
+               f"the file is incomplete or not a plain {cfg.model_type} model.")
+        raise ValueError(f"{source}: checkpoint does not match {config_name}: missing {missing[:5]}, "
+                         f"unexpected {extra[:5]}; {fix}")
     for name, t in sd.items():
         want = model.state_dict()[name].shape
         if t.shape != want:
-            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, {config_name} implies "
                              f"{tuple(want)}; the config does not describe these weights.")
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     model.inv_freq = rope_inv_freq(cfg)  # was built on the meta device
@@ -153,8 +173,27 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
     return cfg, model
 
 
+def read_model_config(path: str = "tiny") -> ModelConfig:
+    """The ModelConfig of whatever `load_model(path)` would load (HF directory or GGUF), without
+    reading the weights."""
+    from npuspec.models.gguf import find_gguf, read_gguf_config
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        return read_gguf_config(gguf_file)
+    return read_config(resolve_model_dir(path))
+
+
 def load_tokenizer(path: str = "tiny"):
-    """tokenizers.Tokenizer from `tokenizer.json`, or None when the directory has none."""
+    """tokenizers.Tokenizer from `tokenizer.json` (or a GGUF file's tokenizer metadata), or None
+    when there is none."""
+    from npuspec.models.gguf import find_gguf
+
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        from npuspec.models.gguf import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(gguf_file)
     model_dir = resolve_model_dir(path)
     tok_path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.isfile(tok_path):
