@@ -88,7 +88,8 @@ class LLM:
         if self.capture:
             self.runner.warm_up()
 
-    # the runner's state, where tests and npuspec.bench.tune reach it
+    # the runner's state under the names it had on LLM before the split (tests and
+    # npuspec.bench.tune reach some of them)
     @property
     def cache(self):
         return self.runner.cache
