@@ -28,11 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuspec.kernels.paged_attention import paged_attention
 from npuspec.models.config import ModelConfig
 
 
 @dataclasses.dataclass
 class KVCache:
+    """The dense slot cache: one row of max_len positions per request (the oracle layout)."""
     k: torch.Tensor  # [L, S, Hkv, M, D]
     v: torch.Tensor  # [L, S, Hkv, M, D]
 
@@ -43,6 +45,29 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
+
+
+@dataclasses.dataclass
+class PagedKVCache:
+    """A pool of fixed-size blocks per layer (DESIGN.md §7). Pool row r = block r // block_size,
+    offset r % block_size. Block 0 is scratch: padding tokens write there, no request owns it."""
+    k: torch.Tensor  # [L, num_blocks * block_size, Hkv, D]
+    v: torch.Tensor
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1] // self.block_size
+
+
+@dataclasses.dataclass
+class AttnMetadata:
+    """What attention needs to know about one step (nano-vllm's context object). Row b's T new
+    tokens are the last T of its sequence: token t sits at position seq_lens[b] - T + t (a row
+    with fewer real tokens is left-padded; its padding tokens point at the scratch block)."""
+    slot_mapping: torch.Tensor  # int64 [B, T]: pool row each new token's K/V is written to
+    block_table: torch.Tensor   # int32 [B, MB]: row b's logical block j -> physical block
+    seq_lens: torch.Tensor      # int32 [B]: KV length after this step's writes (0 = padding row)
 
 
 class RMSNorm(nn.Module):
@@ -125,6 +150,22 @@ class DecoderLM(nn.Module):
         return KVCache(torch.zeros(shape, dtype=dtype, device=device),
                        torch.zeros(shape, dtype=dtype, device=device))
 
+    def allocate_paged_cache(self, num_blocks: int, block_size: int, dtype=None,
+                             device=None) -> PagedKVCache:
+        """num_blocks includes the scratch block 0."""
+        assert num_blocks >= 2 and block_size >= 1, (num_blocks, block_size)
+        cfg = self.config
+        dtype = dtype or self.embed.weight.dtype
+        device = device or self.embed.weight.device
+        shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+        return PagedKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                            torch.zeros(shape, dtype=dtype, device=device), block_size)
+
+    def kv_bytes_per_token(self, dtype=None) -> int:
+        cfg = self.config
+        esize = torch.empty((), dtype=dtype or self.embed.weight.dtype).element_size()
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * esize
+
     # ---- forward -----------------------------------------------------------------------
     def _rope(self, positions, dtype):
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
@@ -136,7 +177,10 @@ class DecoderLM(nn.Module):
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, w).float()  # [B, T, V]
 
-    def forward(self, input_ids, positions, slots, cache: KVCache):
+    def forward(self, input_ids, positions, slots, cache):
+        """slots: int64 [B] with a `KVCache`, an `AttnMetadata` with a `PagedKVCache`."""
+        if isinstance(cache, PagedKVCache):
+            return self._forward_paged(input_ids, positions, slots, cache)
         cfg = self.config
         B, T = input_ids.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -166,6 +210,29 @@ class DecoderLM(nn.Module):
                 qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
                 o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
                 return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+
+            x = layer(x, cos, sin, attend)
+        return self._logits(x)
+
+    def _forward_paged(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
+        cfg = self.config
+        B, T = input_ids.shape
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = self.embed(input_ids)  # [B, T, hidden]
+        cos, sin = self._rope(positions, x.dtype)
+        rows = meta.slot_mapping.reshape(1, B * T)
+
+        for i, layer in enumerate(self.layers):
+            # the write goes through the base pool with a tensor layer index, so Inductor
+            # updates the graph input in place (a write into the view cache.k[i] is copied)
+            li = torch.full((1, 1), i, dtype=torch.long, device=input_ids.device)
+
+            def attend(q, k, v, li=li, i=i):
+                cache.k[li, rows] = k.reshape(1, B * T, Hkv, D)
+                cache.v[li, rows] = v.reshape(1, B * T, Hkv, D)
+                o = paged_attention(q, cache.k, cache.v, i, meta.block_table, meta.seq_lens,
+                                    cache.block_size)  # [B, T, H, D]
+                return o.reshape(B, T, H * D)
 
             x = layer(x, cos, sin, attend)
         return self._logits(x)
