@@ -215,11 +215,18 @@ def read_gguf_config(path: str) -> ModelConfig:
 # ----------------------------------------------------------------------------------------------
 # tensors
 
-def _dequantisable(gguf) -> set:
-    """The GGML tensor types this `gguf` package can turn into float32."""
-    T = gguf.GGMLQuantizationType
-    traits = getattr(gguf.quants, "_type_traits", {})
-    return {T.F32, T.F16} | {t for t in T if t in traits}
+def _can_dequantise(gguf, qtype) -> bool:
+    """Whether this `gguf` package turns `qtype` into floats (tried on one zero block, so no
+    private table of the package is relied on)."""
+    size = gguf.GGML_QUANT_SIZES.get(qtype)
+    if size is None:
+        return False
+    block, nbytes = size
+    try:
+        out = gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), qtype)
+    except (NotImplementedError, ValueError, TypeError, KeyError):
+        return False
+    return out.dtype.kind == "f" and out.size == block
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -250,14 +257,15 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def _tensors(g: _GGUF, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     gguf = _gguf_module()
-    ok = _dequantisable(gguf)
-    bad = [(t.name, t.tensor_type) for t in g.reader.tensors if t.tensor_type not in ok]
+    ok = {qt: _can_dequantise(gguf, qt) for qt in {t.tensor_type for t in g.reader.tensors}}
+    bad = [(t.name, t.tensor_type) for t in g.reader.tensors if not ok[t.tensor_type]]
     if bad:
         types = sorted({tt.name for _, tt in bad})
+        ok = [qt for qt in gguf.GGMLQuantizationType if _can_dequantise(gguf, qt)]
         raise ValueError(
             f"{g.path}: tensor {bad[0][0]} (and {len(bad) - 1} more) has type {', '.join(types)}, which "
             f"the installed gguf {getattr(gguf, '__version__', '')} package cannot dequantise. Supported "
-            f"types: {', '.join(sorted(t.name for t in ok))}. Use a file quantised with one of these "
+            f"types: {', '.join(t.name for t in ok)}. Use a file quantised with one of these "
             f"(e.g. Q8_0, Q4_K_M, F16) or upgrade gguf (pip install -U gguf).")
     unknown = [t.name for t in g.reader.tensors if _hf_name(t.name) is None]
     if unknown:
