@@ -37,8 +37,8 @@ oracle). This file adds only how the work is laid out:
   exactly as on the GPU, are widened to fp32 just before each dot: `DOT_F32`.)
 
 D (head size) can be anything in 1..256: the tile width is the next power of two >= 16 and the
-extra lanes are masked. Status: exercised under TRITON_INTERPRET=1 on CPU and by the
-`@pytest.mark.cuda` test (docs/attention.md says what has and has not run on hardware).
+extra lanes are masked. Status: tested under TRITON_INTERPRET=1 on CPU only; unverified on GPU
+hardware (the `@pytest.mark.cuda` test, graph replay included, has not run yet; docs/attention.md).
 
 The kernel is JIT-wrapped on first use, separately for interpreter and compiled mode (Triton
 decides which when `triton.jit` runs), so a test can turn TRITON_INTERPRET=1 on at any time
@@ -64,7 +64,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, scal
                             sq_b, sq_t, sq_h, sq_d,
                             sk_r, sk_h, sk_d, sv_r, sv_h, sv_d, sbt_b,
                             BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, TILE: tl.constexpr,
-                            DOT_F32: tl.constexpr):
+                            DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NEG_INF: tl.constexpr = float("-inf")
@@ -110,7 +110,11 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, scal
                         mask=kvmask, other=0.0)                   # [TILE, HEAD_D]
             if DOT_F32:
                 k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale   # [BLOCK_M, TILE] fp32
+            if IEEE:  # fp32 operands: true fp32 products, no TF32
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale                                         # [BLOCK_M, TILE] fp32
             visible = (kv[None, :] <= q_pos[:, None]) & row_ok[:, None] & kv_ok[None, :]
             s = tl.where(visible, s, NEG_INF)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -124,7 +128,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, scal
             if DOT_F32:
                 pv = pv.to(tl.float32)
                 v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pv, v)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]      # rows that saw nothing -> 0
         o_off = ((tl.cast(b, tl.int64) * T + t.to(tl.int64)) * (G * Hkv) + head.to(tl.int64)) * D
@@ -194,5 +201,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, k, v, bt, lens, out, float(scale), n_items, Hkv, NM, T, G, D, block_size,
         *q.stride(), *k.stride(), *v.stride(), bt.stride(0),
         BLOCK_M=BM, HEAD_D=head_d, TILE=TILE,
-        DOT_F32=interpret and k_cache.dtype == torch.bfloat16)
+        DOT_F32=interpret and k_cache.dtype == torch.bfloat16,
+        IEEE=k_cache.dtype == torch.float32,
+        num_warps=8 if BM * head_d >= 8192 else 4)
     return out
