@@ -154,7 +154,7 @@ def _tile(block_size: int, head_d: int, interpret: bool) -> int:
     if interpret:
         return 128  # the interpreter pays per tile, not per register
     cap = 64 if head_d <= 128 else 32
-    # a tile inside one block when the block allows it (contiguous rows), else the cap
+    # the largest power of two dividing block_size (a tile stays inside one block), in 16..cap
     return max(16, min(cap, block_size & -block_size))
 
 
