@@ -100,3 +100,33 @@ def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfi
             f"speculative_config.method={cfg.method!r} is not implemented yet in npuspec's "
             f"engine; use one of {', '.join(ENGINE_METHODS)} (or drop speculative_config)")
     return cfg
+
+
+DEFAULT_BLOCK_SIZE = {"npu": 128}  # FIA's paged layout wants 128; elsewhere 16 (vLLM's)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prefill tokens per iteration (+ the decode step's)
+
+
+def parse_kv_pool(block_size: Optional[int], num_kv_blocks: Optional[int], max_num_seqs: int,
+                  max_model_len: int, k_max: int, device_type: str) -> tuple[int, int]:
+    """-> (block_size, num_blocks incl. the scratch block). The default pool holds every seat
+    at max_model_len (plus the K draft positions of a verify step)."""
+    from npuspec.engine.block_manager import blocks_for
+    bs = DEFAULT_BLOCK_SIZE.get(device_type, 16) if block_size is None else pos_int(
+        "block_size", block_size)
+    per_req = blocks_for(max_model_len + k_max, bs)
+    if num_kv_blocks is None:
+        return bs, 1 + max_num_seqs * per_req
+    pos_int("num_kv_blocks", num_kv_blocks, lo=2)
+    if num_kv_blocks - 1 < per_req:
+        raise arg_error("num_kv_blocks", num_kv_blocks,
+                        f"the pool holds {num_kv_blocks - 1} blocks of {bs} tokens (block 0 is "
+                        f"scratch), but one request at max_model_len={max_model_len} (+{k_max} "
+                        f"draft positions) needs {per_req}; raise num_kv_blocks to at least "
+                        f"{per_req + 1} or lower max_model_len")
+    return bs, num_kv_blocks
+
+
+def parse_batched_tokens(n: Optional[int], max_num_seqs: int, k_max: int) -> int:
+    if n is None:
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs * (k_max + 1))
+    return pos_int("max_num_batched_tokens", n)

@@ -1,9 +1,9 @@
 """`LLM`: the offline engine's API, built from the scheduler, drafter and model runner.
 
 One `generate()` call runs every request to completion with continuous batching: a request
-holds a KV-cache slot while it runs, and a waiting request takes a freed slot at the next
-step. Each iteration is
-    admit + prefill (its own step: the prompts' K/V, eager)
+holds KV blocks while it runs, and a waiting request is admitted when seats and blocks free
+up. Each iteration is
+    admit + prefill (chunks of the prompts' K/V within the token budget, compiled)
     draft (ngram / suffix / draft model; dynamic K picks K from the batch size, the
            confidence budget cuts low-confidence drafts)
     verify step (model forward + npuspec::rejection_sample, compiled with
@@ -37,7 +37,9 @@ class LLM:
                  max_model_len: Optional[int] = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  enforce_eager: bool = False, compilation_config: Optional[dict] = None,
                  additional_config: Optional[dict] = None, tensor_parallel_size: int = 1,
-                 seed: int = 0, dtype: Any = "auto", device: Optional[str] = None):
+                 seed: int = 0, dtype: Any = "auto", device: Optional[str] = None,
+                 block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
+                 max_num_batched_tokens: Optional[int] = None):
         from npuspec.models import load_model, load_tokenizer
         from npuspec.platform import current_platform
 
@@ -73,14 +75,21 @@ class LLM:
 
         self.k_max = self.spec.num_speculative_tokens if self.spec else 0
         cache_len = self.max_model_len + self.k_max + 1  # draft positions run K past the end
+        self.block_size, num_blocks = args.parse_kv_pool(
+            block_size, num_kv_blocks, self.max_num_seqs, self.max_model_len, self.k_max,
+            self.device.type)
+        self.max_num_batched_tokens = args.parse_batched_tokens(
+            max_num_batched_tokens, self.max_num_seqs, self.k_max)
         self.proposer = make_proposer(self.spec, torch_dtype, self.device, cfg.vocab_size,
                                       self.max_num_seqs, cache_len)
         dsc = self.spec.dynamic_spec_config if self.spec else None
         self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
         self.runner = ModelRunner(
-            self.model, cfg, self.spec, max_num_seqs=self.max_num_seqs, cache_len=cache_len,
-            device=self.device, capture=self.capture, capture_sizes=self.capture_sizes,
-            lowering=lowering, enforce_eager=enforce_eager)
+            self.model, cfg, self.spec, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
+            max_num_batched_tokens=self.max_num_batched_tokens, device=self.device,
+            capture=self.capture, capture_sizes=self.capture_sizes, lowering=lowering,
+            enforce_eager=enforce_eager)
         self.k_values = self.runner.k_values
         self._rng = np.random.default_rng(seed)
         self._calls = itertools.count()
@@ -118,7 +127,9 @@ class LLM:
             prompts, sampling_params, next(self._calls), vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, tokenizer=self.tokenizer,
             model_path=self.model_path, eos_ids=self.eos_ids, rng=self._rng, device=self.device)
-        sched = Scheduler(self.max_num_seqs)
+        sched = Scheduler(self.max_num_seqs, self.runner.blocks, lookahead=self.k_max,
+                          chunk=self.runner.chunk,
+                          max_num_batched_tokens=self.max_num_batched_tokens)
         for r in reqs:
             sched.add(r)
         m = EngineMetrics(num_requests=len(reqs), num_prompt_tokens=sum(len(r.prompt_ids) for r in reqs))
@@ -126,33 +137,44 @@ class LLM:
         t_start = time.perf_counter()
         try:
             while sched.has_work():
-                new = sched.admit()
-                if new:
-                    self._prefill(new, m)
-                self._decode_step(sched.running, m)
+                sched.admit()
+                k = dynamic_k.k_for_step(self.spec, len(sched.running))
+                self._prefill(sched, len(sched.running) * (k + 1), m)
+                if sched.running:
+                    sched.reserve(self.k_max)
+                    self._decode_step(sched.running, m)
                 for r in sched.retire():
                     r.stats.total_s = time.perf_counter() - t_start
                     if self.proposer is not None:
                         self.proposer.stop_request(r.req_id)
-        finally:  # an error mid-call must not leave proposer state (draft cache slots) behind
-            if self.proposer is not None:
-                for r in sched.running:
-                    try:
-                        self.proposer.stop_request(r.req_id)
-                    except KeyError:  # failed before its start_request
-                        pass
+        finally:  # an error mid-call must not leave proposer state or blocks behind
+            for r in sched.running + sched.prefilling + list(sched.waiting):
+                self.runner.blocks.release(r.blocks)
+                if self.proposer is not None and r.started:
+                    self.proposer.stop_request(r.req_id)
         m.total_s = time.perf_counter() - t_start
         m.num_output_tokens = sum(len(r.output) for r in reqs)
+        m.num_preemptions = sched.num_preemptions
         self.metrics = m
         return [request_output(r, self.tokenizer) for r in reqs]
 
-    def _prefill(self, new: list[Request], m: EngineMetrics) -> None:
+    def _prefill(self, sched: Scheduler, decode_tokens: int, m: EngineMetrics) -> None:
+        rows = sched.prefill_rows(decode_tokens, self.runner.prefill_sizes
+                                  if self.capture else None)
+        if not rows and not sched.prefilling:
+            return
         t0 = time.perf_counter()
-        self.runner.prefill(new)
+        if rows:
+            self.runner.prefill(rows)
+            m.num_prefill_steps += 1
+        done = sched.prefilled(rows)
         if self.proposer is not None:
-            for r in new:
-                self.proposer.start_request(r.req_id, r.prompt_ids)
-        record_prefill(m, new, time.perf_counter() - t0)
+            for r in done:
+                if not r.started:
+                    self.proposer.start_request(r.req_id, r.prompt_ids)
+                    r.started = True
+        record_prefill(m, list({id(r.req): r.req for r in rows}.values()),
+                       time.perf_counter() - t0)
 
     def _decode_step(self, reqs: list[Request], m: EngineMetrics) -> None:
         t0 = time.perf_counter()

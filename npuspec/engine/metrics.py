@@ -60,6 +60,8 @@ class EngineMetrics(RequestMetrics):
     num_requests: int = 0
     num_engine_steps: int = 0
     steps_by_k: dict = dataclasses.field(default_factory=dict)  # K -> verify steps run with it
+    num_prefill_steps: int = 0      # chunked-prefill forwards
+    num_preemptions: int = 0        # requests preempted (recomputed) for lack of KV blocks
     padded_rows: int = 0            # rows added to reach captured sizes
 
 

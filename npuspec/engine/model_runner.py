@@ -1,9 +1,11 @@
-"""`ModelRunner`: the target model on its device, its KV cache, and the compiled verify step.
+"""`ModelRunner`: the target model on its device, its paged KV pool, and the compiled steps.
 
-It turns a step's requests and drafts into the step's device inputs, runs the step (eager, or
-torch.compile(backend="npuspec") replayed from captured graphs), and writes prompts' K/V at
-prefill. Everything above it (which requests run, what they draft, what their tokens mean)
-is host-side and lives in the LLM.
+It turns a step's requests and drafts into the step's device inputs, runs the verify step and
+the chunked prefill step (eager, or torch.compile(backend="npuspec") replayed from captured
+graphs). Per-step metadata (slot_mapping, block_table, seq_lens, positions) is built on the
+host and copied into the graph dispatcher's static buffers before each replay, so attention
+reads each row's live length, never `max_model_len`. Everything above it (which requests run,
+what they draft, what their tokens mean) lives in the scheduler and the LLM.
 """
 from __future__ import annotations
 
@@ -14,17 +16,21 @@ import torch
 from torch import nn
 
 from npuspec.config import SpeculativeConfig
+from npuspec.engine.block_manager import BlockManager, blocks_for
 from npuspec.engine.request import Request
-from npuspec.engine.scheduler import pad_rows
-from npuspec.engine.step import VerifyStep, fresh_step_fn, prefill
+from npuspec.engine.scheduler import PrefillRow, pad_rows
+from npuspec.engine.step import PrefillStep, VerifyStep, fresh_prefill_fn, fresh_step_fn
 
-# padding values of the step inputs' padded rows (slots: filled in per engine, the scratch slot)
+# padding values of the step inputs' padded rows: no drafts, greedy, the scratch block
+# (slot 0), length 0 (attention reads nothing)
 _PAD = {"draft_ids": -1, "top_p": 1.0, "uniforms": 1.0, "exponentials": 1.0}
+PREFILL_CHUNK = 32  # tokens per prefill row: a prompt wastes < one row on padding
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, model_config, spec: Optional[SpeculativeConfig], *,
-                 max_num_seqs: int, cache_len: int, device: torch.device, capture: bool,
+                 max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
+                 max_num_batched_tokens: int, device: torch.device, capture: bool,
                  capture_sizes: Optional[list[int]], lowering: Optional[str],
                  enforce_eager: bool):
         self.model = model
@@ -36,15 +42,26 @@ class ModelRunner:
         self.capture_sizes = capture_sizes
         self.enforce_eager = enforce_eager
         self.k_values = spec.k_values() if spec else (0,)
+        k_max = spec.num_speculative_tokens if spec else 0
         rs = spec.rejection_sampler_config if spec else None
         rates = spec.synthetic_rates() if spec else None
         self._rates = None if rates is None else torch.tensor(rates, dtype=torch.float32,
                                                               device=device)
-        # one slot per request plus the scratch slot padding rows write into
-        self.cache = model.allocate_cache(max_num_seqs + 1, cache_len)
+        self.block_size = block_size
+        # a block table covers max_model_len plus the K draft positions a verify step writes
+        self.max_blocks = blocks_for(max_model_len + k_max, block_size)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.cache = model.allocate_paged_cache(num_blocks, block_size)
         self.step_module = VerifyStep(
             model, self.cache, block_verify=bool(rs and rs.enable_block_verify),
             entropy_verify=rs.entropy_verify if rs else None)
+        self.prefill_module = PrefillStep(self.step_module)
+        self.chunk = PREFILL_CHUNK
+        self.max_prefill_rows = max(1, max_num_batched_tokens // self.chunk)
+        # prefill row counts captured: powers of two up to the budget (the scheduler cuts a
+        # prefill batch down to one of these, so no row is padding but a lone remainder's)
+        self.prefill_sizes = sorted({min(1 << i, self.max_prefill_rows)
+                                     for i in range(self.max_prefill_rows.bit_length() + 1)})
         self.plans = self._plan_sizes()
         # Compiled steps run at least 2 rows (one padding row at batch 1): Dynamo specialises
         # a dim of size 1, so a 1-row call would compile and capture a second graph per K and
@@ -52,6 +69,7 @@ class ModelRunner:
         self.min_rows = 1 if enforce_eager or max_num_seqs == 1 else 2
         self._options = self._backend_options(lowering)
         self._compiled: dict[tuple, Any] = {}  # step variant -> torch.compile'd step
+        self._prefill_fn = None
         self.random = self.top_k = self.top_p = False  # what the current call's batch needs
 
     def _plan_sizes(self) -> dict[int, Optional[list[int]]]:
@@ -74,11 +92,13 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Compile and capture the greedy variant of every K before the first request, so a
         K swap never compiles or captures: one call per K at the largest captured size (the
-        dynamic-batch graph, whose set captures every planned size)."""
+        dynamic-batch graph, whose set captures every planned size); and compile the prefill
+        step."""
         for k in self.k_values:
             sizes = self.plans.get(k)
             top = sizes[-1] // (k + 1) if sizes else self.min_rows
             self.run_step(self.step_inputs(k, [], max(top, self.min_rows), None, None))
+        self.prefill([])
 
     def start_call(self, reqs: list[Request]) -> None:
         """Note which optional step inputs this generate() call's batches carry."""
@@ -86,31 +106,83 @@ class ModelRunner:
         self.top_k = any(r.params.top_k > 0 for r in reqs)
         self.top_p = any(r.params.top_p < 1 for r in reqs)
 
-    def prefill(self, new: list[Request]) -> None:
-        prefill(self.model, self.cache, [r.prompt_ids for r in new], [r.slot for r in new],
-                self.device)
+    # -- metadata ------------------------------------------------------------------------------
+    def _table(self, reqs: list[Request], rows: int) -> np.ndarray:
+        bt = np.zeros((rows, self.max_blocks), dtype=np.int32)  # 0: the scratch block
+        for b, r in enumerate(reqs):
+            bt[b, :len(r.blocks)] = r.blocks
+        return bt
 
+    def _slots(self, blocks: list[int], pos: np.ndarray) -> np.ndarray:
+        bs = self.block_size
+        return np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs
+
+    def _tensor(self, a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(self.device)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def prefill(self, rows: list[PrefillRow]) -> None:
+        """Write the K/V of these context chunks (one row each, right-aligned in the row)."""
+        C = self.chunk
+        n = max(len(rows), self.min_rows)
+        ids = np.zeros((n, C), dtype=np.int64)
+        pos = np.zeros((n, C), dtype=np.int64)
+        slots = np.zeros((n, C), dtype=np.int64)  # padding tokens write the scratch block
+        lens = np.zeros(n, dtype=np.int32)
+        for i, r in enumerate(rows):
+            m = r.end - r.start
+            p = np.arange(r.start, r.end, dtype=np.int64)
+            ids[i, C - m:] = r.req.tokens[r.start:r.end]
+            pos[i, C - m:] = p
+            slots[i, C - m:] = self._slots(r.req.blocks, p)
+            lens[i] = r.end
+        inp = {"input_ids": ids, "positions": pos, "slot_mapping": slots,
+               "block_table": self._table([r.req for r in rows], n), "seq_lens": lens}
+        inp = {k: self._tensor(v) for k, v in inp.items()}
+        with torch.inference_mode():
+            if self.enforce_eager:
+                self.prefill_module(**inp)
+                return
+            from npuspec.graphs import mark_token_dim
+            for t in inp.values():
+                mark_token_dim(t, 0, pad=0)
+            self._prefill_compiled()(**inp)
+
+    def _prefill_compiled(self):
+        if self._prefill_fn is None:
+            opts = dict(self._options, speculative_config=None,
+                        max_num_seqs=self.max_prefill_rows, capture_sizes=self.prefill_sizes)
+            self._prefill_fn = torch.compile(fresh_prefill_fn(self.prefill_module),
+                                             backend="npuspec", options=opts, dynamic=None)
+        return self._prefill_fn
+
+    # -- verify --------------------------------------------------------------------------------
     def rows_for(self, batch: int, k: int) -> int:
         """Rows a step of `batch` requests runs: padded up to K's next captured size."""
         return pad_rows(max(batch, self.min_rows), self.plans.get(k), k)
 
     def step_inputs(self, k: int, reqs: list[Request], rows: int, drafts, probs) -> dict:
         """Host-side step inputs for `rows` rows (the first len(reqs) real, the rest padding
-        that writes only into the scratch slot and is never read back)."""
+        that writes only into the scratch block and attends to nothing)."""
         B = len(reqs)
         dev = self.device
         draft = np.full((rows, k), -1, dtype=np.int64)
         ids = np.zeros((rows, k + 1), dtype=np.int64)
-        pos = np.broadcast_to(np.arange(k + 1, dtype=np.int64), (rows, k + 1)).copy()
-        slots = np.full(rows, self.max_num_seqs, dtype=np.int64)  # scratch slot
+        pos = np.zeros((rows, k + 1), dtype=np.int64)
+        slots = np.zeros((rows, k + 1), dtype=np.int64)
+        lens = np.zeros(rows, dtype=np.int32)
+        for b, r in enumerate(reqs):
+            n = len(r.tokens)
+            pos[b] = np.arange(n - 1, n + k)
+            slots[b] = self._slots(r.blocks, pos[b])
+            lens[b] = n + k
+            ids[b, 0] = r.tokens[-1]
         if B:
             draft[:B] = drafts
-            ids[:B, 0] = [r.tokens[-1] for r in reqs]
             ids[:B, 1:] = np.maximum(drafts, 0)  # a -1 draft still needs a valid embedding row
-            pos[:B] += np.array([len(r.tokens) - 1 for r in reqs], dtype=np.int64)[:, None]
-            slots[:B] = [r.slot for r in reqs]
-        t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731
-        inp = {"input_ids": t(ids), "positions": t(pos), "slots": t(slots), "draft_ids": t(draft)}
+        t = self._tensor
+        inp = {"input_ids": t(ids), "positions": t(pos), "slots": t(slots), "draft_ids": t(draft),
+               "block_table": t(self._table(reqs, rows)), "seq_lens": t(lens)}
         if self._rates is not None:
             inp["synthetic_rates"] = self._rates[:k]
         random = B > 0 and self.random
@@ -168,9 +240,8 @@ class ModelRunner:
         from npuspec.graphs import mark_token_dim
         # dim 0 of every per-request input is the token/batch dim: dynamic for Dynamo (one
         # graph per K serves every batch size) and padded by the graph dispatcher with
-        # inert rows: scratch slot, no drafts, greedy.
+        # inert rows: scratch block, length 0, no drafts, greedy.
         for name, t in inp.items():
             if name != "synthetic_rates":
-                pad = self.max_num_seqs if name == "slots" else _PAD.get(name, 0)
-                mark_token_dim(t, 0, pad=pad)
+                mark_token_dim(t, 0, pad=_PAD.get(name, 0))
         return self._step_fn(inp)(**inp)

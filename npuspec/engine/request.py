@@ -26,7 +26,10 @@ class Request:
     stop_ids: frozenset             # eos (unless ignore_eos) | stop_token_ids
     max_len: int                    # max_model_len: prompt + output never exceed it
     generator: Optional[torch.Generator] = None
-    slot: int = -1
+    slot: int = -1                  # unused by the paged engine; kept for callers of the old API
+    blocks: list[int] = dataclasses.field(default_factory=list)   # KV block table (owned blocks)
+    num_cached: int = 0             # leading tokens whose K/V is in the cache
+    started: bool = False           # the proposer knows this request (survives preemption)
     tokens: list[int] = dataclasses.field(default_factory=list)   # prompt + output
     output: list[int] = dataclasses.field(default_factory=list)
     finish_reason: Optional[str] = None
@@ -38,6 +41,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_to_prefill(self) -> int:
+        """Tokens to write before decoding: all but the last, which feeds the next step."""
+        return len(self.tokens) - 1 - self.num_cached
 
     @property
     def max_new(self) -> int:

@@ -12,6 +12,9 @@ races) are inputs, made by the engine from per-request generators, so the step i
 function of its inputs: it can be captured in a device graph and replayed, and a seeded
 request's result does not depend on the batch it ran in.
 
+With the paged cache, `slots` is the slot mapping [B, K+1] and the step also takes
+block_table [B, MB] and seq_lens [B]; attention then reads only each row's live length.
+
 The KV cache lives in the step module's buffers (static addresses, shared with prefill), so
 the graph runners never copy it; only the per-step inputs are copied into static buffers.
 """
@@ -24,31 +27,65 @@ import torch
 from torch import nn
 
 import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
-from npuspec.models.decoder import KVCache
+from npuspec.models.decoder import AttnMetadata, KVCache, PagedKVCache
 
 
 class VerifyStep(nn.Module):
-    """model forward + fused verify. One instance per engine; compiled once per variant."""
+    """model forward + fused verify. One instance per engine; compiled once per variant.
 
-    def __init__(self, model: nn.Module, cache: KVCache, *, block_verify: bool = False,
+    With a `PagedKVCache` the step takes the paged metadata (slot_mapping [B, K+1],
+    block_table [B, MB], seq_lens [B]) in place of `slots`; with the dense `KVCache` (the old
+    layout, kept as the oracle) it takes `slots` [B]."""
+
+    def __init__(self, model: nn.Module, cache, *, block_verify: bool = False,
                  entropy_verify: Optional[tuple[float, float]] = None):
         super().__init__()
         self.model = model
-        # buffers share the cache's storage: prefill (eager) and the compiled step see one cache
+        self.paged = isinstance(cache, PagedKVCache)
+        self.block_size = cache.block_size if self.paged else 0
+        # buffers share the cache's storage: prefill and the compiled step see one cache
         self.register_buffer("k_cache", cache.k, persistent=False)
         self.register_buffer("v_cache", cache.v, persistent=False)
         self.block_verify = bool(block_verify)
         self.thr, self.alpha = (None, None) if entropy_verify is None else (
             float(entropy_verify[0]), float(entropy_verify[1]))
 
+    def logits(self, input_ids, positions, slots, block_table=None, seq_lens=None):
+        if self.paged:
+            cache = PagedKVCache(self.k_cache, self.v_cache, self.block_size)
+            return self.model(input_ids, positions, AttnMetadata(slots, block_table, seq_lens),
+                              cache)
+        return self.model(input_ids, positions, slots, KVCache(self.k_cache, self.v_cache))
+
     def forward(self, input_ids, positions, slots, draft_ids, draft_probs=None, temperature=None,
-                top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None):
-        # input_ids/positions [B, K+1], slots [B], draft_ids [B, K], draft_probs [B, K, V]
-        logits = self.model(input_ids, positions, slots, KVCache(self.k_cache, self.v_cache))
+                top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None,
+                block_table=None, seq_lens=None):
+        # input_ids/positions [B, K+1], slots [B] (dense) or slot_mapping [B, K+1] (paged),
+        # draft_ids [B, K], draft_probs [B, K, V]
+        logits = self.logits(input_ids, positions, slots, block_table, seq_lens)
         out, num = torch.ops.npuspec.rejection_sample(
             logits, draft_ids, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
             self.block_verify, self.thr, self.alpha, synthetic_rates)  # [B, K+1], [B]
         return torch.cat([out, num[:, None]], dim=1)  # [B, K+2] int32
+
+
+class PrefillStep(nn.Module):
+    """Writes prompt K/V through the paged cache: rows of `chunk` tokens, any mix of requests
+    and chunks (a row's tokens right-aligned; rows of one request may share a step, since
+    every row's K/V is written before any row attends). Returns the rows' last hidden
+    state, [R, hidden], so the graph has an output; no logits are computed."""
+
+    def __init__(self, verify: VerifyStep):
+        super().__init__()
+        assert verify.paged, "chunked prefill needs the paged cache"
+        self.verify = verify
+
+    def forward(self, input_ids, positions, slot_mapping, block_table, seq_lens):
+        v = self.verify
+        cache = PagedKVCache(v.k_cache, v.v_cache, v.block_size)
+        h = v.model.hidden(input_ids, positions, AttnMetadata(slot_mapping, block_table, seq_lens),
+                           cache)
+        return h[:, -1]
 
 
 def fresh_step_fn(step: VerifyStep):
@@ -59,10 +96,19 @@ def fresh_step_fn(step: VerifyStep):
     object per compiled variant keeps each engine's graphs, and their captured graph sets,
     separate."""
     def run(input_ids, positions, slots, draft_ids, draft_probs=None, temperature=None,
-            top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None):
+            top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None,
+            block_table=None, seq_lens=None):
         return step(input_ids, positions, slots, draft_ids, draft_probs, temperature, top_k,
-                    top_p, uniforms, exponentials, synthetic_rates)
+                    top_p, uniforms, exponentials, synthetic_rates, block_table, seq_lens)
     return types.FunctionType(run.__code__.replace(), run.__globals__, "npuspec_step",
+                              run.__defaults__, run.__closure__)
+
+
+def fresh_prefill_fn(step: PrefillStep):
+    """`fresh_step_fn` for the prefill step."""
+    def run(input_ids, positions, slot_mapping, block_table, seq_lens):
+        return step(input_ids, positions, slot_mapping, block_table, seq_lens)
+    return types.FunctionType(run.__code__.replace(), run.__globals__, "npuspec_prefill",
                               run.__defaults__, run.__closure__)
 
 

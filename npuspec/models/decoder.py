@@ -215,6 +215,10 @@ class DecoderLM(nn.Module):
         return self._logits(x)
 
     def _forward_paged(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
+        return self._logits(self.hidden(input_ids, positions, meta, cache))
+
+    def hidden(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
+        """The paged forward up to the final residual (before the norm): [B, T, hidden]."""
         cfg = self.config
         B, T = input_ids.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -235,7 +239,7 @@ class DecoderLM(nn.Module):
                 return o.reshape(B, T, H * D)
 
             x = layer(x, cos, sin, attend)
-        return self._logits(x)
+        return x
 
     def forward_causal(self, input_ids):
         """Cache-free causal forward over [B, T] tokens at positions 0..T-1 (for training)."""

@@ -43,7 +43,8 @@ def test_ngram_dynamic_k_swaps_graph_sets_without_recapture(ckpt, plain):
     assert [o.outputs[0].token_ids for o in out] == plain
     m = llm.metrics
     assert set(m.steps_by_k) == {0, 4} and m.num_accepted > 0
-    assert d["graph_replays"] == m.num_engine_steps  # every decode step replayed a graph
+    # every decode and prefill step replayed a graph
+    assert d["graph_replays"] == m.num_engine_steps + m.num_prefill_steps
 
     # seeded sampling through the compiled step gives the tokens the uncompiled engine
     # computes (same draws, same ops); K depends on the batch size here, so a seeded request
@@ -65,7 +66,7 @@ def test_compiled_suffix_with_capture_sizes(ckpt, plain):
     out, d = run_checked(llm, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == plain
     m = llm.metrics
-    assert d["graph_replays"] == m.num_engine_steps and m.num_accepted > 0
+    assert d["graph_replays"] == m.num_engine_steps + m.num_prefill_steps and m.num_accepted > 0
     assert m.padded_rows > 0  # 2 running requests run in the 3-request graph
 
 
@@ -78,7 +79,7 @@ def test_compiled_draft_model_with_confidence_budget(ckpt, draft_ckpt, plain):
     out, d = run_checked(llm, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == plain
     m = llm.metrics
-    assert d["graph_replays"] == m.num_engine_steps
+    assert d["graph_replays"] == m.num_engine_steps + m.num_prefill_steps
     assert 0 < m.num_drafted < 3 * m.num_steps  # the budget cut some drafts
 
 
