@@ -32,6 +32,10 @@ def resolve_model_dir(path: str) -> str:
     if path in ("tiny", None):
         return TINY_MODEL_DIR
     path = os.path.expanduser(str(path))
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        raise ValueError(
+            f"model path {path!r} is a GGUF file, and this entry point reads HF checkpoint directories "
+            "only; load GGUF files with npuspec.LLM(model=path) or npuspec.models.load_model(path).")
     if not os.path.isdir(path):
         raise FileNotFoundError(
             f"model path {path!r} is not a directory; pass a local HF checkpoint directory "

@@ -11,7 +11,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from npuspec.models import load_model, load_tokenizer  # noqa: E402
+from npuspec.models import load_model, load_tokenizer, read_model_config, resolve_model_dir  # noqa: E402
 from npuspec.models.gguf import find_gguf, read_gguf, smollm2_path  # noqa: E402
 
 T = gguf.GGMLQuantizationType
@@ -221,6 +221,9 @@ def test_find_gguf_and_directories(tmp_path, tiny_gguf):
     with pytest.raises(FileNotFoundError, match="missing.gguf"):
         load_model(str(tmp_path / "missing.gguf"))
     assert find_gguf("tiny") is None and find_gguf(str(tmp_path)) is None
+    assert read_model_config(str(tiny_gguf)) == load_model(str(tiny_gguf))[0]
+    with pytest.raises(ValueError, match="is a GGUF file.*LLM\\(model=path\\)"):
+        resolve_model_dir(str(tiny_gguf))  # directory-only entry points (the CLI) say so
     not_gguf = tmp_path / "junk.gguf"
     not_gguf.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="junk.gguf is not a readable GGUF file"):
