@@ -315,13 +315,13 @@ def _byte_level_bpe(g: _GGUF, meta: dict[str, Any]):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
 
-    alphabet = ByteLevel.alphabet()
+    alpha = set(ByteLevel.alphabet())
     spell = _byte_spelling()
     tokens, types = list(meta["tokens"]), list(meta["token_type"] or [])
     # A token written outside the byte alphabet (some converters store raw text) is respelled.
     vocab = {}
     for i, tok in enumerate(tokens):
-        if not set(tok) <= set(alphabet):
+        if not set(tok) <= alpha:
             tok = "".join(spell[b] for b in tok.encode("utf-8"))
         vocab.setdefault(tok, i)
     if meta["merges"] is None:
@@ -338,7 +338,6 @@ def _byte_level_bpe(g: _GGUF, meta: dict[str, Any]):
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    alpha = set(alphabet)
     special = [AddedToken(t, normalized=False, special=True)
                for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alpha]
     if special:
