@@ -11,8 +11,12 @@ shapes), so placeholder shapes are sympy expressions over size symbols. We split
 For one key (values of key symbols and the ratio vector a), every shape becomes a polynomial in
 u. A token dim must be `coef*u`; an output whose shape is not linear in u, or that has no token
 dim but is computed from token inputs (a reduction over the batch), makes the step
-non-row-separable, so it is captured at exact sizes only. Dynamo's shape guards and value ranges
-are evaluated at each candidate padded size, and sizes that would break them are dropped.
+non-row-separable, so it is captured at exact sizes only. Dynamo's shape guards, the graph's
+runtime asserts (unbacked token dims) and value ranges are evaluated at each candidate padded
+size, and sizes that would break them are dropped.
+
+Token dims marked with `mark_token_dim` are unbacked symbols (u0, u1, ...; one per group), so a
+batch of 1 is served by the same Dynamo graph as every other size (docs/graphs.md, "Size 1").
 """
 from __future__ import annotations
 
@@ -29,28 +33,42 @@ from npuspec.graphs.dispatch import CONST, COPY, INT, STATIC, TOKEN, Slot
 U = sympy.Symbol("u", integer=True, positive=True)
 TOKEN_DIM_ATTR = "_npuspec_token_dim"
 PAD_ATTR = "_npuspec_pad"
-UNBACKED = False  # unbacked token dims avoid the size-1 graph but break SDPA/validation tracing
+GROUP_ATTR = "_npuspec_token_group"
+ROWS = "rows"  # the default group: per-request inputs [B, ...]
+SHAPE_ID_PREFIX = "npuspec:"
 # (arg index, name, pad) of the verify op's inputs whose padding rows need a specific value.
 VERIFY_PADS = ((1, "draft_token_ids", -1), (5, "top_p", 1.0), (6, "uniforms", 0.5),
                (7, "exponentials", 1.0))
 
 
-def mark_token_dim(tensor: torch.Tensor, dim: int = 0, pad: Any = None) -> torch.Tensor:
-    """Mark `tensor`'s dim `dim` as the token (batch) dimension of a step and make it dynamic.
+def mark_token_dim(tensor: torch.Tensor, dim: int = 0, pad: Any = None,
+                   group: Optional[str] = ROWS) -> torch.Tensor:
+    """Mark `tensor`'s dim `dim` as the token (batch) dimension of a step. Returns the tensor.
 
-    One Dynamo graph then serves every batch size (no size-1 specialisation: the dim is made
-    unbacked when it has size <= 1, dynamic otherwise), and the npuspec backend pads this dim to
-    the capture sizes. `pad` is the value of padding rows (default 0; -1 for draft ids of the
-    verify op is picked automatically). Returns the tensor.
+    The npuspec backend pads this dim to the capture sizes; `pad` is the value of padding rows
+    (default 0; -1 for draft ids of the verify op etc. is picked automatically).
+
+    The dim is made *unbacked* for Dynamo (`torch._dynamo.decorators.mark_unbacked`), so
+    Dynamo does not specialise size 1 (or 0): one Dynamo graph serves every batch size,
+    including a batch of 1, whichever size comes first. Token dims of one `group` share one
+    size symbol (Dynamo's `shape_id`; Dynamo guards that they are equal); the default group
+    "rows" is for per-request inputs [B, ...]. Give inputs whose token dim has another size a
+    group of their own, e.g. flat tokens [B*(K+1)]: `mark_token_dim(tokens, group="tokens")`.
+    Use the same group names on every call (the shape id is part of Dynamo's guards).
+
+    The step's code must not branch on an unbacked size (`if B == 1:` cannot be traced and
+    makes Dynamo break the graph). `group=None` gives the old marking instead
+    (`maybe_mark_dynamic`: sizes are backed, and a batch of 1 gets its own Dynamo graph).
     """
     d = dim % tensor.dim()
     setattr(tensor, TOKEN_DIM_ATTR, d)
+    setattr(tensor, GROUP_ATTR, group)
     if pad is not None:
         setattr(tensor, PAD_ATTR, pad)
-    if UNBACKED:
-        torch._dynamo.decorators.mark_unbacked(tensor, d)
-    else:
+    if group is None:
         torch._dynamo.maybe_mark_dynamic(tensor, d)  # no error when Dynamo specialises size 1
+    else:
+        torch._dynamo.decorators.mark_unbacked(tensor, d, shape_id=SHAPE_ID_PREFIX + str(group))
     return tensor
 
 
@@ -271,6 +289,10 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
     guards, ranges = [], {}
     if shape_env is not None:
         guards = [g.expr for g in getattr(shape_env, "guards", [])]
+        # unbacked token dims: what the compiled code asserts at run time must hold at the
+        # padded sizes too (e.g. tokens == (K+1) * rows from a view)
+        for ras in getattr(shape_env, "deferred_runtime_asserts", {}).values():
+            guards.extend(ra.expr for ra in ras)
         for s in pad_syms + key_syms:
             vr = shape_env.var_to_range.get(s)
             if vr is not None:
@@ -378,6 +400,8 @@ def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
     def ok_units(units: int) -> bool:
         for g in guards:
             v = g.subs(U, units)
+            if getattr(v, "free_symbols", None):
+                continue  # over symbols the graph makes itself (a runtime assert on .item())
             if v is sympy.false or (v.is_Boolean and not bool(v)):
                 return False
         for e, lo, hi in ranges:

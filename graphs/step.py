@@ -3,9 +3,10 @@
     compiled = lowering.lower(gm, example_inputs, opts)
     return wrap_compiled(gm, example_inputs, compiled, opts, platform)
 
-Dynamo calls the returned StepDispatcher with real-size inputs. Token dims are dynamic
-(`mark_token_dim`), so one Dynamo graph and one compiled callable serve every batch size; the
-dispatcher pads each step to the next captured size and replays. A K that Dynamo keeps static
+Dynamo calls the returned StepDispatcher with real-size inputs. Token dims are unbacked
+(`mark_token_dim`), so one Dynamo graph and one compiled callable serve every batch size, 1
+included; the dispatcher pads each step to the next captured size (one request for B=1) and
+replays. A K that Dynamo keeps static
 (drafts [B, K]) gets its own Dynamo graph, hence its own dispatcher; a K that Dynamo made
 dynamic is a key symbol here, and each value gets its own GraphSet. Either way a swap back to a
 seen K finds its set already captured.
