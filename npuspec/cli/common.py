@@ -56,20 +56,47 @@ def spec_config(value, field: str = SPEC_FLAG):
 
 
 def model_dir(path: str | None, field: str = "--model") -> str:
-    """A checkpoint directory with a readable config.json ('tiny' = the embedded model)."""
-    from npuspec.models.config import read_config
-    from npuspec.models.loading import TINY_MODEL_DIR, resolve_model_dir
+    """The model to load: an HF checkpoint directory with a readable config.json ('tiny' = the
+    embedded model), a llama.cpp `.gguf` file, or a directory holding one GGUF (returned as the
+    file's path). The config is read here, so a bad path fails before any weights are loaded."""
+    from npuspec.models.gguf import find_gguf
+    from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
 
     try:
-        d = resolve_model_dir(path or "tiny")
+        gguf_file = find_gguf(path or "tiny")
+        d = gguf_file or resolve_model_path(path or "tiny")
         if d == TINY_MODEL_DIR and not os.path.isfile(os.path.join(d, "config.json")):
             raise FileNotFoundError(
                 f"the embedded model is missing from {d}; reinstall npuspec, or train it with "
                 f"`python -m npuspec.models.train_tiny --out {d}`")
-        read_config(d)
+        read_model_config(d)
     except (ValueError, OSError) as e:
         raise with_field(e, field) from None
+    except ImportError as e:  # a .gguf without the gguf package: the message names the install
+        raise UsageError(str(e), field) from None
     return d
+
+
+def resolve_model_path(path: str) -> str:
+    """An HF checkpoint directory (or 'tiny'); anything else is an error naming what is accepted."""
+    from npuspec.models.loading import TINY_MODEL_DIR
+
+    if path in ("tiny", None):
+        return TINY_MODEL_DIR
+    p = os.path.expanduser(str(path))
+    if not os.path.isdir(p):
+        raise FileNotFoundError(
+            f"model path {p!r} is not a directory or a .gguf file; pass a local HF checkpoint "
+            f"directory (config.json + *.safetensors), a llama.cpp .gguf file (or a directory "
+            f"holding one), or 'tiny' for the embedded model")
+    return p
+
+
+def is_gguf_model(path: str) -> bool:
+    """Whether model_dir() resolved `path` to a GGUF file."""
+    from npuspec.models.gguf import is_gguf_path
+
+    return is_gguf_path(path) and os.path.isfile(path)
 
 
 def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
@@ -77,11 +104,10 @@ def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
     vocabulary (a draft token id must mean the same token to the target)."""
     if spec is None or not spec.model:
         return None
-    from npuspec.models.config import read_config
-    from npuspec.models.loading import load_tokenizer
+    from npuspec.models.loading import load_tokenizer, read_model_config
 
     draft_dir = model_dir(spec.model, f"{field} model")
-    tv, dv = read_config(target_dir).vocab_size, read_config(draft_dir).vocab_size
+    tv, dv = read_model_config(target_dir).vocab_size, read_model_config(draft_dir).vocab_size
     if tv != dv:
         raise UsageError(f"the draft model {spec.model!r} has vocab_size={dv} but the target has "
                          f"vocab_size={tv}; speculative decoding needs a draft with the target's "
@@ -90,7 +116,7 @@ def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
     tt, dt = load_tokenizer(target_dir), load_tokenizer(draft_dir)
     if tt is not None and dt is not None and tt.get_vocab() != dt.get_vocab():
         raise UsageError(f"the draft model {spec.model!r} has the target's vocab_size ({tv}) but a "
-                         f"different tokenizer.json vocabulary; use a draft trained with the "
+                         f"different tokenizer vocabulary; use a draft trained with the "
                          f"target's tokenizer", f"{field} model")
     return draft_dir
 
@@ -100,8 +126,7 @@ def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16
     max_tokens, rounded up to 64 and capped at the model's max_position_embeddings. A decode
     step attends over the whole static cache row, so a tight length is a faster step.
     None (the engine's default) when text prompts meet a checkpoint without a tokenizer."""
-    from npuspec.models.config import read_config
-    from npuspec.models.loading import load_tokenizer
+    from npuspec.models.loading import load_tokenizer, read_model_config
 
     texts = [p for p in prompts if isinstance(p, str)]
     lengths = [len(p) for p in prompts if not isinstance(p, str)]
@@ -111,7 +136,7 @@ def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16
             return None
         lengths += [len(e.ids) for e in tok.encode_batch(texts)]
     need = -(-(max(lengths) + max_tokens + margin) // 64) * 64
-    return min(need, read_config(model_dir).max_position_embeddings)
+    return min(need, read_model_config(model_dir).max_position_embeddings)
 
 
 def add_threads_flag(p) -> None:

@@ -8,6 +8,7 @@ the acceptance by position of the speculative run. Exit status 1 if the outputs 
     npuspec demo
     npuspec demo --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
     npuspec demo --model ~/models/Qwen3-0.6B --prompts prompts.txt --max-tokens 64
+    npuspec demo --model SmolLM2-135M-Instruct.Q4_1.gguf --prompts code-edit
 """
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from npuspec.cli.common import DEFAULT_SPEC, positive
 
-    p.add_argument("--model", default="tiny", help="HF checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", default="tiny",
+                   help="HF checkpoint directory, or a llama.cpp .gguf file (or a directory holding one) "
+                        "(default: the embedded tiny model)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help=f"vllm serve --speculative-config schema, inline JSON or a .json file "
                         f"(default: {json.dumps(DEFAULT_SPEC)})")
     p.add_argument("--max-tokens", type=positive, default=96, help="new tokens per prompt (default 96)")
-    p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl); "
+    p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl), or "
+                                                   "'code-edit' (6 built-in code-editing chat requests); "
                                                    "default: 4 built-in code prompts")
     p.add_argument("--max-num-seqs", type=positive, default=1,
                    help="concurrent requests (default 1: one prompt at a time, the latency view)")
@@ -61,7 +65,7 @@ def run(args) -> int:
     cfg = common.spec_config(spec)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
-    prompts = load_prompts(args.prompts)
+    prompts = load_prompts(args.prompts, model=mdir)
     threads = common.set_threads(args.threads, mdir)
     max_len = common.fit_max_model_len(mdir, prompts, args.max_tokens)
     label = f"{cfg.method} K={cfg.num_speculative_tokens}"

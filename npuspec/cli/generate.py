@@ -1,4 +1,4 @@
-"""Generate text with npuspec's offline engine (`npuspec.LLM`) from an HF checkpoint.
+"""Generate text with npuspec's offline engine (`npuspec.LLM`) from an HF checkpoint or a GGUF file.
 
 The continuations go to stdout (prompt included unless --only-new); a one-line summary
 (tokens/s, mean acceptance length) goes to stderr.
@@ -18,9 +18,12 @@ import time
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from npuspec.cli.common import positive
 
-    p.add_argument("--model", default="tiny", help="HF checkpoint directory (default: the embedded tiny model)")
+    p.add_argument("--model", default="tiny",
+                   help="HF checkpoint directory, or a llama.cpp .gguf file (or a directory holding one) "
+                        "(default: the embedded tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
-    p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl)")
+    p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl), "
+                                                   "or 'code-edit' (the built-in code-editing requests)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vllm serve --speculative-config schema, inline JSON or a .json file (default: none)")
     p.add_argument("--max-tokens", type=positive, default=64, help="new tokens per prompt")
@@ -46,7 +49,7 @@ def run(args) -> int:
     cfg = common.spec_config(args.speculative_config)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
-    prompts = list(args.prompt) + (load_prompts(args.prompts) if args.prompts else [])
+    prompts = list(args.prompt) + (load_prompts(args.prompts, model=mdir) if args.prompts else [])
     if not prompts:
         raise UsageError("give at least one prompt, e.g. --prompt 'def fib(n):'", "--prompt")
     if any(not p for p in prompts):
