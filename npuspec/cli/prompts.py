@@ -1,9 +1,17 @@
-"""The code prompts `npuspec demo`, `bench e2e` and `tune` use by default.
+"""The code prompts `npuspec demo`, `bench e2e` and `tune` use by default, and the built-in
+`--prompts code-edit` set.
 
 Speculative decoding pays off when the continuation repeats what is already in the context
-(editing code, filling in a pattern), which is what prompt lookup (ngram) drafts from. These
-prompts are short Python fragments in the style of the standard library the embedded model was
-trained on, each with a pattern to continue.
+(editing code, filling in a pattern), which is what prompt lookup (ngram) drafts from. The
+default prompts are short Python fragments in the style of the standard library the embedded
+model was trained on, each with a pattern to continue.
+
+`code-edit` (npuspec/bench/traces/code_edit.jsonl) is 6 code-editing requests as a user would
+send them to a chat model: a Python function or class (15-30 lines) and an instruction to edit
+it and return the whole code, so most of the answer copies the prompt. With a model whose
+tokenizer has a chat template (HF `tokenizer_config.json`, or a GGUF's `tokenizer.chat_template`)
+each is one user turn rendered by transformers' `apply_chat_template(add_generation_prompt=True)`;
+without one (the embedded model) it is plain text ending in an opening code fence.
 """
 from __future__ import annotations
 
@@ -11,6 +19,11 @@ import json
 import os
 
 from npuspec.cli.errors import UsageError
+
+CODE_EDIT = "code-edit"
+BUILTIN_SETS = (CODE_EDIT,)
+CODE_EDIT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "bench", "traces", "code_edit.jsonl")
 
 DEMO_PROMPTS = [
     # a class whose methods follow one pattern
@@ -53,12 +66,75 @@ DEMO_PROMPTS = [
 ]
 
 
-def load_prompts(path: str | None, field: str = "--prompts") -> list[str]:
-    """Prompts from a file: JSON list of strings, JSONL of {"prompt": ...}, or one per line (.txt)."""
+def code_edit_requests() -> list[dict]:
+    """The code-edit set: [{"name", "instruction", "code"}]."""
+    with open(CODE_EDIT_FILE, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def code_edit_message(req: dict) -> str:
+    """One request as the user turn's text: the instruction, then the code in a fence."""
+    return f"{req['instruction']}\n\n```python\n{req['code']}```"
+
+
+def code_edit_conversations() -> list[list[dict]]:
+    """The code-edit set as chat conversations (one user message each), for apply_chat_template."""
+    return [[{"role": "user", "content": code_edit_message(r)}] for r in code_edit_requests()]
+
+
+def code_edit_plain() -> list[str]:
+    """The code-edit set for a model without a chat template: the request, then the start of
+    the answer (an opening code fence), so a base model continues with the edited code."""
+    return [f"{code_edit_message(r)}\n\nHere is the edited code:\n\n```python\n"
+            for r in code_edit_requests()]
+
+
+def chat_tokenizer(model: str):
+    """transformers' tokenizer of `model` (an HF directory or a .gguf file) when it has a chat
+    template, else None (also when transformers is not installed, or cannot read the tokenizer)."""
+    try:
+        import transformers
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    from npuspec.models.gguf import is_gguf_path
+
+    transformers.logging.set_verbosity_error()
+    try:
+        if is_gguf_path(model):
+            tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(model)),
+                                                gguf_file=os.path.basename(model))
+        else:
+            tok = AutoTokenizer.from_pretrained(model)
+    except Exception:  # no tokenizer_config.json, an unknown tokenizer class, ...: no template
+        return None
+    return tok if getattr(tok, "chat_template", None) else None
+
+
+def apply_template(tok, conversations: list[list[dict]]) -> list[str]:
+    """Each conversation rendered by the tokenizer's chat template, ready for the assistant's turn."""
+    return [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+
+
+def code_edit_prompts(model: str | None = None, tok=None) -> list[str]:
+    """The code-edit set for `model`: chat-templated text when its tokenizer has a template
+    (`tok`, or looked up with chat_tokenizer), else code_edit_plain()."""
+    tok = tok if tok is not None else (chat_tokenizer(model) if model else None)
+    if tok is None:
+        return code_edit_plain()
+    return apply_template(tok, code_edit_conversations())
+
+
+def load_prompts(path: str | None, field: str = "--prompts", model: str | None = None) -> list[str]:
+    """Prompts from a file: JSON list of strings, JSONL of {"prompt": ...}, or one per line
+    (.txt); or a built-in set by name ('code-edit', formatted for `model`, see module doc)."""
     if path is None:
         return list(DEMO_PROMPTS)
+    if path == CODE_EDIT:
+        return code_edit_prompts(model)
     if not os.path.isfile(path):
-        raise UsageError(f"{path!r} is not a file; pass a .txt (one prompt per line), .json "
+        raise UsageError(f"{path!r} is not a file or a built-in set ({', '.join(BUILTIN_SETS)}); "
+                         f"pass a .txt (one prompt per line), .json "
                          f"(a list of strings) or .jsonl ({{\"prompt\": ...}} per line) file", field)
     with open(path, encoding="utf-8") as f:
         text = f.read()
