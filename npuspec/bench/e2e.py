@@ -1,6 +1,8 @@
 """`npuspec bench e2e`: npuspec against HF transformers on one checkpoint and one prompt set.
 
-In one process, greedy, on the same token ids (the checkpoint's tokenizer.json):
+In one process, greedy, on the same token ids (the checkpoint's tokenizer; `--prompts code-edit`:
+the built-in code-editing requests in the model's chat template). The model is an HF directory
+or a llama.cpp .gguf file (HF loads it with `from_pretrained(dir, gguf_file=name)`):
   HF transformers   generate(do_sample=False)
                     generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=N)
                     generate(assistant_model=DRAFT)                 (with --draft-model)
@@ -14,7 +16,15 @@ pass: reported as "warm-up s"), then the rows are timed round-robin --repeats ti
 figure is the median wall time for all prompts. Output identity is checked per prompt, up to
 and including the first EOS, against HF greedy and against the same system's greedy row.
 
+Beside tokens/s it prints a weights-read bound: the bytes of the weights a decode step reads
+(every matrix and norm as npuspec holds them, float32; the embedding table only when it is
+also the tied LM head) divided by the memory read bandwidth that `npuspec bench verify`
+measures (median time of a `sum` over a 1 GiB float32 tensor, at the run's thread count). At
+batch 1 a step without speculation emits one token per weights read, so that is its ceiling in
+tokens/s; speculative rows can pass it (several tokens per read).
+
     npuspec bench e2e --max-tokens 128 --json e2e.json --plot e2e.png
+    npuspec bench e2e --model SmolLM2-135M-Instruct.Q4_1.gguf --prompts code-edit
 """
 from __future__ import annotations
 
@@ -44,10 +54,17 @@ def _cut(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
     return out
 
 
-def encode(model_dir: str, prompts: Sequence[str]) -> list[list[int]]:
+def encode(model_dir: str, prompts: Sequence[str], hf_tokenizer=None) -> list[list[int]]:
+    """Token ids of text prompts: with `hf_tokenizer` (chat-templated text, which carries its own
+    special tokens) transformers' encoding without added special tokens, else npuspec's tokenizer."""
     from npuspec.cli.errors import UsageError
     from npuspec.models.loading import load_tokenizer
 
+    if hf_tokenizer is not None:
+        ids = [list(hf_tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        if any(not x for x in ids):
+            raise UsageError("a prompt encodes to no tokens; remove empty prompts", "--prompts")
+        return ids
     tok = load_tokenizer(model_dir)
     if tok is None:
         raise UsageError(f"{model_dir} has no tokenizer.json, so the text prompts cannot be encoded; "
@@ -110,6 +127,30 @@ def require_transformers():
     return transformers
 
 
+def require_hf_gguf(path: str, field: str = "--model") -> None:
+    """transformers reads GGUF files with the `gguf` package and loads them through accelerate."""
+    import importlib.util
+
+    from npuspec.cli.errors import UsageError
+
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"{path} is a GGUF file, and HF transformers' GGUF loader (the baseline of "
+                         f"npuspec bench e2e) needs {' and '.join(missing)}, which "
+                         f"{'is' if len(missing) == 1 else 'are'} not installed; install with "
+                         f"`pip install {' '.join(missing)}`", field)
+
+
+def hf_from_pretrained(cls, path: str, **kw):
+    """cls.from_pretrained on an HF directory, or on a .gguf file as (its dir, gguf_file=name)."""
+    from npuspec.models.gguf import is_gguf_path
+
+    if is_gguf_path(path):
+        return cls.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                   gguf_file=os.path.basename(path), **kw)
+    return cls.from_pretrained(path, **kw)
+
+
 def load_hf(model_dir: str):
     import torch
     import transformers
@@ -118,7 +159,7 @@ def load_hf(model_dir: str):
     transformers.logging.set_verbosity_error()  # no deprecation chatter inside the table
     transformers.logging.disable_progress_bar()
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = hf_from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
     return model.eval()
 
 
@@ -220,6 +261,45 @@ def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num
 
 
 # ----------------------------------------------------------------------------------------------
+# The weights-read bound.
+
+def weight_read_bytes(cfg, dtype_bytes: int = 4) -> int:
+    """Bytes of weights one decode step reads: every layer's matrices, biases and norms, the
+    final norm and the LM head. The embedding table is read one row per token, so it counts
+    only as the tied LM head (tie_word_embeddings), never twice. float32 (npuspec dequantises
+    GGUF files and runs float32) unless dtype_bytes says otherwise."""
+    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    if cfg.attention_bias:
+        per_layer += q + 2 * kv
+    if cfg.o_bias:
+        per_layer += h
+    if cfg.mlp_bias:
+        per_layer += 2 * inter + h
+    if cfg.qk_norm:
+        per_layer += 2 * hd
+    n = cfg.num_layers * per_layer + h + cfg.vocab_size * h
+    return n * dtype_bytes
+
+
+def weights_read_bound(weight_bytes: int, bandwidth: float) -> dict:
+    """Tokens/s at batch 1 when each token costs one read of the weights at `bandwidth` B/s."""
+    if weight_bytes <= 0 or bandwidth <= 0:
+        raise ValueError(f"weights_read_bound needs positive bytes and bandwidth, got "
+                         f"{weight_bytes} B and {bandwidth} B/s")
+    return {"weight_bytes": int(weight_bytes), "bandwidth_bytes_per_s": float(bandwidth),
+            "step_s": weight_bytes / bandwidth, "tokens_per_s": bandwidth / weight_bytes}
+
+
+def measure_bandwidth(repeats: int = 9, mib: int = 1024) -> float:
+    """Memory read bandwidth (B/s) on the CPU: `npuspec bench verify`'s 1 GiB float32 sum."""
+    from npuspec.bench.verify import memory_read_bandwidth
+
+    return memory_read_bandwidth("cpu", mib, repeats, None)
+
+
+# ----------------------------------------------------------------------------------------------
 # The benchmark.
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="npuspec bench e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="target checkpoint directory (default: embedded tiny model)")
+    p.add_argument("--model", default="tiny",
+                   help="target: HF checkpoint directory or .gguf file (default: embedded tiny model)")
     p.add_argument("--draft-model", default=None, metavar="PATH",
                    help="draft checkpoint (same vocabulary): adds HF assisted generation and npuspec draft_model")
     p.add_argument("--num-speculative-tokens", "-k", type=positive, default=4, dest="k",
@@ -237,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="override npuspec's ngram row config (vllm serve schema)")
     p.add_argument("--max-tokens", type=positive, default=128, help="new tokens per prompt")
-    p.add_argument("--prompts", default=None, help="prompt file (.txt/.json/.jsonl); default: the demo prompts")
+    p.add_argument("--prompts", default=None,
+                   help="prompt file (.txt/.json/.jsonl), or 'code-edit': 6 built-in code-editing chat "
+                        "requests (~240-310 tokens with SmolLM2's template); default: the demo prompts")
     p.add_argument("--repeats", type=positive, default=3, help="timed passes per row (median)")
     p.add_argument("--max-num-seqs", type=positive, default=1,
                    help="npuspec concurrency (HF rows always run one prompt at a time)")
@@ -260,14 +343,16 @@ def run(args) -> int:
     from npuspec import __version__
     from npuspec.bench.table import print_table
     from npuspec.cli import common
-    from npuspec.cli.prompts import load_prompts
-    from npuspec.models.config import read_config
+    from npuspec.cli.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
+    from npuspec.models.loading import read_model_config
 
     transformers = require_transformers()
     if args.plot:
         from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")
     mdir = common.model_dir(args.model)
+    if common.is_gguf_model(mdir):
+        require_hf_gguf(mdir)
     common.set_threads(args.threads, mdir)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
              "prompt_lookup_max": args.ngram}
@@ -276,10 +361,21 @@ def run(args) -> int:
     draft_spec = None
     if args.draft_model:
         draft_spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
-        common.check_draft(mdir, common.spec_config(draft_spec, "--draft-model"), "--draft-model")
-    prompts = load_prompts(args.prompts)
-    ids = encode(mdir, prompts)
-    eos = list(read_config(mdir).eos_token_ids)
+        draft_dir = common.check_draft(mdir, common.spec_config(draft_spec, "--draft-model"), "--draft-model")
+        if common.is_gguf_model(draft_dir):
+            require_hf_gguf(draft_dir, "--draft-model")
+    if args.prompts == CODE_EDIT:  # chat-templated with transformers' tokenizer when there is a template
+        chat_tok = chat_tokenizer(mdir)
+        prompts = code_edit_prompts(mdir, chat_tok)
+        ids = encode(mdir, prompts, chat_tok)
+        prompt_format = "chat template" if chat_tok is not None else "plain text (no chat template)"
+    else:
+        prompts = load_prompts(args.prompts)
+        ids = encode(mdir, prompts)
+        prompt_format = "text"
+    cfg = read_model_config(mdir)
+    eos = list(cfg.eos_token_ids)
+    bound = weights_read_bound(weight_read_bytes(cfg), measure_bandwidth())
 
     hf = functools.lru_cache(None)(lambda: load_hf(mdir))
     runners = [Runner("hf", "greedy", 0, hf_runner(hf, ids, args.max_tokens, eos)),
@@ -322,15 +418,28 @@ def run(args) -> int:
                      "identical_to_own_greedy": _identical(res["token_ids"], own_greedy[r.system]) == len(ref),
                      "mean_acceptance_length": m.get("mean_acceptance_length"),
                      "acceptance_by_position": m.get("acceptance_by_position")})
+    for row in rows:
+        row["vs_bound"] = row["tokens_per_s"] / bound["tokens_per_s"]
     ratios = _ratios(base_tps, ngram["method"])
+    if ("npuspec", "greedy") in base_tps:
+        bound["npuspec_greedy_vs_bound"] = base_tps[("npuspec", "greedy")] / bound["tokens_per_s"]
+    lengths = [len(x) for x in ids]
     print_table([{"system": r["system"], "method": r["method"], "K": r["K"], "tokens": r["tokens"],
                   "median s": r["seconds"], "warm-up s": r["warmup_seconds"], "tok/s": r["tokens_per_s"],
+                  "x bound": r["vs_bound"],
                   "x HF greedy": r["vs_hf_greedy"], "same as HF greedy": f"{r['identical_prompts']}/{len(ref)}",
                   "same as own greedy": "yes" if r["identical_to_own_greedy"] else "NO",
                   "mean acc len": "-" if r["mean_acceptance_length"] is None else r["mean_acceptance_length"]}
                  for r in rows],
                 title=f"bench e2e: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, "
                       f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"prompts: {len(ids)} ({prompt_format}), {min(lengths)}-{max(lengths)} tokens "
+          f"(mean {sum(lengths) / len(lengths):.0f})")
+    print(f"weights-read bound (batch 1, 1 token per read of the weights): "
+          f"{bound['weight_bytes'] / 1e6:.1f} MB of float32 weights / "
+          f"{bound['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 GiB sum) = {bound['tokens_per_s']:.1f} tok/s"
+          + (f"; npuspec greedy reaches {bound['npuspec_greedy_vs_bound']:.2f}x of it"
+             if "npuspec_greedy_vs_bound" in bound else ""))
     for name, v in ratios.items():
         print(f"{name}: {v:.2f}x")
     if args.json:
@@ -338,7 +447,8 @@ def run(args) -> int:
                "model": mdir, "draft_model": args.draft_model, "num_speculative_tokens": args.k,
                "ngram": args.ngram, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                "repeats": args.repeats, "max_num_seqs": args.max_num_seqs,
-               "npuspec_speculative_config": ngram,
+               "npuspec_speculative_config": ngram, "prompts": args.prompts or "demo",
+               "prompt_format": prompt_format, "prompt_tokens": lengths, "weights_read_bound": bound,
                "environment": {"npuspec": __version__, "torch": torch.__version__,
                                "transformers": transformers.__version__, "python": _platform.python_version(),
                                "threads": torch.get_num_threads(), "machine": _platform.machine()},
