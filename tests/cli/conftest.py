@@ -68,3 +68,24 @@ def rand_ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_ckpt")
     return (_save_random(root / "target", tok),
             _save_random(root / "draft", tok, hidden=32, layers=1, heads=2, kv_heads=1, seed=1))
+
+
+def _gguf_writer():
+    """tests/models/test_gguf.py's write_llama_gguf (a tiny random Llama GGUF with a byte-level
+    BPE vocabulary), loaded by path: the test directories are not packages."""
+    import importlib.util
+
+    pytest.importorskip("gguf")
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "test_gguf.py")
+    spec = importlib.util.spec_from_file_location("_npuspec_tests_gguf_writer", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.write_llama_gguf
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random Llama as a .gguf file (context 128, 321-token vocabulary)."""
+    path = tmp_path_factory.mktemp("cli_gguf") / "tiny-llama.Q8_0.gguf"
+    _gguf_writer()(path)
+    return str(path)
