@@ -169,6 +169,19 @@ class AclGraphRunner(DeviceGraphRunner):
             npu = torch.npu
         return npu
 
+    # npu_fused_infer_attention_score takes its lengths as host lists, frozen into the graph at
+    # capture: its captured tasks are recorded while capturing and re-issued with the current
+    # lengths before every replay (kernels/paged_attention_npu.py, docs/attention_npu.md)
+    def capture(self, fn, static_args):
+        from npuspec.kernels.paged_attention_npu import GRAPH_UPDATES
+        with GRAPH_UPDATES.capturing(self):
+            return super().capture(fn, static_args)
+
+    def replay(self):
+        from npuspec.kernels.paged_attention_npu import GRAPH_UPDATES
+        GRAPH_UPDATES.before_replay(self)
+        return super().replay()
+
 
 RUNNERS = {"cpu": CpuRunner, "cuda": CudaGraphRunner, "acl": AclGraphRunner}
 _POOLS: dict[str, Any] = {}

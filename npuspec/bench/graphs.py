@@ -46,8 +46,8 @@ def inputs(B: int, K: int):
             torch.arange(B),
             torch.randint(-1, 1000, (B, K), generator=g),
             torch.rand(B, generator=g))
-    for a in args:
-        mark_token_dim(a)
+    for i, a in enumerate(args):  # flat [B*(K+1)] tokens are their own size group
+        mark_token_dim(a, group="tokens" if i < 2 else "rows")
     return args
 
 

@@ -63,10 +63,9 @@ class ModelRunner:
         self.prefill_sizes = sorted({min(1 << i, self.max_prefill_rows)
                                      for i in range(self.max_prefill_rows.bit_length() + 1)})
         self.plans = self._plan_sizes()
-        # Compiled steps run at least 2 rows (one padding row at batch 1): Dynamo specialises
-        # a dim of size 1, so a 1-row call would compile and capture a second graph per K and
-        # variant, doubling start-up time. With max_num_seqs=1 the 1-row graph is the only one.
-        self.min_rows = 1 if enforce_eager or max_num_seqs == 1 else 2
+        # a lone request runs one row: the graphs layer marks the row dim unbacked, so one
+        # Dynamo graph (and its 1-row captured size) serves batch 1 too
+        self.min_rows = 1
         self._options = self._backend_options(lowering)
         self._compiled: dict[tuple, Any] = {}  # step variant -> torch.compile'd step
         self._prefill_fn = None
@@ -222,7 +221,7 @@ class ModelRunner:
 
         Each variant gets its own code object (`fresh_step_fn`), so Dynamo's per-code cache
         and recompile limit are per engine and per variant: graphs of one LLM never evict or
-        count against another's, and within a variant only K and the batch-size-1 graph vary.
+        count against another's, and within a variant only K varies.
         """
         key = tuple(sorted(inp))
         fn = self._compiled.get(key)

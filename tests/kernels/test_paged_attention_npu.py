@@ -413,18 +413,9 @@ def test_capture_without_registration_is_refused(fake):
 
 
 def test_acl_runner_hook(fake, monkeypatch):
-    """The exact hook the ACL runner needs (docs/attention_npu.md), on the real AclGraphRunner
-    class with the fake torch.npu: warm-up runs eagerly, capture records, replay updates."""
+    """The ACL runner's hook (graphs/runners.py), on the real AclGraphRunner class with the
+    fake torch.npu: warm-up runs eagerly, capture records, replay updates."""
     from npuspec.graphs import runners
-
-    class HookedAclRunner(runners.AclGraphRunner):
-        def capture(self, fn, static_args):
-            with pan.GRAPH_UPDATES.capturing(self):
-                return super().capture(fn, static_args)
-
-        def replay(self):
-            pan.GRAPH_UPDATES.before_replay(self)
-            return super().replay()
 
     monkeypatch.setattr(runners, "_POOLS", {})
     B, T, MB = 2, 4, 2
@@ -434,7 +425,7 @@ def test_acl_runner_hook(fake, monkeypatch):
     def fn(q_, bt_, seq_):
         return pan.npu_paged_attention(q_, k, v, 1, bt_, seq_, BS, 0.25) * 2
 
-    r = HookedAclRunner()
+    r = runners.AclGraphRunner()
     (out,) = r.capture(fn, [q, bt, seq])
     assert [c[0] for c in fake.log].count("fia") == runners.WARMUP_RUNS  # eager warm-up
     assert len(pan.GRAPH_UPDATES.records(r)) == 1
