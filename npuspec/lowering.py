@@ -12,18 +12,107 @@ Lowerings (options["lowering"]):
   backend lowers it (Ascend only; imported only there). With a cache directory, GE's graph
   compile cache is pointed at the cache entry (npuspec/graphs/cache/torchair.py).
 
+Small-M linears (Inductor lowering, CPU, inference graphs): `SmallMLinearPass`, Inductor's
+`post_grad_custom_pre_pass`, replaces `mm(x, w.T)` / `addmm(b, x, w.T)` on an fp32 CPU weight
+that is a graph input (a parameter) by `npuspec::linear_rows(x, w, b)`, which streams the weight
+once for the few rows of a decode step and calls MKL for more than `SMALL_M_MAX` rows
+(npuspec/kernels/linear_cpu.py; docs/graphs.md, "Compiled step vs eager on a real model").
+
 Why ATen and not the Dynamo graph: Dynamo keeps every user spelling (`x == y`, `torch.eq`,
 `x.cumprod(1)`, `torch.cumprod(x, dim=-1)`, methods vs functions); AOT tracing normalises them to
 one ATen op each, so one traced pattern per idiom covers them all.
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import logging
 from typing import Any, Callable
 
 import torch
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
+
+from npuspec import counters
+from npuspec.kernels import linear_cpu
 
 log = logging.getLogger("npuspec.backend")
+
+# The small-M linear rewrite (SmallMLinearPass); part of the graph cache key (lowering_key).
+SMALL_M_LINEAR = True
+
+
+def _is_weight_t(node: Any) -> Any:
+    """The [N, K] fp32 CPU graph input `w` if `node` is w.T (permute [1, 0] or t), else None."""
+    aten = torch.ops.aten
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    if node.target is aten.permute.default and list(node.args[1]) != [1, 0]:
+        return None
+    if node.target not in (aten.permute.default, aten.t.default):
+        return None
+    w = node.args[0]
+    v = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
+    if (w.op != "placeholder" or not isinstance(v, torch.Tensor) or v.dim() != 2
+            or v.dtype != torch.float32 or v.device.type != "cpu" or not v.is_contiguous()):
+        return None
+    return w
+
+
+class SmallMLinearPass(CustomInferenceAwareGraphPass):
+    """mm(x, w.T) / addmm(b, x, w.T) -> npuspec::linear_rows(x, w, b) on inference graphs
+    whose weight w is an fp32 CPU graph input. The op picks the kernel or MKL per call from
+    the row count, so one graph serves every (dynamic) batch size."""
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = True) -> None:
+        if not is_inference:
+            return
+        aten = torch.ops.aten
+        n_rewritten = 0
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target not in (aten.mm.default,
+                                                                  aten.addmm.default):
+                continue
+            if node.kwargs:  # addmm's beta/alpha
+                continue
+            if node.target is aten.mm.default:
+                bias, x, wt = None, node.args[0], node.args[1]
+            else:
+                bias, x, wt = node.args[0], node.args[1], node.args[2]
+                bv = bias.meta.get("val") if isinstance(bias, torch.fx.Node) else None
+                if not isinstance(bv, torch.Tensor) or bv.dim() != 1 or bv.dtype != torch.float32:
+                    continue
+            w = _is_weight_t(wt)
+            xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+            if w is None or not isinstance(xv, torch.Tensor) or xv.dtype != torch.float32:
+                continue
+            with graph.inserting_before(node):
+                new = graph.call_function(torch.ops.npuspec.linear_rows.default, (x, w, bias))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            n_rewritten += 1
+        if n_rewritten:
+            graph.eliminate_dead_code()
+            counters.bump("small_m_linears", n_rewritten)
+            log.info("npuspec: %d linears -> npuspec::linear_rows", n_rewritten)
+
+    def uuid(self) -> str:
+        return small_m_linear_uuid()
+
+
+def small_m_linear_uuid() -> str:
+    """Hash of the pass, the kernel and its row limit (Inductor's FX cache and npuspec's key)."""
+    src = inspect.getsource(SmallMLinearPass) + inspect.getsource(_is_weight_t)
+    src += linear_cpu._SOURCE + inspect.getsource(linear_cpu.uses_kernel)
+    return hashlib.sha256(f"{src}|{linear_cpu.SMALL_M_MAX}".encode()).hexdigest()
+
+
+def lowering_key(opts: Any) -> dict:
+    """Lowering settings that change the generated code, beyond the lowering's name and mode
+    (graphs/cache/keys.py puts them in the cache key)."""
+    if getattr(opts, "lowering", None) != "inductor":
+        return {}
+    return {"small_m_linear": small_m_linear_uuid() if SMALL_M_LINEAR else None}
 
 
 def inductor_config_patches(opts: Any) -> dict:
@@ -35,6 +124,8 @@ def inductor_config_patches(opts: Any) -> dict:
         patches.update(torch._inductor.list_mode_options(opts.mode))
     patches["joint_custom_pre_pass"] = InductorVerifyPass()
     patches["fallback_random"] = True
+    if SMALL_M_LINEAR:
+        patches["post_grad_custom_pre_pass"] = SmallMLinearPass()
     return patches
 
 

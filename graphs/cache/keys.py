@@ -9,7 +9,8 @@ key = sha256(canonical JSON of KeyParts), where KeyParts holds
                capture mode, max_num_seqs (with ks and the platform they determine the plan)
 - ks:          the K set (one graph set per K)
 - spec:        the SpeculativeConfig fields that change what gets compiled (COMPILE_FIELDS)
-- lowering:    "inductor" / "eager" / "torchair" and the Inductor mode
+- lowering:    "inductor" / "eager" / "torchair", the Inductor mode, and the lowering's own
+               code-changing settings (npuspec.lowering.lowering_key: the small-M linear pass)
 - fingerprint: the platform (see `fingerprint()`)
 
 The backend hook wraps `npuspec.lowering.lower`, inside which the verify passes run (for
@@ -249,6 +250,14 @@ def pass_uuids() -> tuple:
     return ()
 
 
+def _lowering_key(opts: Any) -> dict:
+    """Lowering settings that change the generated code (npuspec.lowering.lowering_key: the
+    small-M linear rewrite's uuid for Inductor)."""
+    from npuspec import lowering
+
+    return lowering.lowering_key(opts)
+
+
 def key_parts(gm: Any, example_inputs: Sequence[Any], opts: Any, *,
               passes: Optional[Sequence[str]] = None, capture: Any = None,
               platform: Any = None) -> KeyParts:
@@ -275,6 +284,7 @@ def key_parts(gm: Any, example_inputs: Sequence[Any], opts: Any, *,
         capture=capture,
         ks=ks,
         spec=spec_fields(spec),
-        lowering={"name": getattr(opts, "lowering", None), "mode": getattr(opts, "mode", None)},
+        lowering={"name": getattr(opts, "lowering", None), "mode": getattr(opts, "mode", None),
+                  **_lowering_key(opts)},
         fingerprint=fingerprint(platform),
     )
