@@ -1,0 +1,75 @@
+"""The mechanism behind the compiled step's speed on CPU (docs/graphs.md, "Compiled step vs
+eager on a real model"): the Inductor lowering rewrites few-row linears on parameter weights to
+`npuspec::linear_rows`, whose kernel equals F.linear to fp32 rounding. No timings here (the
+figures come from `python -m npuspec.bench.step`)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npuspec import lowering
+from npuspec.backend import BackendOptions
+from npuspec.graphs.cache import keys
+from npuspec.kernels import linear_cpu
+
+needs_kernel = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ toolchain")
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 10, 16, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_rows_equals_f_linear(M, bias):
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 37, generator=g)           # K not a multiple of the vector width
+    w = torch.randn(10, 37, generator=g)          # N not a multiple of the 4-row block
+    b = torch.randn(10, generator=g) if bias else None
+    assert linear_cpu.uses_kernel(x, w, b) == (M <= linear_cpu.SMALL_M_MAX)
+    torch.testing.assert_close(torch.ops.npuspec.linear_rows(x, w, b), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+    x3 = x.view(1, M, 37)
+    torch.testing.assert_close(linear_cpu.linear(x3, w, b), F.linear(x3, w, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_lowering_installs_the_pass_and_keys_it(monkeypatch):
+    patches = lowering.inductor_config_patches(BackendOptions())
+    assert isinstance(patches["post_grad_custom_pre_pass"], lowering.SmallMLinearPass)
+    assert patches["post_grad_custom_pre_pass"].uuid() == lowering.small_m_linear_uuid()
+    opts = BackendOptions(lowering="inductor")
+    on = keys._lowering_key(opts)
+    assert on == {"small_m_linear": lowering.small_m_linear_uuid()}
+    assert keys._lowering_key(BackendOptions(lowering="eager")) == {}
+    monkeypatch.setattr(lowering, "SMALL_M_LINEAR", False)
+    assert "post_grad_custom_pre_pass" not in lowering.inductor_config_patches(BackendOptions())
+    assert keys._lowering_key(opts) != on          # a different cache entry
+    # the patch is per compile, never the process's global Inductor config
+    assert torch._inductor.config.post_grad_custom_pre_pass is None
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(24, 40, bias=True)
+        self.b = torch.nn.Linear(40, 24, bias=False)
+
+    def forward(self, x):
+        return x + self.b(F.silu(self.a(x)))
+
+
+@needs_kernel
+def test_compiled_equals_eager_through_the_kernel(monkeypatch, delta, fresh_dynamo):
+    calls = []
+    real = linear_cpu._compiled()
+    monkeypatch.setattr(linear_cpu, "_compiled", lambda: (calls.append(1), real)[1])
+    # a cold Inductor cache, so the pass runs (and counts) here
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    torch.manual_seed(0)
+    m = _Block().eval()
+    fn = torch.compile(m, backend="npuspec", options={"capture": False, "lowering": "inductor"})
+    with torch.inference_mode():
+        for rows in (3, 5, 20):                    # 20 rows: the MKL branch of the same op
+            x = torch.randn(1, rows, 24)
+            torch._dynamo.mark_dynamic(x, 1)
+            calls.clear()
+            torch.testing.assert_close(fn(x), m(x), rtol=1e-5, atol=1e-5)
+            assert bool(calls) == (rows <= linear_cpu.SMALL_M_MAX)
+    assert delta().get("small_m_linears", 0) == 2  # both linears, one (dynamic) graph
