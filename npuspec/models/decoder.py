@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuspec.kernels.linear_cpu import linear
 from npuspec.kernels.paged_attention import paged_attention
 from npuspec.models.config import ModelConfig
 
@@ -93,6 +94,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))  # [D/2]
 
 
+def _linear(x, layer: nn.Linear):
+    # few-row fp32 CPU calls go to a kernel that reads each weight once (eager); traced calls
+    # are plain F.linear, which the lowering's SmallMLinearPass rewrites the same way
+    return linear(x, layer.weight, layer.bias)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -113,16 +120,16 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = self.wqkv(self.attn_norm(x))
+        qkv = _linear(self.attn_norm(x), self.wqkv)
         qk = qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D)
         v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
         if cfg.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
         q, k = qk.split([H, Hkv], dim=2)
-        x = x + self.wo(attend(q, k, v))
-        gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        x = x + _linear(attend(q, k, v), self.wo)
+        gate, up = _linear(self.mlp_norm(x), self.w13).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, self.w2)
 
 
 class DecoderLM(nn.Module):
@@ -175,7 +182,7 @@ class DecoderLM(nn.Module):
     def _logits(self, x):
         x = self.norm(x)
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, w).float()  # [B, T, V]
+        return linear(x, w).float()  # [B, T, V]
 
     def forward(self, input_ids, positions, slots, cache):
         """slots: int64 [B] with a `KVCache`, an `AttnMetadata` with a `PagedKVCache`."""
