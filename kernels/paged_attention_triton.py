@@ -95,7 +95,7 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, scal
         # the last token in this block bounds what any of its rows may see
         t_last = tl.minimum((mb * BLOCK_M + BLOCK_M - 1) // G, T - 1)
         kv_end = tl.maximum(seq_len - (T - 1 - t_last), 0)
-        n_tiles = tl.cdiv(kv_end, TILE)
+        n_tiles = (kv_end + TILE - 1) // TILE  # not tl.cdiv: a jit helper the interpreter rejects once triton was imported without TRITON_INTERPRET
         m_i = tl.full([BLOCK_M], NEG_INF, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)

@@ -60,12 +60,12 @@ def test_compiled_equals_eager_through_the_kernel(monkeypatch, delta, fresh_dyna
     calls = []
     real = linear_cpu._compiled()
     monkeypatch.setattr(linear_cpu, "_compiled", lambda: (calls.append(1), real)[1])
-    # a cold Inductor cache, so the pass runs (and counts) here
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     torch.manual_seed(0)
     m = _Block().eval()
     fn = torch.compile(m, backend="npuspec", options={"capture": False, "lowering": "inductor"})
-    with torch.inference_mode():
+    # a cold Inductor cache, so the pass runs (and counts) here; config.patch, not monkeypatch,
+    # whose undo deletes the key from Inductor's config module for every later test
+    with torch.inference_mode(), torch._inductor.config.patch(force_disable_caches=True):
         for rows in (3, 5, 20):                    # 20 rows: the MKL branch of the same op
             x = torch.randn(1, rows, 24)
             torch._dynamo.mark_dynamic(x, 1)
