@@ -171,12 +171,11 @@ def _fake(x, w, bias=None):
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Drop-in for `F.linear(x, w, bias)` (x [..., K]) that sends few-row fp32 CPU calls to the
-    kernel: for the eager step (npuspec.models.decoder would call this instead of nn.Linear)."""
-    if torch.compiler.is_compiling():  # the lowering's SmallMLinearPass handles traced linears
+    """Drop-in for `F.linear(x, w, bias)` (x [..., K]) for fp32 CPU inference: one
+    `npuspec::linear_rows` call, eager or traced alike, so a compiled step (any lowering)
+    computes what the eager one does; the op takes the kernel for few rows, aten otherwise."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return torch.nn.functional.linear(x, w, bias)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or not 0 < rows <= SMALL_M_MAX:
-        return torch.nn.functional.linear(x, w, bias)
-    y = linear_rows_impl(x.reshape(rows, x.shape[-1]).contiguous(), w, bias)
+    y = torch.ops.npuspec.linear_rows(x.reshape(-1, x.shape[-1]), w, bias)
     return y.view(*x.shape[:-1], w.shape[0])
