@@ -22,20 +22,26 @@ VARIANTS = {
 }
 
 
+def save_variant(name, tmp_path_factory):
+    """A random HF model of VARIANTS[name], saved; -> (hf_model, its directory)."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(VARIANTS[name]()).eval()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb them so they matter
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
+                p.normal_(1.0, 0.2)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(path)
+    return hf, str(path)
+
+
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def pair(request, tmp_path_factory):
     """(hf_model, npuspec_model) sharing one saved checkpoint."""
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(VARIANTS[request.param]()).eval()
-    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb them so they matter
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    cfg, ours = load_model(str(path))
+    hf, path = save_variant(request.param, tmp_path_factory)
+    cfg, ours = load_model(path)
     assert cfg.model_type == hf.config.model_type
     return hf, ours
 

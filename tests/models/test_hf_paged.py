@@ -9,24 +9,14 @@ transformers = pytest.importorskip("transformers")
 from npuspec import LLM, SamplingParams  # noqa: E402
 from npuspec.models import AttnMetadata, load_model  # noqa: E402
 
-from test_hf_equivalence import ATOL, VARIANTS  # noqa: E402
+from test_hf_equivalence import ATOL, VARIANTS, save_variant  # noqa: E402
 
 BS = 8  # small blocks, so sequences straddle many block edges
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def saved(request, tmp_path_factory):
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(VARIANTS[request.param]()).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.2)
-            elif name.endswith("bias"):
-                p.normal_(0.0, 0.2)
-    path = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(path)
-    return hf, str(path)
+    return save_variant(request.param, tmp_path_factory)
 
 
 def _rows(blocks, spans, T):
