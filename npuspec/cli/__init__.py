@@ -28,6 +28,7 @@ BENCHES = {
     "graphs": "graph-capture dispatch overhead per step (pad, copy, replay, slice)",
     "cache": "cold vs warm start of a compiled speculative step with the graph cache",
     "passes": "pattern-matching passes: compile time and matched verify patterns",
+    "linear": "one step's projections per weight layout (mm, few-row kernel, packed fp32/bf16/fp16)",
 }
 
 COMMANDS = {

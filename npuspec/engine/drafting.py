@@ -34,7 +34,9 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
                               min_token_prob=s.suffix_decoding_min_token_prob)
     from npuspec.models import load_model
     from npuspec.runtime.draft_model import DraftModelProposer
+    from npuspec.models.packing import pack_model
     dcfg, dmodel = load_model(s.model, dtype=dtype, device=device)
+    pack_model(dmodel)
     if dcfg.vocab_size != vocab_size:
         raise ValueError(
             f"speculative_config.model={s.model!r}: the draft model's vocab_size "

@@ -41,6 +41,7 @@ class LLM:
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None):
         from npuspec.models import load_model, load_tokenizer
+        from npuspec.models.packing import pack_model
         from npuspec.platform import current_platform
 
         if tensor_parallel_size != 1:
@@ -61,6 +62,7 @@ class LLM:
 
         self.model_path = model
         self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
+        pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         self.tokenizer = load_tokenizer(model)
         cfg = self.model_config
         limit = min(cfg.max_position_embeddings, args.DEFAULT_MAX_MODEL_LEN)

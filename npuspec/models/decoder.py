@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npuspec.kernels.linear_cpu import linear
+from npuspec.kernels.linear_packed_cpu import linear_packed, packed_rows
 from npuspec.kernels.paged_attention import paged_attention
 from npuspec.models.config import ModelConfig
 
@@ -95,8 +96,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def _linear(x, layer: nn.Linear):
-    # few-row fp32 CPU calls go to a kernel that reads each weight once (eager); traced calls
-    # are plain F.linear, which the lowering's SmallMLinearPass rewrites the same way
+    # a packed layer (npuspec.models.packing) reads its weight once per step at streaming
+    # speed; otherwise few-row fp32 CPU calls take npuspec::linear_rows, the rest F.linear
+    wp = getattr(layer, "packed", None)
+    if wp is not None:
+        return linear_packed(x, wp, layer.bias, layer.out_features)
     return linear(x, layer.weight, layer.bias)
 
 
@@ -141,18 +145,21 @@ class DecoderLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # set by npuspec.models.packing.pack_model: the LM head packed for linear_packed
+        # (then `lm_head` is None and, for a tied model, so is `embed`)
+        self.register_buffer("head_packed", None, persistent=False)
 
     def _apply(self, fn, recurse=True):
         # keep the RoPE frequencies in fp32 whatever dtype the weights are moved to
         super()._apply(fn, recurse)
-        self.inv_freq = rope_inv_freq(self.config).to(self.embed.weight.device)
+        self.inv_freq = rope_inv_freq(self.config).to(self.norm.weight.device)
         return self
 
     # ---- cache -------------------------------------------------------------------------
     def allocate_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> KVCache:
         cfg = self.config
-        dtype = dtype or self.embed.weight.dtype
-        device = device or self.embed.weight.device
+        dtype = dtype or self.norm.weight.dtype
+        device = device or self.norm.weight.device
         shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         return KVCache(torch.zeros(shape, dtype=dtype, device=device),
                        torch.zeros(shape, dtype=dtype, device=device))
@@ -162,15 +169,15 @@ class DecoderLM(nn.Module):
         """num_blocks includes the scratch block 0."""
         assert num_blocks >= 2 and block_size >= 1, (num_blocks, block_size)
         cfg = self.config
-        dtype = dtype or self.embed.weight.dtype
-        device = device or self.embed.weight.device
+        dtype = dtype or self.norm.weight.dtype
+        device = device or self.norm.weight.device
         shape = (cfg.num_layers, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
         return PagedKVCache(torch.zeros(shape, dtype=dtype, device=device),
                             torch.zeros(shape, dtype=dtype, device=device), block_size)
 
     def kv_bytes_per_token(self, dtype=None) -> int:
         cfg = self.config
-        esize = torch.empty((), dtype=dtype or self.embed.weight.dtype).element_size()
+        esize = torch.empty((), dtype=dtype or self.norm.weight.dtype).element_size()
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * esize
 
     # ---- forward -----------------------------------------------------------------------
@@ -179,8 +186,15 @@ class DecoderLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def _embed(self, input_ids):
+        if self.embed is None:  # tied and packed
+            return packed_rows(self.head_packed, input_ids).to(self.norm.weight.dtype)
+        return self.embed(input_ids)  # [B, T, hidden]
+
     def _logits(self, x):
         x = self.norm(x)
+        if self.head_packed is not None:
+            return linear_packed(x, self.head_packed, None, self.config.vocab_size).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, w).float()  # [B, T, V]
 
@@ -193,7 +207,7 @@ class DecoderLM(nn.Module):
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         G = H // Hkv
         M = cache.k.shape[3]
-        x = self.embed(input_ids)  # [B, T, hidden]
+        x = self._embed(input_ids)  # [B, T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         kv_pos = torch.arange(M, device=positions.device)
         visible = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, M]
@@ -229,7 +243,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         B, T = input_ids.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = self.embed(input_ids)  # [B, T, hidden]
+        x = self._embed(input_ids)  # [B, T, hidden]
         cos, sin = self._rope(positions, x.dtype)
         rows = meta.slot_mapping.reshape(1, B * T)
 
@@ -254,7 +268,7 @@ class DecoderLM(nn.Module):
         cfg = self.config
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        x = self.embed(input_ids)
+        x = self._embed(input_ids)
         cos, sin = self._rope(positions, x.dtype)
 
         def attend(q, k, v):

@@ -1,0 +1,93 @@
+"""`npuspec bench linear`: the projections of one decode/verify step, per weight layout.
+
+For a model's shapes (every layer's q|k|v, o, gate|up, down and the LM head; random weights
+of the model's size, so no checkpoint is read), times one step's worth of matmuls at M rows
+(M = B*(K+1): 1 = plain decode at batch 1, 5 = K=4) for:
+- `mm`: torch.mm on the row-major fp32 weight (MKL; what F.linear does);
+- `rows`: npuspec::linear_rows, the unpacked few-row kernel (kernels/linear_cpu.py);
+- `packed <dtype>`: npuspec::linear_packed over weights packed at load (kernels/linear_packed_cpu.py).
+Variants run interleaved, call by call, so machine noise hits each alike; medians. Columns:
+ms per step, the weight bytes read over that time (GB/s), and the time over the same
+variant's M=1 time. `sum GB/s` is a plain read of a 1 GiB buffer, the bandwidth yardstick.
+
+    python -m npuspec.bench.linear --model PATH_OR_GGUF [--rows 1,2,5,8,10,16] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def step_shapes(cfg) -> list[tuple[int, int, int]]:
+    """(N, K, count) of every matmul one step runs."""
+    h, D = cfg.hidden_size, cfg.head_dim
+    L = cfg.num_layers
+    return [((cfg.num_heads + 2 * cfg.num_kv_heads) * D, h, L), (h, cfg.num_heads * D, L),
+            (2 * cfg.intermediate_size, h, L), (h, cfg.intermediate_size, L), (cfg.vocab_size, h, 1)]
+
+
+def _variants(shapes):
+    from npuspec.kernels import linear_cpu, linear_packed_cpu as lp
+
+    dense = [torch.randn(N, K) * K ** -0.5 for N, K, c in shapes for _ in range(c)]
+    out = {"mm": (lambda x, w: torch.mm(x, w.t()), dense, 4),
+           "rows": (lambda x, w: linear_cpu.linear_rows_impl(x, w), dense, 4)}
+    if lp.available():
+        for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
+            packed = [(lp.pack_weight(w.to(dt)), w.shape[0]) for w in dense]
+            out[f"packed {name}"] = (lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1]),
+                                     packed, dt.itemsize)
+    return out
+
+
+def main(argv=None) -> int:
+    from npuspec.bench.table import print_table
+    from npuspec.cli.common import int_list, positive
+    from npuspec.models import read_model_config
+
+    p = argparse.ArgumentParser(prog="npuspec bench linear", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--rows", type=int_list, default=[1, 2, 5, 8, 10, 16])
+    p.add_argument("--repeats", type=positive, default=15)
+    p.add_argument("--threads", type=positive, default=None)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = read_model_config(a.model)
+    shapes = step_shapes(cfg)
+    variants = _variants(shapes)
+    xs = {m: {K: torch.randn(m, K) for _, K, _ in shapes} for m in a.rows}
+    times = {(v, m): [] for v in variants for m in a.rows}
+    buf = torch.ones(256 * 1024 * 1024)
+    sums = []
+    for _ in range(a.repeats + 1):  # the first pass warms up and is dropped
+        for (v, m) in times:
+            fn, ws, _ = variants[v]
+            x = xs[m]
+            t0 = time.perf_counter()
+            for w in ws:  # dense [N, K] or (packed [NB, K, BW], N): K is dim 1 either way
+                fn(x[(w[0] if isinstance(w, tuple) else w).shape[1]], w)
+            times[(v, m)].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        buf.sum()
+        sums.append(time.perf_counter() - t0)
+    bw = buf.numel() * 4 / statistics.median(sums[1:])
+    rows = []
+    for v, (_, ws, esize) in variants.items():
+        nbytes = sum(N * K * c for N, K, c in shapes) * esize
+        base = statistics.median(times[(v, a.rows[0])][1:])
+        for m in a.rows:
+            t = statistics.median(times[(v, m)][1:])
+            rows.append({"variant": v, "M": m, "ms/step": t * 1e3, "GB/s": nbytes / t / 1e9,
+                         f"x M={a.rows[0]}": t / base})
+    print_table(rows, title=f"one step's projections ({a.model}, {torch.get_num_threads()} threads; "
+                            f"sum GB/s {bw / 1e9:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

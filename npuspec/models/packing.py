@@ -1,0 +1,55 @@
+"""Pack a CPU model's projections once at load for `npuspec::linear_packed`.
+
+The decode/verify step is bound by reading the weights; the packed layout
+(kernels/linear_packed_cpu.py) lets a few-row step read each weight once at the memory's
+streaming speed, whatever the row count up to ~8. Packing is for inference: the packed
+tensors are buffers, not parameters, and the row-major weights they replace are dropped (a
+tied embedding is looked up in the packed LM head, so nothing is held twice).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from npuspec.kernels import linear_packed_cpu as lp
+
+log = logging.getLogger(__name__)
+
+
+def can_pack(model: nn.Module) -> bool:
+    """CPU weights in a dtype the kernel reads, and a working C++ toolchain."""
+    w = model.norm.weight
+    return w.device.type == "cpu" and w.dtype in lp.WEIGHT_DTYPES and lp.available()
+
+
+def _pack_linear(layer: nn.Linear) -> None:
+    wp = lp.pack_weight(layer.weight.detach())
+    del layer.weight  # drops the parameter; the decoder reads `packed`
+    layer.register_parameter("weight", None)
+    layer.register_buffer("packed", wp, persistent=False)
+
+
+def pack_model(model: nn.Module) -> bool:
+    """Pack every projection and the LM head of a `DecoderLM` in place (idempotent).
+    Returns whether the model is packed; when the kernel cannot run here it logs once and
+    leaves the model as it was (torch.mm reads the row-major weights)."""
+    if getattr(model, "head_packed", None) is not None:
+        return True
+    if not can_pack(model):
+        if model.norm.weight.device.type == "cpu":
+            log.warning("npuspec: weights not packed (dtype %s or no C++ toolchain); the step "
+                        "uses torch.mm", model.norm.weight.dtype)
+        return False
+    with torch.no_grad():
+        for block in model.layers:
+            for layer in (block.wqkv, block.wo, block.w13, block.w2):
+                _pack_linear(layer)
+        if model.lm_head is None:  # tied: the embedding is looked up in the packed head
+            model.head_packed = lp.pack_weight(model.embed.weight.detach())
+            model.embed = None
+        else:
+            model.head_packed = lp.pack_weight(model.lm_head.weight.detach())
+            model.lm_head = None
+    return True

@@ -1,0 +1,116 @@
+"""npuspec::linear_packed (kernels/linear_packed_cpu.py) against its PyTorch reference, and
+npuspec.models.packing against the unpacked model."""
+import logging
+
+import pytest
+import torch
+
+from npuspec.kernels import linear_packed_cpu as lp
+from npuspec.models import load_model
+from npuspec.models.decoder import DecoderLM
+from npuspec.models.packing import pack_model
+
+pytestmark = pytest.mark.skipif(not lp.available(), reason="no C++ toolchain for the kernel")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-5, torch.float16: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", lp.WEIGHT_DTYPES)
+@pytest.mark.parametrize("M", [0, 1, 2, 5, 6, 7, 13, 40])
+@pytest.mark.parametrize("N,K", [(48, 64), (37, 19), (100, 576)])
+def test_kernel_equals_reference(dtype, M, N, K):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(M, K, generator=g)
+    bias = torch.randn(N, generator=g)
+    wp = lp.pack_weight(w)
+    assert wp.shape == (-(-N // lp.block_width()), K, lp.block_width()) and wp.dtype == dtype
+    for b in (None, bias):
+        y = lp.linear_packed_impl(x, wp, b, N)
+        ref = lp.linear_packed_reference(x, wp, b, N)
+        assert y.shape == (M, N) and y.dtype == torch.float32
+        torch.testing.assert_close(y, ref, atol=TOL[dtype] * K ** 0.5, rtol=1e-5)
+        # the reference is F.linear on the fp32 weight
+        torch.testing.assert_close(ref, torch.nn.functional.linear(x, w.float(), b),
+                                   atol=1e-5 * K ** 0.5, rtol=1e-5)
+
+
+def test_pack_roundtrip_and_rows():
+    w = torch.randn(50, 24)
+    wp = lp.pack_weight(w)
+    assert torch.equal(lp.unpack_weight(wp, 50), w)
+    ids = torch.tensor([[0, 17, 49], [3, 3, 16]])
+    assert torch.equal(lp.packed_rows(wp, ids), w[ids])
+    # rows past N are zero padding
+    nb, K, bw = wp.shape
+    assert torch.count_nonzero(wp.transpose(1, 2).reshape(nb * bw, K)[50:]) == 0
+
+
+def test_wrapper_keeps_dtype_and_shape():
+    w = torch.randn(40, 32).bfloat16()
+    x = torch.randn(2, 3, 32).bfloat16()
+    y = lp.linear_packed(x, lp.pack_weight(w), None, 40)
+    assert y.shape == (2, 3, 40) and y.dtype == torch.bfloat16
+    ref = x.float().reshape(6, 32) @ w.float().t()
+    torch.testing.assert_close(y.float().reshape(6, 40), ref, atol=0.05, rtol=0.02)
+
+
+def test_compiled_equals_eager():
+    w, b = torch.randn(64, 48), torch.randn(64)
+    wp = lp.pack_weight(w)
+    f = lambda x: torch.relu(lp.linear_packed(x, wp, b, 64)) * 2  # noqa: E731
+    x = torch.randn(5, 48)
+    torch._dynamo.reset()
+    got = torch.compile(f, fullgraph=True, backend="inductor")(x)
+    torch.testing.assert_close(got, f(x), atol=0, rtol=0)
+
+
+def _logits(model, ids):
+    cfg = model.config
+    cache = model.allocate_cache(num_slots=1, max_len=32)
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        return model(ids, pos, torch.zeros(1, dtype=torch.long), cache)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packed_model_equals_unpacked(tied):
+    _, base = load_model("tiny")
+    cfg = base.config
+    if not tied:  # an untied head: the embedding stays, the head is packed
+        cfg = type(cfg)(**{**cfg.__dict__, "tie_word_embeddings": False})
+        base = DecoderLM(cfg)
+        torch.nn.init.normal_(base.lm_head.weight)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref = _logits(base, ids)
+    n_before = sum(p.numel() for p in base.parameters())
+    assert pack_model(base) and pack_model(base)  # idempotent
+    assert base.layers[0].wqkv.weight is None and base.lm_head is None
+    assert (base.embed is None) == tied
+    # the packed copies replace the row-major weights: no parameter is held twice
+    assert sum(p.numel() for p in base.parameters()) < n_before / 2
+    torch.testing.assert_close(_logits(base, ids), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_half_model_close_to_unpacked(dtype):
+    # the same half-precision model through F.linear: only rounding differs (the packed
+    # kernel accumulates in fp32 and rounds once per projection)
+    _, ref_model = load_model("tiny", dtype=dtype)
+    _, model = load_model("tiny", dtype=dtype)
+    assert pack_model(model) and model.head_packed.dtype == dtype
+    ids = torch.randint(0, model.config.vocab_size, (1, 10),
+                        generator=torch.Generator().manual_seed(1))
+    got, ref = _logits(model, ids), _logits(ref_model, ids)
+    assert got.dtype == torch.float32
+    scale = ref.abs().max()
+    assert (got - ref).abs().max() < 0.05 * scale, ((got - ref).abs().max(), scale)
+
+
+def test_no_kernel_leaves_model_unpacked(monkeypatch, caplog):
+    _, model = load_model("tiny")
+    monkeypatch.setattr(lp, "available", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="npuspec.models.packing"):
+        assert not pack_model(model)
+    assert model.layers[0].wqkv.weight is not None and model.head_packed is None
+    assert "not packed" in caplog.text
