@@ -5,26 +5,41 @@ the built-in code-editing requests in the model's chat template). The model is a
 or a llama.cpp .gguf file (HF loads it with `from_pretrained(dir, gguf_file=name)`):
   HF transformers   generate(do_sample=False)
                     generate(prompt_lookup_num_tokens=K, max_matching_ngram_size=N)
+                    generate(do_sample=False) on batches of up to N prompts  (--max-num-seqs N > 1:
+                                                    "batched greedy", left-padded, pad = EOS)
                     generate(assistant_model=DRAFT)                 (with --draft-model)
   npuspec           LLM(model) without speculation
-                    LLM(model, ngram K, prompt_lookup_min=1, prompt_lookup_max=N)  (HF's rule)
+                    LLM(model, ngram K, prompt_lookup_min=1, prompt_lookup_max=N)  (HF's rule;
+                                                    --speculative-config replaces this config)
+                    LLM(model, suffix, num_speculative_tokens=K)   (with --suffix; suffix decoding
+                                                    picks each step's draft length, K caps it)
                     LLM(model, draft_model K)                       (with --draft-model)
 HF's prompt lookup and assisted generation take one sequence at a time, so every system runs
 the prompts one after another (npuspec with max_num_seqs=1) unless --max-num-seqs says
-otherwise. Every row is built and warmed up first (load, compilation, graph capture, one
-pass: reported as "warm-up s"), then the rows are timed round-robin --repeats times and each
-figure is the median wall time for all prompts. Output identity is checked per prompt, up to
-and including the first EOS, against HF greedy and against the same system's greedy row.
+otherwise: with N > 1 npuspec runs up to N requests at once and the HF "batched greedy" row
+generates static batches of N (a finished row idles until its batch ends); HF prompt lookup and
+assisted stay at one prompt. `--speculative-config` takes inline JSON or a .json file (also the
+file `npuspec tune --json` writes); a `num_speculative_tokens_per_batch_size` table picks K by
+the number of running requests. Every row is built and warmed up first (load, compilation,
+graph capture, one pass: reported as "warm-up s"), then the rows are timed round-robin
+--repeats times and each figure is the median wall time for all prompts. Output identity is
+checked per prompt, up to and including the first EOS, against HF greedy and against the same
+system's greedy row (HF batched greedy against HF greedy: padded batches may change a few fp32
+logits, so a mismatch there is reported, not hidden).
+
+`--dtype` (float32, bfloat16, float16; default float32) sets the npuspec rows' dtype; the HF rows
+always run float32, so with another dtype "same as HF greedy" compares across dtypes.
 
 Beside tokens/s it prints a weights-read bound: the bytes of the weights a decode step reads
-(every matrix and norm as npuspec holds them, float32; the embedding table only when it is
+(every matrix and norm as npuspec holds them, in --dtype; the embedding table only when it is
 also the tied LM head) divided by the memory read bandwidth that `npuspec bench verify`
 measures (median time of a `sum` over a 1 GiB float32 tensor, at the run's thread count). At
 batch 1 a step without speculation emits one token per weights read, so that is its ceiling in
-tokens/s; speculative rows can pass it (several tokens per read).
+tokens/s; speculative and batched rows can pass it (several tokens per read).
 
     npuspec bench e2e --max-tokens 128 --json e2e.json --plot e2e.png
     npuspec bench e2e --model SmolLM2-135M-Instruct.Q4_1.gguf --prompts code-edit
+    npuspec bench e2e --max-num-seqs 4 --suffix --dtype bfloat16 --speculative-config tuned.json
 """
 from __future__ import annotations
 
@@ -39,6 +54,7 @@ import time
 from typing import Callable, Sequence
 
 SCHEMA = "npuspec.bench.e2e/1"
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the npuspec rows (HF stays float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,6 +207,49 @@ def hf_runner(model_fn: Callable[[], object], prompt_ids: Sequence[Sequence[int]
     return setup
 
 
+def left_pad(batch: Sequence[Sequence[int]], pad: int):
+    """(input_ids, attention_mask) as [B, T] long tensors, each prompt left-padded with `pad` to
+    the longest (generate() appends new tokens on the right, so the prompts must end aligned)."""
+    import torch
+
+    n = max(len(x) for x in batch)
+    ids = torch.full((len(batch), n), pad, dtype=torch.long)
+    mask = torch.zeros((len(batch), n), dtype=torch.long)
+    for i, x in enumerate(batch):
+        if x:
+            ids[i, n - len(x):] = torch.tensor(list(x), dtype=torch.long)
+            mask[i, n - len(x):] = 1
+    return ids, mask
+
+
+def hf_batched_runner(model_fn: Callable[[], object], prompt_ids: Sequence[Sequence[int]],
+                      max_tokens: int, eos: Sequence[int], batch_size: int
+                      ) -> Callable[[], Callable[[], dict]]:
+    """setup for a Runner: greedy generate() on static batches of up to `batch_size` prompts in
+    order, left-padded with pad id eos[0] (or 0) under an attention mask; each output is cut at
+    its first EOS (a finished row keeps emitting pad until the whole batch is done)."""
+    def setup():
+        import torch
+
+        model = model_fn()
+        pad = eos[0] if eos else 0
+        gc = model.generation_config
+        gc.temperature = gc.top_p = gc.top_k = None
+        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
+                  eos_token_id=list(eos) if eos else None)
+
+        def run():
+            outs = []
+            with torch.inference_mode():
+                for i in range(0, len(prompt_ids), batch_size):
+                    x, mask = left_pad(prompt_ids[i:i + batch_size], pad)
+                    y = model.generate(input_ids=x, attention_mask=mask, **kw)
+                    outs.extend(_cut(row, eos) for row in y[:, x.shape[1]:].tolist())
+            return {"token_ids": outs, "tokens": sum(len(o) for o in outs), "metrics": None}
+        return run
+    return setup
+
+
 # ----------------------------------------------------------------------------------------------
 # npuspec.
 
@@ -221,16 +280,16 @@ def aggregate_metrics(results, engine=None) -> dict:
 
 
 def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,
-             enforce_eager: bool = False):
+             enforce_eager: bool = False, dtype: str = "auto"):
     from npuspec import LLM
 
     return LLM(model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
-               max_model_len=max_model_len, enforce_eager=enforce_eager)
+               max_model_len=max_model_len, enforce_eager=enforce_eager, dtype=dtype)
 
 
 def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
-                   enforce_eager: bool = False, eos=(), max_model_len: int | None = None
-                   ) -> Callable[[], Callable[[], dict]]:
+                   enforce_eager: bool = False, eos=(), max_model_len: int | None = None,
+                   dtype: str = "auto") -> Callable[[], Callable[[], dict]]:
     """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids)."""
     def setup():
         from npuspec import SamplingParams
@@ -238,7 +297,8 @@ def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_
 
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         llm = make_llm(model, spec, max_num_seqs,
-                       max_model_len or fit_max_model_len(model, prompts, max_tokens), enforce_eager)
+                       max_model_len or fit_max_model_len(model, prompts, max_tokens), enforce_eager,
+                       dtype)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
         def run():
@@ -315,15 +375,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K: drafts per step for every speculative row (HF prompt_lookup_num_tokens)")
     p.add_argument("--ngram", type=positive, default=3,
                    help="longest n-gram to match (HF max_matching_ngram_size; npuspec prompt_lookup_max)")
-    p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="override npuspec's ngram row config (vllm serve schema)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON|PATH",
+                   help="override npuspec's ngram row config (vllm serve schema): inline JSON or a "
+                        "path to a .json file, either the config itself or what `npuspec tune --json` "
+                        "writes (its \"speculative_config\" is used). A num_speculative_tokens_per_"
+                        "batch_size table (what tune prints) picks K by the number of running "
+                        "requests; the row's K column shows num_speculative_tokens, the largest")
+    p.add_argument("--suffix", action="store_true",
+                   help="add an npuspec suffix decoding row (num_speculative_tokens = K caps its "
+                        "drafts; suffix picks its own length per step up to that)")
     p.add_argument("--max-tokens", type=positive, default=128, help="new tokens per prompt")
     p.add_argument("--prompts", default=None,
                    help="prompt file (.txt/.json/.jsonl), or 'code-edit': 6 built-in code-editing chat "
                         "requests (~240-310 tokens with SmolLM2's template); default: the demo prompts")
     p.add_argument("--repeats", type=positive, default=3, help="timed passes per row (median)")
-    p.add_argument("--max-num-seqs", type=positive, default=1,
-                   help="npuspec concurrency (HF rows always run one prompt at a time)")
+    p.add_argument("--max-num-seqs", type=positive, default=1, metavar="N",
+                   help="npuspec concurrency; above 1 it also adds an HF 'batched greedy' row "
+                        "(generate on left-padded batches of up to N prompts). HF prompt lookup and "
+                        "assisted generation always run one prompt at a time")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype of the npuspec rows' weights and activations (default float32); the "
+                        "HF rows always run float32. The weights-read bound uses this dtype's bytes")
     p.add_argument("--enforce-eager", action="store_true", help="npuspec without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     from npuspec.cli.common import add_threads_flag
@@ -335,6 +407,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _identical(outs, ref) -> int:
     return sum(a == b for a, b in zip(outs, ref))
+
+
+def spec_from_flag(value, field: str = "--speculative-config") -> dict | None:
+    """--speculative-config as a dict (common.spec_dict: inline JSON or a .json path); a file
+    `npuspec tune --json` wrote is unwrapped to its "speculative_config" object."""
+    from npuspec.cli import common
+
+    d = common.spec_dict(value, field)
+    if isinstance(d, dict) and "method" not in d and isinstance(d.get("speculative_config"), dict):
+        d = d["speculative_config"]
+    return d
+
+
+def _k_label(cfg) -> str:
+    table = cfg.num_speculative_tokens_per_batch_size
+    return ", ".join(f"batch {a}{'' if a == b else f'-{b}'}: K={k}" for a, b, k in table) if table else ""
 
 
 def run(args) -> int:
@@ -356,8 +444,16 @@ def run(args) -> int:
     common.set_threads(args.threads, mdir)
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
              "prompt_lookup_max": args.ngram}
-    ngram = common.spec_dict(args.speculative_config) or ngram
-    common.spec_config(ngram)
+    ngram = spec_from_flag(args.speculative_config) or ngram
+    ngram_cfg = common.spec_config(ngram)
+    suffix_spec = None
+    if args.suffix:
+        if ngram_cfg.method == "suffix":  # --speculative-config already makes that row suffix
+            print("--suffix: the --speculative-config row is already suffix decoding; no second row",
+                  file=sys.stderr)
+        else:
+            suffix_spec = {"method": "suffix", "num_speculative_tokens": args.k}
+            common.spec_config(suffix_spec, "--suffix")
     draft_spec = None
     if args.draft_model:
         draft_spec = {"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": args.k}
@@ -375,13 +471,18 @@ def run(args) -> int:
         prompt_format = "text"
     cfg = read_model_config(mdir)
     eos = list(cfg.eos_token_ids)
-    bound = weights_read_bound(weight_read_bytes(cfg), measure_bandwidth())
+    dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    bound = weights_read_bound(weight_read_bytes(cfg, dtype_bytes), measure_bandwidth())
+    bound["dtype"] = args.dtype
 
     hf = functools.lru_cache(None)(lambda: load_hf(mdir))
     runners = [Runner("hf", "greedy", 0, hf_runner(hf, ids, args.max_tokens, eos)),
                Runner("hf", "prompt lookup", args.k, hf_runner(
                    hf, ids, args.max_tokens, eos, prompt_lookup_num_tokens=args.k,
                    max_matching_ngram_size=args.ngram))]
+    if args.max_num_seqs > 1:
+        runners.append(Runner("hf", "batched greedy", 0, hf_batched_runner(
+            hf, ids, args.max_tokens, eos, args.max_num_seqs)))
     if args.draft_model:
         def assistant():
             m = load_hf(common.model_dir(args.draft_model, "--draft-model"))
@@ -390,10 +491,14 @@ def run(args) -> int:
             return m
         runners.append(Runner("hf", "assisted", args.k, hf_runner(hf, ids, args.max_tokens, eos,
                                                                   assistant_model=assistant)))
-    kw = dict(max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, eos=eos)
+    kw = dict(max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, eos=eos,
+              dtype=args.dtype)
     runners.append(Runner("npuspec", "greedy", 0, npuspec_runner(mdir, None, ids, args.max_tokens, **kw)))
-    runners.append(Runner("npuspec", ngram["method"], common.spec_config(ngram).num_speculative_tokens,
+    runners.append(Runner("npuspec", ngram["method"], ngram_cfg.num_speculative_tokens,
                           npuspec_runner(mdir, ngram, ids, args.max_tokens, **kw)))
+    if suffix_spec:
+        runners.append(Runner("npuspec", "suffix", args.k,
+                              npuspec_runner(mdir, suffix_spec, ids, args.max_tokens, **kw)))
     if draft_spec:
         runners.append(Runner("npuspec", "draft_model", args.k,
                               npuspec_runner(mdir, draft_spec, ids, args.max_tokens, **kw)))
@@ -432,11 +537,24 @@ def run(args) -> int:
                   "mean acc len": "-" if r["mean_acceptance_length"] is None else r["mean_acceptance_length"]}
                  for r in rows],
                 title=f"bench e2e: {len(prompts)} prompts x {args.max_tokens} tokens, greedy, "
+                      f"npuspec {args.dtype} (HF float32), max_num_seqs {args.max_num_seqs}, "
                       f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"prompts: {len(ids)} ({prompt_format}), {min(lengths)}-{max(lengths)} tokens "
           f"(mean {sum(lengths) / len(lengths):.0f})")
+    print(f"dtype: npuspec rows {args.dtype}, HF rows float32"
+          + ("" if args.dtype == "float32" else " (so 'same as HF greedy' compares across dtypes)"))
+    if args.max_num_seqs > 1:
+        print(f"HF batched greedy: generate() on left-padded batches of up to {args.max_num_seqs} "
+              f"prompts; HF prompt lookup{' and assisted' if args.draft_model else ''} one prompt "
+              f"at a time")
+    if _k_label(ngram_cfg):
+        print(f"npuspec {ngram_cfg.method} K per batch size: {_k_label(ngram_cfg)} "
+              f"(max_num_seqs {args.max_num_seqs})")
+    if suffix_spec:
+        print(f"npuspec suffix: up to K={args.k} drafts per step (suffix picks the length), "
+              f"max tree depth {common.spec_config(suffix_spec).suffix_decoding_max_tree_depth}")
     print(f"weights-read bound (batch 1, 1 token per read of the weights): "
-          f"{bound['weight_bytes'] / 1e6:.1f} MB of float32 weights / "
+          f"{bound['weight_bytes'] / 1e6:.1f} MB of {args.dtype} weights / "
           f"{bound['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s (1 GiB sum) = {bound['tokens_per_s']:.1f} tok/s"
           + (f"; npuspec greedy reaches {bound['npuspec_greedy_vs_bound']:.2f}x of it"
              if "npuspec_greedy_vs_bound" in bound else ""))
@@ -447,7 +565,10 @@ def run(args) -> int:
                "model": mdir, "draft_model": args.draft_model, "num_speculative_tokens": args.k,
                "ngram": args.ngram, "max_tokens": args.max_tokens, "num_prompts": len(prompts),
                "repeats": args.repeats, "max_num_seqs": args.max_num_seqs,
-               "npuspec_speculative_config": ngram, "prompts": args.prompts or "demo",
+               "dtype": args.dtype, "hf_dtype": "float32",
+               "hf_batch_size": args.max_num_seqs if args.max_num_seqs > 1 else None,
+               "npuspec_speculative_config": ngram, "npuspec_suffix_config": suffix_spec,
+               "prompts": args.prompts or "demo",
                "prompt_format": prompt_format, "prompt_tokens": lengths, "weights_read_bound": bound,
                "environment": {"npuspec": __version__, "torch": torch.__version__,
                                "transformers": transformers.__version__, "python": _platform.python_version(),
@@ -469,7 +590,13 @@ def _ratios(tps: dict, spec_method: str) -> dict[str, float]:
     pairs = [(("npuspec", spec_method), ("hf", "prompt lookup"), f"npuspec {spec_method} / HF prompt lookup"),
              (("npuspec", spec_method), ("npuspec", "greedy"), f"npuspec {spec_method} / npuspec greedy"),
              (("npuspec", "greedy"), ("hf", "greedy"), "npuspec greedy / HF greedy"),
-             (("npuspec", "draft_model"), ("hf", "assisted"), "npuspec draft_model / HF assisted")]
+             (("npuspec", "draft_model"), ("hf", "assisted"), "npuspec draft_model / HF assisted"),
+             (("npuspec", spec_method), ("hf", "batched greedy"), f"npuspec {spec_method} / HF batched greedy"),
+             (("npuspec", "greedy"), ("hf", "batched greedy"), "npuspec greedy / HF batched greedy")]
+    if spec_method != "suffix":
+        pairs += [(("npuspec", "suffix"), ("hf", "prompt lookup"), "npuspec suffix / HF prompt lookup"),
+                  (("npuspec", "suffix"), ("npuspec", "greedy"), "npuspec suffix / npuspec greedy"),
+                  (("npuspec", "suffix"), ("hf", "batched greedy"), "npuspec suffix / HF batched greedy")]
     for a, b, name in pairs:
         if a in tps and b in tps:
             out[name] = tps[a] / tps[b]
