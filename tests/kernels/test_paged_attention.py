@@ -96,3 +96,74 @@ def test_use_impl_rejects_unknown_names():
     with pytest.raises(ValueError, match="use_impl\\('cuda'\\).*reference, cpu, triton"):
         with pa.use_impl("cuda"):
             pass
+
+
+# Split-K (the CPU kernel cuts each row's positions into chunks and merges their partial
+# softmaxes): FORCED_CHUNK forces many chunks on short rows.
+SPLIT_CASES = [  # B, T, H, Hkv, D, bs, lens, positions per chunk
+    (4, 5, 9, 3, 64, 16, [1000, 63, 65, 0], 64),  # lengths off the chunk grid; 1-chunk rows; padding
+    (3, 5, 9, 3, 64, 16, [66, 64, 129], 64),      # T=5 straddling a chunk edge (66); exact multiple
+    (1, 1, 9, 3, 64, 16, [1], 16),                # L=1
+    (2, 40, 4, 1, 32, 16, [100, 30], 16),         # T > chunk: early queries see nothing of later
+                                                  # chunks; L < T (left pad); G=1: tiles mix tokens
+    (2, 5, 8, 2, 40, 16, [300, 47], 32),          # D off the vector width; G=4: tiles mix tokens
+    (2, 8, 4, 4, 32, 16, [4, 40], 64),            # G=1, L < T in one chunk: a tile mixes left-pad
+                                                  # queries (see nothing) with live ones
+    (2, 3, 7, 1, 16, 8, [90, 9], 8),              # G=7, bs=8, chunk = one block
+    (1, 5, 9, 3, 64, 48, [500], 64),              # bs=48: the chunk rounds up to 2 blocks
+    # R = T*G query rows per kv head: few (<= half a vector) take the tiled layout, more the
+    # lanes layout (query rows in the vector lanes); both are above, these add edge cases
+    (3, 1, 9, 3, 64, 16, [200, 65, 0], 64),       # decode (R = 3, tiled), split
+    (2, 2, 4, 2, 64, 16, [65, 130], 64),          # R = 4 (tiled): a tile mixes a token that sees
+                                                  # nothing of the last chunk with one that does
+    (1, 100, 9, 3, 64, 16, [150], 32),            # R = 300 (prefill-like, lanes): row vectors that
+                                                  # see nothing of a chunk are skipped
+]
+
+
+@pytest.fixture
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _check_cpu(args, dtype):
+    ref = pa.reference_paged_attention(*args, scale=args[0].shape[-1] ** -0.5)
+    with pa.use_impl("cpu"):
+        out = pa.paged_attention(*args)
+    tol = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_cpu_kernel_split_k_matches_reference(case, dtype, threads, monkeypatch):
+    from npuspec.kernels import paged_attention_cpu
+    *shape, chunk = case
+    monkeypatch.setattr(paged_attention_cpu, "FORCED_CHUNK", [chunk])
+    _check_cpu(_case(*shape, dtype=dtype), dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
+@pytest.mark.parametrize("lens,T", [([2000, 300, 0, 17], 5), ([300], 1), ([4100], 5)])
+def test_cpu_kernel_long_rows_auto_chunks(lens, T, threads):
+    """The decode/verify regime with the chunking the kernel picks (it depends on the threads)."""
+    _check_cpu(_case(len(lens), T, 9, 3, 64, 16, lens), torch.float32)
+
+
+def test_split_k_never_reads_past_the_length(monkeypatch):
+    from npuspec.kernels import paged_attention_cpu
+    monkeypatch.setattr(paged_attention_cpu, "FORCED_CHUNK", [16])
+    q, kc, vc, layer, bt, lens, bs = _case(2, 5, 9, 3, 64, 16, [70, 33])
+    with pa.use_impl("cpu"):
+        before = pa.paged_attention(q, kc, vc, layer, bt, lens, bs)
+        for b, n in enumerate(lens.tolist()):
+            p = torch.arange(n, bt.shape[1] * bs)
+            rows = bt[b].long()[p // bs] * bs + p % bs
+            kc[layer, rows] = float("nan")
+            vc[layer, rows] = float("nan")
+        after = pa.paged_attention(q, kc, vc, layer, bt, lens, bs)
+    assert torch.equal(before, after)
