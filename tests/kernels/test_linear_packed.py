@@ -114,3 +114,16 @@ def test_no_kernel_leaves_model_unpacked(monkeypatch, caplog):
         assert not pack_model(model)
     assert model.layers[0].wqkv.weight is not None and model.head_packed is None
     assert "not packed" in caplog.text
+
+
+def test_bench_linear_runs(capsys):
+    from npuspec.bench import linear as bench
+
+    assert bench.main(["--model", "tiny", "--rows", "1,5", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    for variant in ("mm", "rows", "packed fp32", "packed bf16", "packed fp16"):
+        n = len(variant.split())
+        ms = [float(p[n + 1].replace(",", "")) for p in lines if p[:n] == variant.split() and len(p) > n + 1]
+        assert len(ms) == 2 and all(m > 0 for m in ms), (variant, out)  # M=1 and M=5
+    assert "sum GB/s" in out
