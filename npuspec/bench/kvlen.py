@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=positive, default=15)
     p.add_argument("--threads", type=positive, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--dtype", default="auto", help="LLM(dtype=...): float32, bfloat16, float16")
     a = p.parse_args(argv)
     import torch
     if a.threads:
@@ -53,7 +54,7 @@ def main(argv=None) -> int:
     engines = {}
     for m in a.max_model_len:
         llm = LLM(a.model, max_model_len=m, max_num_seqs=1, speculative_config=spec,
-                  enforce_eager=a.enforce_eager)
+                  enforce_eager=a.enforce_eager, dtype=a.dtype)
         req = _request(llm, a.live)
         for k in (0, a.k):
             drafts = np.zeros((1, k), dtype=np.int64)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
             ms = statistics.median(times[(m, k)][1:])
             rows.append({"K": k, "max_model_len": m, "live": a.live, "step ms": ms * 1e3,
                          "x smallest": ms / base})
-    print_table(rows, title=f"step time vs max_model_len ({a.model}, "
+    print_table(rows, title=f"step time vs max_model_len ({a.model}, {a.dtype}, "
                             f"{'eager' if a.enforce_eager else 'compiled'})")
     return 0
 
