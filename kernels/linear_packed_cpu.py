@@ -141,6 +141,7 @@ def available() -> bool:
     return _library() is not None
 
 
+@functools.lru_cache(maxsize=None)
 def block_width() -> int:
     """Output columns per packed panel (2 SIMD vectors of this CPU's build)."""
     lib = _library()
@@ -189,9 +190,9 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
     assert lib is not None and bw == block_width(), (bw, "packed for another kernel build")
     x = x.float().contiguous()
     wp = wp.contiguous()
-    b = None
-    if bias is not None:
-        b = bias.new_zeros(nb * bw, dtype=torch.float32)
+    b = bias
+    if bias is not None and (n != nb * bw or bias.dtype != torch.float32 or not bias.is_contiguous()):
+        b = bias.new_zeros(nb * bw, dtype=torch.float32)  # the kernel reads whole panels
         b[:n] = bias
     y = torch.empty(M, nb * bw, dtype=torch.float32)
     if M:

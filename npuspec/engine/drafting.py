@@ -36,12 +36,12 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
     from npuspec.runtime.draft_model import DraftModelProposer
     from npuspec.models.packing import pack_model
     dcfg, dmodel = load_model(s.model, dtype=dtype, device=device)
-    pack_model(dmodel)
     if dcfg.vocab_size != vocab_size:
         raise ValueError(
             f"speculative_config.model={s.model!r}: the draft model's vocab_size "
             f"({dcfg.vocab_size}) differs from the target's ({vocab_size}); "
             f"a draft model must share the target's tokenizer and vocabulary")
+    pack_model(dmodel)
     return DraftModelProposer(dmodel, max_num_seqs, cache_len, device=device)
 
 
