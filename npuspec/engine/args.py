@@ -110,10 +110,10 @@ def parse_kv_pool(block_size: Optional[int], num_kv_blocks: Optional[int], max_n
                   max_model_len: int, k_max: int, device_type: str) -> tuple[int, int]:
     """-> (block_size, num_blocks incl. the scratch block). The default pool holds every seat
     at max_model_len (plus the K draft positions of a verify step)."""
-    from npuspec.engine.block_manager import blocks_for
+    from npuspec.engine.block_manager import seat_blocks
     bs = DEFAULT_BLOCK_SIZE.get(device_type, 16) if block_size is None else pos_int(
         "block_size", block_size)
-    per_req = blocks_for(max_model_len + k_max, bs)
+    per_req = seat_blocks(max_model_len, k_max, bs)
     if num_kv_blocks is None:
         return bs, 1 + max_num_seqs * per_req
     pos_int("num_kv_blocks", num_kv_blocks, lo=2)

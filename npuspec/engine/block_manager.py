@@ -16,6 +16,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def seat_blocks(max_model_len: int, k_max: int, block_size: int) -> int:
+    """Blocks one request may hold: max_model_len plus the K positions a verify step writes,
+    with the draft slack rounded up to whole blocks and at least one. So every K up to
+    block_size gives the same block-table width and pool, and engines that differ only in K
+    trace identical prefill graphs (Inductor's FX cache serves the second one)."""
+    return blocks_for(max_model_len, block_size) + max(1, blocks_for(k_max, block_size))
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int):
         assert num_blocks >= 2 and block_size >= 1, (num_blocks, block_size)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from npuspec.config import SpeculativeConfig
-from npuspec.engine.block_manager import BlockManager, blocks_for
+from npuspec.engine.block_manager import BlockManager, seat_blocks
 from npuspec.engine.request import Request
 from npuspec.engine.scheduler import PrefillRow, pad_rows
 from npuspec.engine.step import PrefillStep, VerifyStep, fresh_prefill_fn, fresh_step_fn
@@ -49,7 +49,7 @@ class ModelRunner:
                                                               device=device)
         self.block_size = block_size
         # a block table covers max_model_len plus the K draft positions a verify step writes
-        self.max_blocks = blocks_for(max_model_len + k_max, block_size)
+        self.max_blocks = seat_blocks(max_model_len, k_max, block_size)
         self.blocks = BlockManager(num_blocks, block_size)
         self.cache = model.allocate_paged_cache(num_blocks, block_size)
         self.step_module = VerifyStep(

@@ -4,7 +4,7 @@ that never runs short gives."""
 import pytest
 
 from npuspec import LLM, SamplingParams
-from npuspec.engine.block_manager import BlockManager
+from npuspec.engine.block_manager import BlockManager, seat_blocks
 
 from test_engine import GREEDY, PROMPTS, spec_for  # noqa: E402
 
@@ -70,7 +70,17 @@ def test_pool_too_small_for_one_request_names_both_numbers(ckpt):
 def test_default_pool_fits_every_seat_at_max_model_len(ckpt):
     llm = LLM(ckpt, enforce_eager=True, max_model_len=100, max_num_seqs=3,
               speculative_config=spec_for("ngram"))
-    assert llm.block_size == 16 and llm.runner.blocks.num_free == 3 * 7  # ceil(104/16) = 7
+    # ceil(100/16) = 7 blocks, plus one block of draft slack
+    assert llm.block_size == 16 and llm.runner.blocks.num_free == 3 * 8
+
+
+def test_seat_blocks_do_not_depend_on_k_up_to_a_block():
+    # the block-table width and the pool are the same for K=0..block_size, so engines that
+    # differ only in K trace the same prefill graph (Inductor's FX cache serves the second)
+    assert {seat_blocks(512, k, 16) for k in range(17)} == {33}
+    assert seat_blocks(512, 17, 16) == 34 and seat_blocks(500, 0, 16) == 33
+    for m, k, bs in [(1, 0, 16), (100, 4, 16), (2048, 8, 128), (255, 31, 16)]:
+        assert seat_blocks(m, k, bs) * bs >= m + k
 
 
 def test_block_manager_grows_and_releases():
