@@ -6,3 +6,32 @@ from npuspec.kernels.verify import (  # noqa: F401  (registers torch.ops.npuspec
     synthetic_rates_from_length,
 )
 from npuspec.kernels import accept  # noqa: F401,E402  (registers npuspec::greedy_accept, ratio_accept, residual_*)
+
+
+def prebuild_cpu_kernels() -> None:
+    """Compile the CPU kernels' C++ (add+RMSNorm, paged attention, fused verify) on a background
+    thread.
+
+    Each library compiles on first use (g++, 5-10 s apiece). An engine starts this before it
+    loads its model, so the compiles overlap loading, packing and Dynamo's tracing instead of
+    adding to them. A first use that comes early waits on Inductor's per-library file lock and
+    loads the finished library. Runs once per process; failures are logged by the loaders."""
+    _start_prebuild()
+
+
+def _prebuild_all() -> None:
+    from npuspec.kernels import paged_attention_cpu, rms_norm_cpu, verify_cpu
+    rms_norm_cpu.available()  # needed first: pack_model asks for it
+    paged_attention_cpu.available()
+    verify_cpu.available()
+
+
+import functools as _functools  # noqa: E402
+
+
+@_functools.lru_cache(maxsize=None)
+def _start_prebuild():
+    import threading
+    t = threading.Thread(target=_prebuild_all, name="npuspec-prebuild", daemon=True)
+    t.start()
+    return t

@@ -61,6 +61,9 @@ class LLM:
         torch_dtype = args.parse_dtype(dtype)
 
         self.model_path = model
+        if self.device.type == "cpu":
+            from npuspec.kernels import prebuild_cpu_kernels
+            prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
         self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
         pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         self.tokenizer = load_tokenizer(model)
