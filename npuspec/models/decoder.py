@@ -23,6 +23,7 @@ Weights are stored fused (q|k|v and gate|up) to halve the number of matmuls per 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from torch import nn
 from npuspec.kernels.linear_cpu import linear
 from npuspec.kernels.linear_packed_cpu import linear_packed, packed_rows
 from npuspec.kernels.paged_attention import paged_attention
+from npuspec.kernels.rms_norm_cpu import add_rms_norm
 from npuspec.models.config import ModelConfig
 
 
@@ -119,21 +121,30 @@ class Block(nn.Module):
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, attend):
-        # x [B, T, hidden]; cos/sin [B, T, 1, D]; attend(q, k, v) -> [B, T, H*D]
+    def forward(self, x, residual, cos, sin, attend, fused: bool):
+        # x [B, T, hidden]: the previous layer's MLP output (the embedding, with residual
+        # None, for layer 0); residual: the stream before it. -> (MLP output, residual), so
+        # each residual add is fused into the norm that follows it (npuspec::add_rms_norm
+        # when `fused`). cos/sin [B, T, 1, D]; attend(q, k, v) -> [B, T, H*D]
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = _linear(self.attn_norm(x), self.wqkv)
+        eps = cfg.rms_norm_eps
+        if residual is None:
+            h, residual = self.attn_norm(x), x
+        else:
+            h, residual = add_rms_norm(x, residual, self.attn_norm.weight, eps, fused)
+        qkv = _linear(h, self.wqkv)
         qk = qkv[..., :(H + Hkv) * D].view(B, T, H + Hkv, D)
         v = qkv[..., (H + Hkv) * D:].view(B, T, Hkv, D)
         if cfg.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
         q, k = qk.split([H, Hkv], dim=2)
-        x = x + _linear(attend(q, k, v), self.wo)
-        gate, up = _linear(self.mlp_norm(x), self.w13).chunk(2, dim=-1)
-        return x + _linear(F.silu(gate) * up, self.w2)
+        h, residual = add_rms_norm(_linear(attend(q, k, v), self.wo), residual,
+                                   self.mlp_norm.weight, eps, fused)
+        gate, up = _linear(h, self.w13).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, self.w2), residual
 
 
 class DecoderLM(nn.Module):
@@ -142,12 +153,26 @@ class DecoderLM(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        for layer in self.layers:
+            layer.register_buffer("index", None, persistent=False)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.init_buffers()
         # set by npuspec.models.packing.pack_model: the LM head packed for linear_packed
-        # (then `lm_head` is None and, for a tied model, so is `embed`)
+        # (then `lm_head` is None and, for a tied model, so is `embed`), and whether the
+        # norms run as npuspec::add_rms_norm
         self.register_buffer("head_packed", None, persistent=False)
+        self.fused_norm = False
+
+    def init_buffers(self, device=None) -> None:
+        """(Re)make the computed, non-persistent buffers (after a load on the meta device)."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        for i, layer in enumerate(self.layers):
+            # the layer's index into the [L, ...] KV pool as a tensor input, not a constant:
+            # Inductor then emits one KV-write kernel for all layers (a constant index bakes
+            # the layer's offset into the code: one kernel, and one g++ run, per layer)
+            layer.index = torch.full((1, 1), i, dtype=torch.long, device=device)
 
     def _apply(self, fn, recurse=True):
         # keep the RoPE frequencies in fp32 whatever dtype the weights are moved to
@@ -191,8 +216,21 @@ class DecoderLM(nn.Module):
             return packed_rows(self.head_packed, input_ids).to(self.norm.weight.dtype)
         return self.embed(input_ids)  # [B, T, hidden]
 
-    def _logits(self, x):
-        x = self.norm(x)
+    def _layers(self, x, cos, sin, attend):
+        """Run every layer; attend(i, q, k, v). -> (last MLP output, residual before it)."""
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, cos, sin, functools.partial(attend, i),
+                                self.fused_norm)
+        return x, residual
+
+    def _final(self, x, residual):
+        """The final norm of (x + residual), fused like the layers' norms."""
+        return add_rms_norm(x, residual, self.norm.weight, self.config.rms_norm_eps,
+                            self.fused_norm)[0]
+
+    def _logits(self, x, normed: bool = False):
+        x = x if normed else self.norm(x)
         if self.head_packed is not None:
             return linear_packed(x, self.head_packed, None, self.config.vocab_size).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -218,28 +256,30 @@ class DecoderLM(nn.Module):
         mask = mask[:, None, None].expand(B, 1, G, T, M).reshape(B, 1, G * T, M)
         slot_col = slots[:, None]  # [B, 1], broadcasts against positions [B, T]
 
-        for i, layer in enumerate(self.layers):
+        def attend(i, q, k, v):
             # Write through the base [L, S, Hkv, M, D] tensor with a tensor layer index: a
             # write into the view cache.k[i] makes Inductor copy the whole layer cache in and
             # out of every compiled step; an index_put_ on the graph input is done in place.
-            li = torch.full((1, 1), i, dtype=torch.long, device=slots.device)
+            li = self.layers[i].index  # [1, 1]
+            cache.k[li, slot_col, :, positions] = k  # [B, T, Hkv, D] at (i, slot, :, pos)
+            cache.v[li, slot_col, :, positions] = v
+            kk, vv = cache.k[i][slots], cache.v[i][slots]  # [B, Hkv, M, D]
+            qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+            o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
+            return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
 
-            def attend(q, k, v, li=li, i=i):
-                cache.k[li, slot_col, :, positions] = k  # [B, T, Hkv, D] at (i, slot, :, pos)
-                cache.v[li, slot_col, :, positions] = v
-                kk, vv = cache.k[i][slots], cache.v[i][slots]  # [B, Hkv, M, D]
-                qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-                o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
-                return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-
-            x = layer(x, cos, sin, attend)
-        return self._logits(x)
+        return self._logits(self._final(*self._layers(x, cos, sin, attend)), normed=True)
 
     def _forward_paged(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
-        return self._logits(self.hidden(input_ids, positions, meta, cache))
+        x, residual = self._hidden_pair(input_ids, positions, meta, cache)
+        return self._logits(self._final(x, residual), normed=True)
 
     def hidden(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
         """The paged forward up to the final residual (before the norm): [B, T, hidden]."""
+        x, residual = self._hidden_pair(input_ids, positions, meta, cache)
+        return x + residual
+
+    def _hidden_pair(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
         cfg = self.config
         B, T = input_ids.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -247,20 +287,17 @@ class DecoderLM(nn.Module):
         cos, sin = self._rope(positions, x.dtype)
         rows = meta.slot_mapping.reshape(1, B * T)
 
-        for i, layer in enumerate(self.layers):
+        def attend(i, q, k, v):
             # the write goes through the base pool with a tensor layer index, so Inductor
             # updates the graph input in place (a write into the view cache.k[i] is copied)
-            li = torch.full((1, 1), i, dtype=torch.long, device=input_ids.device)
+            li = self.layers[i].index  # [1, 1]
+            cache.k[li, rows] = k.reshape(1, B * T, Hkv, D)
+            cache.v[li, rows] = v.reshape(1, B * T, Hkv, D)
+            o = paged_attention(q, cache.k, cache.v, i, meta.block_table, meta.seq_lens,
+                                cache.block_size)  # [B, T, H, D]
+            return o.reshape(B, T, H * D)
 
-            def attend(q, k, v, li=li, i=i):
-                cache.k[li, rows] = k.reshape(1, B * T, Hkv, D)
-                cache.v[li, rows] = v.reshape(1, B * T, Hkv, D)
-                o = paged_attention(q, cache.k, cache.v, i, meta.block_table, meta.seq_lens,
-                                    cache.block_size)  # [B, T, H, D]
-                return o.reshape(B, T, H * D)
-
-            x = layer(x, cos, sin, attend)
-        return x
+        return self._layers(x, cos, sin, attend)
 
     def forward_causal(self, input_ids):
         """Cache-free causal forward over [B, T] tokens at positions 0..T-1 (for training)."""
@@ -271,11 +308,9 @@ class DecoderLM(nn.Module):
         x = self._embed(input_ids)
         cos, sin = self._rope(positions, x.dtype)
 
-        def attend(q, k, v):
+        def attend(i, q, k, v):
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
             return o.transpose(1, 2).reshape(B, T, H * D)
 
-        for layer in self.layers:
-            x = layer(x, cos, sin, attend)
-        return self._logits(x)
+        return self._logits(self._final(*self._layers(x, cos, sin, attend)), normed=True)

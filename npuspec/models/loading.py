@@ -10,7 +10,7 @@ import re
 import torch
 
 from npuspec.models.config import ModelConfig, read_config
-from npuspec.models.decoder import DecoderLM, rope_inv_freq
+from npuspec.models.decoder import DecoderLM
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 
@@ -171,7 +171,7 @@ def _build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], source: str, con
             raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, {config_name} implies "
                              f"{tuple(want)}; the config does not describe these weights.")
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
-    model.inv_freq = rope_inv_freq(cfg)  # was built on the meta device
+    model.init_buffers()  # they were built on the meta device
     model.to(device=device)
     model.eval().requires_grad_(False)
     return cfg, model

@@ -4,7 +4,9 @@ The decode/verify step is bound by reading the weights; the packed layout
 (kernels/linear_packed_cpu.py) lets a few-row step read each weight once at the memory's
 streaming speed, whatever the row count up to ~8. Packing is for inference: the packed
 tensors are buffers, not parameters, and the row-major weights they replace are dropped (a
-tied embedding is looked up in the packed LM head, so nothing is held twice).
+tied embedding is looked up in the packed LM head, so nothing is held twice). The norms then
+run as `npuspec::add_rms_norm` (kernels/rms_norm_cpu.py), so every layer compiles to the
+same few kernels.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from npuspec.kernels import linear_packed_cpu as lp
+from npuspec.kernels import rms_norm_cpu
 
 log = logging.getLogger(__name__)
 
@@ -52,4 +55,5 @@ def pack_model(model: nn.Module) -> bool:
         else:
             model.head_packed = lp.pack_weight(model.lm_head.weight.detach())
             model.lm_head = None
+    model.fused_norm = rms_norm_cpu.available()
     return True
