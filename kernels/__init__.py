@@ -9,8 +9,8 @@ from npuspec.kernels import accept  # noqa: F401,E402  (registers npuspec::greed
 
 
 def prebuild_cpu_kernels() -> None:
-    """Compile the CPU kernels' C++ (add+RMSNorm, paged attention, fused verify) on a background
-    thread.
+    """Compile the CPU kernels' C++ (packed linear, add+RMSNorm, paged attention, fused verify)
+    on two background threads.
 
     Each library compiles on first use (g++, 5-10 s apiece). An engine starts this before it
     loads its model, so the compiles overlap loading, packing and Dynamo's tracing instead of
@@ -19,11 +19,10 @@ def prebuild_cpu_kernels() -> None:
     _start_prebuild()
 
 
-def _prebuild_all() -> None:
-    from npuspec.kernels import paged_attention_cpu, rms_norm_cpu, verify_cpu
-    rms_norm_cpu.available()  # needed first: pack_model asks for it
-    paged_attention_cpu.available()
-    verify_cpu.available()
+def _prebuild(names: tuple[str, ...]) -> None:
+    import importlib
+    for name in names:
+        importlib.import_module(f"npuspec.kernels.{name}").available()
 
 
 import functools as _functools  # noqa: E402
@@ -32,6 +31,11 @@ import functools as _functools  # noqa: E402
 @_functools.lru_cache(maxsize=None)
 def _start_prebuild():
     import threading
-    t = threading.Thread(target=_prebuild_all, name="npuspec-prebuild", daemon=True)
-    t.start()
-    return t
+    # two g++ runs at a time (these machines have 2+ cores); the kernels pack_model needs
+    # first, the ones the first step needs second
+    chains = (("linear_packed_cpu", "paged_attention_cpu"), ("rms_norm_cpu", "verify_cpu"))
+    threads = [threading.Thread(target=_prebuild, args=(c,), name="npuspec-prebuild", daemon=True)
+               for c in chains]
+    for t in threads:
+        t.start()
+    return threads
