@@ -287,18 +287,25 @@ def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: in
                max_model_len=max_model_len, enforce_eager=enforce_eager, dtype=dtype)
 
 
+def _max_model_len(v: str):
+    if v == "fit":
+        return v
+    from npuspec.cli.common import positive
+    return positive(v)
+
+
 def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
-                   enforce_eager: bool = False, eos=(), max_model_len: int | None = None,
+                   enforce_eager: bool = False, eos=(), max_model_len: int | str | None = "fit",
                    dtype: str = "auto") -> Callable[[], Callable[[], dict]]:
-    """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids)."""
+    """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids).
+    max_model_len: a number, None (the engine's default) or "fit" (the prompts plus max_tokens)."""
     def setup():
         from npuspec import SamplingParams
         from npuspec.cli.common import fit_max_model_len
 
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
-        llm = make_llm(model, spec, max_num_seqs,
-                       max_model_len or fit_max_model_len(model, prompts, max_tokens), enforce_eager,
-                       dtype)
+        mml = fit_max_model_len(model, prompts, max_tokens) if max_model_len == "fit" else max_model_len
+        llm = make_llm(model, spec, max_num_seqs, mml, enforce_eager, dtype)
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
         def run():
@@ -389,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt file (.txt/.json/.jsonl), or 'code-edit': 6 built-in code-editing chat "
                         "requests (~240-310 tokens with SmolLM2's template); default: the demo prompts")
     p.add_argument("--repeats", type=positive, default=3, help="timed passes per row (median)")
+    p.add_argument("--max-model-len", default=None, type=_max_model_len, metavar="N|fit",
+                   help="npuspec rows' max_model_len (default: the engine's default, min(2048, the "
+                        "model's limit); 'fit': the longest prompt plus --max-tokens)")
     p.add_argument("--max-num-seqs", type=positive, default=1, metavar="N",
                    help="npuspec concurrency; above 1 it also adds an HF 'batched greedy' row "
                         "(generate on left-padded batches of up to N prompts). HF prompt lookup and "
@@ -492,7 +502,7 @@ def run(args) -> int:
         runners.append(Runner("hf", "assisted", args.k, hf_runner(hf, ids, args.max_tokens, eos,
                                                                   assistant_model=assistant)))
     kw = dict(max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, eos=eos,
-              dtype=args.dtype)
+              dtype=args.dtype, max_model_len=args.max_model_len)
     runners.append(Runner("npuspec", "greedy", 0, npuspec_runner(mdir, None, ids, args.max_tokens, **kw)))
     runners.append(Runner("npuspec", ngram["method"], ngram_cfg.num_speculative_tokens,
                           npuspec_runner(mdir, ngram, ids, args.max_tokens, **kw)))
@@ -541,6 +551,9 @@ def run(args) -> int:
                       f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"prompts: {len(ids)} ({prompt_format}), {min(lengths)}-{max(lengths)} tokens "
           f"(mean {sum(lengths) / len(lengths):.0f})")
+    mml = args.max_model_len
+    print("npuspec max_model_len: " + ("the engine's default" if mml is None else
+                                       "fitted to the prompts" if mml == "fit" else str(mml)))
     print(f"dtype: npuspec rows {args.dtype}, HF rows float32"
           + ("" if args.dtype == "float32" else " (so 'same as HF greedy' compares across dtypes)"))
     if args.max_num_seqs > 1:
@@ -567,6 +580,7 @@ def run(args) -> int:
                "repeats": args.repeats, "max_num_seqs": args.max_num_seqs,
                "dtype": args.dtype, "hf_dtype": "float32",
                "hf_batch_size": args.max_num_seqs if args.max_num_seqs > 1 else None,
+               "max_model_len": args.max_model_len,
                "npuspec_speculative_config": ngram, "npuspec_suffix_config": suffix_spec,
                "prompts": args.prompts or "demo",
                "prompt_format": prompt_format, "prompt_tokens": lengths, "weights_read_bound": bound,

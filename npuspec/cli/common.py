@@ -123,8 +123,8 @@ def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
 
 def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16) -> int | None:
     """The smallest max_model_len that fits every prompt (text, or a list of token ids) plus
-    max_tokens, rounded up to 64 and capped at the model's max_position_embeddings. A decode
-    step attends over the whole static cache row, so a tight length is a faster step.
+    max_tokens, rounded up to 64 and capped at the model's max_position_embeddings: the
+    smallest KV pool (attention reads each request's live length whatever this is).
     None (the engine's default) when text prompts meet a checkpoint without a tokenizer."""
     from npuspec.models.loading import load_tokenizer, read_model_config
 

@@ -149,3 +149,19 @@ def test_dtype_bfloat16_and_tuned_table(tiny_available, prompts_file, stub_bandw
     ngram = _row(doc, "npuspec", "ngram")
     assert ngram["K"] == 3 and ngram["identical_to_own_greedy"] is True
     _row(doc, "hf", "batched greedy")
+
+
+def test_max_model_len_flag(tiny_available, prompts_file, stub_bandwidth, tmp_path, capsys):
+    """npuspec rows run at the engine's default max_model_len unless told; 'fit' and a number
+    are passed through (attention reads the live length, so the default costs no speed)."""
+    pytest.importorskip("transformers")
+    from npuspec.bench import e2e
+
+    assert e2e._max_model_len("fit") == "fit" and e2e._max_model_len("96") == 96
+    with pytest.raises(Exception):
+        e2e._max_model_len("0")
+    text, doc = _run(["--prompts", prompts_file, "--max-model-len", "96"], tmp_path, capsys)
+    assert doc["max_model_len"] == 96 and "npuspec max_model_len: 96" in text
+    assert all(r["identical_to_own_greedy"] for r in doc["rows"]), doc["rows"]
+    text, doc = _run(["--prompts", prompts_file], tmp_path, capsys)
+    assert doc["max_model_len"] is None and "max_model_len: the engine's default" in text
