@@ -59,6 +59,9 @@ def _check_k(k, key: str) -> int:
 
 def _plan_one(k: int, max_num_seqs: int, sizes: Optional[Sequence[int]], platform,
               cap: int, notes: list[str]) -> list[int]:
+    if isinstance(platform, str):  # a name plans for that device without needing it here
+        from npuspec.platform import named
+        platform = named(platform)
     if platform is not None:
         platform.check_tokens_per_request(k)
     m = k + 1
@@ -105,7 +108,8 @@ def plan_capture_sizes(num_speculative_tokens: int, max_num_seqs: int,
     """Sorted unique token counts to capture for one K (each a multiple of K+1).
 
     `sizes` (options["capture_sizes"]) beats NPUSPEC_CAPTURE_SIZES beats the default ladder.
-    `platform` (a npuspec Platform) enforces its per-request token limit (16 on npu).
+    `platform` (a npuspec Platform, or its name "npu" / "cuda" / "cpu") enforces its
+    per-request token limit (16 on npu).
     """
     k = _check_k(num_speculative_tokens, "num_speculative_tokens")
     if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:

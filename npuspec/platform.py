@@ -99,6 +99,19 @@ def detect(device: Optional[str] = None) -> Platform:
     return Platform(dev, runner, triton_available(dev), limit, _device_name(dev))
 
 
+DEVICES = ("npu", "cuda", "cpu")
+
+
+def named(device: str) -> Platform:
+    """The Platform a device name implies, without probing for the device (for planning a
+    deployment elsewhere: its limits, not its presence; `has_triton` is not known, so False)."""
+    if device not in DEVICES:
+        raise ValueError(f"platform={device!r}: use one of {', '.join(map(repr, DEVICES))} or a "
+                         f"npuspec Platform (npuspec.platform.current_platform())")
+    limit = NPU_MAX_TOKENS_PER_REQUEST if device == "npu" else math.inf
+    return Platform(device, {"npu": "acl", "cuda": "cuda", "cpu": "cpu"}[device], False, limit)
+
+
 @functools.lru_cache(maxsize=None)
 def _cached(key: Optional[str]) -> Platform:
     return detect(key)

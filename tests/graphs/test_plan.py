@@ -115,6 +115,17 @@ def test_npu_limit():
         plan_capture_sets([1, 20], 4, platform=NPU)
 
 
+def test_platform_by_name():
+    # DESIGN.md §3.8: a name plans for that device without the device being here (issue 13)
+    assert plan_capture_sizes(15, 4, platform="npu") == plan_capture_sizes(15, 4, platform=NPU)
+    with pytest.raises(ValueError, match="16 query tokens per request"):
+        plan_capture_sizes(16, 4, platform="npu")
+    assert plan_capture_sizes(16, 4, platform="cuda")[-1] == 68
+    assert plan_capture_sets([1, 3], 4, platform="cpu") == plan_capture_sets([1, 3], 4)
+    with pytest.raises(ValueError, match="platform='tpu': use one of 'npu', 'cuda', 'cpu'"):
+        plan_capture_sizes(1, 4, platform="tpu")
+
+
 def test_dynamic_k_one_ladder_per_k():
     spec = SpeculativeConfig.from_dict({
         "method": "ngram", "num_speculative_tokens": 7,
