@@ -466,6 +466,15 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
     if exponentials is None and random:
         exponentials = draw_exponentials(B, V, dev)
     xpad = _padded_drafts(draft_token_ids, V)                   # [B, K+1]
+    if impl == "cpu" and not random and not synthetic and draft_probs is None:
+        # all greedy: the C++ kernel's greedy rows (max, first argmax, accept, emit) in one
+        # call, instead of ~40 small ATen ops around the row statistics (~0.6 ms at V=49152)
+        fused = _cpu_greedy(target_logits, xpad)
+        if fused is not None:
+            if not _capturing(dev):
+                _check_finite(target_logits, fused[2], None)
+                _check_values(draft_token_ids, V, None, None)
+            return fused[0], fused[1]
     if random:
         temp = temperature.to(device=dev, dtype=torch.float32)
         greedy_rows = ~(temp > 0)
@@ -516,6 +525,17 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
             n_acc = _decide_standard(xpad, st, u, theta)
         n_acc = torch.where(greedy_rows, greedy_acc, n_acc)
     return _emit(xpad, n_acc, st, greedy_rows, bad)
+
+
+def _cpu_greedy(target_logits: Tensor, xpad: Tensor):
+    """(tokens, num_emitted, rawmax) of an all-greedy, one-hot step from the C++ kernel's
+    greedy rows, or None when it cannot run. The kernel reads no temperature, threshold,
+    uniform or exponential on a greedy row; the placeholders only fill its signature."""
+    from npuspec.kernels.verify_cpu import cpu_standard_verify
+    B, K1, V = target_logits.shape
+    greedy = (torch.ones(B, K1 - 1), torch.ones(B, dtype=torch.bool))
+    return cpu_standard_verify(target_logits, xpad, None, torch.ones(B), None,
+                               torch.empty(B, V), greedy)
 
 
 @torch.library.custom_op("npuspec::rejection_sample", mutates_args=())

@@ -117,3 +117,32 @@ def test_kernel_emission_equals_the_decisions(draft_probs):
                                                       e, early)
     assert rawmax[3, K].isnan() and num[3] == 0 and (out[3] == -1).all()
     assert torch.equal(out[4:], ref[0][4:]) and torch.equal(num[:3], ref[1][:3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [0, 1, 4])
+def test_all_greedy_step_takes_the_kernel_and_equals_the_reference(dtype, K, monkeypatch):
+    """All-greedy, one-hot steps go to the kernel's greedy rows in one call (`_cpu_greedy`):
+    the same tokens as the reference on ties, masked (-inf) vocab and -1 drafts."""
+    from npuspec.kernels import verify as vf
+
+    B, V = 12, 777
+    g = torch.Generator().manual_seed(K * 10 + B)
+    logits = (torch.randn(B, K + 1, V, generator=g) * 2).round()  # many ties: first max wins
+    logits[:, :, 100:300] = -math.inf
+    logits = logits.to(dtype)
+    x = logits.float().argmax(-1)[:, :K].clone()
+    if K:
+        x[::3, -1] = (x[::3, -1] + 1) % V   # some requests reject their last draft
+        x[1, 0] = -1                        # no draft: rejects
+    calls = []
+    real = vf._cpu_greedy
+    monkeypatch.setattr(vf, "_cpu_greedy", lambda *a: calls.append(1) or real(*a))
+    ref = rejection_sample_reference(logits, x)
+    cpu = rejection_sample_reference(logits, x, impl="cpu")
+    assert calls, "the all-greedy step did not take the kernel"
+    assert torch.equal(ref[0], cpu[0]) and torch.equal(ref[1], cpu[1])
+    bad = logits.clone()
+    bad[3, K, 5] = float("nan")
+    with pytest.raises(ValueError, match=rf"target_logits\[3, {K}\] contains NaN"):
+        rejection_sample_reference(bad, x, impl="cpu")
