@@ -259,3 +259,26 @@ def test_flat_tokens_in_their_own_group(fresh_dynamo, delta, picks):
         assert all(torch.equal(a, b) for a, b in zip(got, want)), B
     assert stats["unique_graphs"] - g0 == 1
     assert [p for _, p in picks] == [1, 4, 1, 2]
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_unmarked_user_step_first_call_one_request(fresh_dynamo, lowering):
+    """Issue 13, point 2: a plain user step (no marks, default backend options) whose first
+    call has B=1, then larger batches, then B=1 again, replays with eager's results (it used
+    to die on "output dim 0 of size 1 is not a multiple of 4 units")."""
+    from npuspec import counters
+
+    w = torch.randn(HID, V, generator=torch.Generator().manual_seed(9))
+
+    def step(hidden, drafts):
+        return rejection_sample((hidden @ w).view(-1, K + 1, V), drafts)
+
+    f = torch.compile(step, backend="npuspec", options={"lowering": lowering})
+    gen = torch.Generator().manual_seed(10)
+    replays = counters["graph_replays"]
+    for B in (1, 2, 16, 3, 1):
+        h = torch.randn(B * (K + 1), HID, generator=gen)
+        d = torch.randint(-1, V, (B, K), generator=gen)
+        got, want = f(h, d), step(h, d)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), B
+    assert counters["graph_replays"] - replays == 5  # every call replayed a captured graph
