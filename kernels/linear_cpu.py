@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from typing import Optional
 
 import torch
 
-log = logging.getLogger(__name__)
+from npuspec.kernels.cpp_build import load_library
+
 
 # Rows up to which the kernel beats MKL on the target CPU (AVX2, 2 threads); see the bench.
 SMALL_M_MAX = 16
@@ -116,16 +116,13 @@ extern "C" void npuspec_linear_rows(const float* x, const float* w, const float*
 @functools.lru_cache(maxsize=None)
 def _compiled():
     """The compiled function, or None (logged once) when no C++ toolchain works here."""
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        fn = CppCodeCache.load(_SOURCE).npuspec_linear_rows
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        return fn
-    except Exception as e:  # no compiler, no OpenMP, ...
-        log.warning("npuspec: the small-M CPU linear kernel could not be compiled (%s); "
-                    "using torch.mm", e)
+    lib = load_library(_SOURCE, "small-M CPU linear kernel", "using torch.mm")
+    if lib is None:
         return None
+    fn = lib.npuspec_linear_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    return fn
 
 
 def available() -> bool:

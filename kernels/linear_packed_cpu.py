@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from typing import Optional
 
 import torch
 
-log = logging.getLogger(__name__)
+from npuspec.kernels.cpp_build import load_library
+
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -121,20 +121,16 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 @functools.lru_cache(maxsize=None)
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        lib = CppCodeCache.load(_SOURCE)
-        lib.npuspec_linear_packed_block.restype = ctypes.c_int64
-        lib.npuspec_linear_packed_block.argtypes = []
-        for s in _SUFFIX.values():
-            fn = getattr(lib, f"npuspec_linear_packed_{s}")
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        return lib
-    except Exception as e:  # no compiler, no OpenMP, ...
-        log.warning("npuspec: the packed CPU linear kernel could not be compiled (%s); "
-                    "weights stay unpacked (torch.mm)", e)
+    lib = load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)")
+    if lib is None:
         return None
+    lib.npuspec_linear_packed_block.restype = ctypes.c_int64
+    lib.npuspec_linear_packed_block.argtypes = []
+    for s in _SUFFIX.values():
+        fn = getattr(lib, f"npuspec_linear_packed_{s}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    return lib
 
 
 def available() -> bool:

@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import struct
 import threading
 
 import torch
 
-log = logging.getLogger(__name__)
+from npuspec.kernels.cpp_build import load_library
+
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -572,13 +572,10 @@ _local = threading.local()  # one argument block per thread: ctypes drops the GI
 @functools.lru_cache(maxsize=None)
 def _compiled():
     """The compiled entry point, or None (logged once) when no C++ toolchain works here."""
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        fn = CppCodeCache.load(_SOURCE).npuspec_paged_attention
-    except Exception as e:  # no compiler, no OpenMP, ...
-        log.warning("npuspec: the CPU paged-attention kernel could not be compiled (%s); "
-                    "falling back to the PyTorch reference", e)
+    lib = load_library(_SOURCE, "CPU paged-attention kernel", "falling back to the PyTorch reference")
+    if lib is None:
         return None
+    fn = lib.npuspec_paged_attention
     fn.argtypes = [ctypes.c_void_p]
     fn.restype = None
     return fn

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 
 import torch
 
-log = logging.getLogger(__name__)
+from npuspec.kernels.cpp_build import load_library
+
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -127,18 +127,14 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 @functools.lru_cache(maxsize=None)
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        lib = CppCodeCache.load(_SOURCE)
-        for s in _SUFFIX.values():
-            fn = getattr(lib, f"npuspec_add_rms_norm_{s}")
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double]
-        return lib
-    except Exception as e:  # no compiler, no OpenMP, ...
-        log.warning("npuspec: the CPU add+RMSNorm kernel could not be compiled (%s); "
-                    "norms stay in PyTorch", e)
+    lib = load_library(_SOURCE, "CPU add+RMSNorm kernel", "norms stay in PyTorch")
+    if lib is None:
         return None
+    for s in _SUFFIX.values():
+        fn = getattr(lib, f"npuspec_add_rms_norm_{s}")
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double]
+    return lib
 
 
 def available() -> bool:

@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from typing import Optional
 
 import torch
 
 from npuspec import counters
+from npuspec.kernels.cpp_build import load_library
 from npuspec.kernels.verify import FLT_MIN, RowStats, reference_row_stats
 
-log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -577,16 +576,12 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 @functools.lru_cache(maxsize=None)
 def _compiled():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        lib = CppCodeCache.load(_SOURCE)
-        for name in ("npuspec_row_stats", "npuspec_standard_rows"):
-            getattr(lib, name).restype = None
-        return lib
-    except Exception as e:  # no compiler, no OpenMP, ...
-        log.warning("npuspec: the fused CPU verify kernel could not be compiled (%s); "
-                    "falling back to the PyTorch reference", e)
+    lib = load_library(_SOURCE, "fused CPU verify kernel", "falling back to the PyTorch reference")
+    if lib is None:
         return None
+    for name in ("npuspec_row_stats", "npuspec_standard_rows"):
+        getattr(lib, name).restype = None
+    return lib
 
 
 def _library():

@@ -90,3 +90,16 @@ def test_packed_model_fuses_every_norm():
 def test_unpacked_model_keeps_plain_norms():
     _, model = load_model("tiny")
     assert not model.fused_norm  # only pack_model turns the CPU op on
+
+
+def test_a_broken_build_is_reported_and_unavailable(caplog):
+    """The shared loader: a source that does not compile gives None and one warning that
+    names the kernel and the fallback the caller takes."""
+    import logging
+
+    from npuspec.kernels.cpp_build import load_library
+
+    with caplog.at_level(logging.WARNING, logger="npuspec.kernels.cpp_build"):
+        assert load_library("this is not C++ {", "test kernel", "using the reference") is None
+    assert "the test kernel could not be compiled" in caplog.text
+    assert "using the reference" in caplog.text
