@@ -1,4 +1,8 @@
 """npuspec.kernels: custom ops (torch.library), their PyTorch references, Triton kernels, CPU lowering."""
+import functools
+import importlib
+import threading
+
 from npuspec.kernels.verify import (  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
     conditional_rates,
     rejection_sample,
@@ -8,6 +12,7 @@ from npuspec.kernels.verify import (  # noqa: F401  (registers torch.ops.npuspec
 from npuspec.kernels import accept  # noqa: F401,E402  (registers npuspec::greedy_accept, ratio_accept, residual_*)
 
 
+@functools.lru_cache(maxsize=None)
 def prebuild_cpu_kernels() -> None:
     """Compile the CPU kernels' C++ (packed linear, add+RMSNorm, paged attention, fused verify)
     on two background threads.
@@ -16,26 +21,13 @@ def prebuild_cpu_kernels() -> None:
     loads its model, so the compiles overlap loading, packing and Dynamo's tracing instead of
     adding to them. A first use that comes early waits on Inductor's per-library file lock and
     loads the finished library. Runs once per process; failures are logged by the loaders."""
-    _start_prebuild()
+    # two g++ runs at a time (these machines have 2+ cores); the kernels pack_model needs
+    # first, the ones the first step needs second
+    for chain in (("linear_packed_cpu", "paged_attention_cpu"), ("rms_norm_cpu", "verify_cpu")):
+        threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",
+                         daemon=True).start()
 
 
 def _prebuild(names: tuple[str, ...]) -> None:
-    import importlib
     for name in names:
         importlib.import_module(f"npuspec.kernels.{name}").available()
-
-
-import functools as _functools  # noqa: E402
-
-
-@_functools.lru_cache(maxsize=None)
-def _start_prebuild():
-    import threading
-    # two g++ runs at a time (these machines have 2+ cores); the kernels pack_model needs
-    # first, the ones the first step needs second
-    chains = (("linear_packed_cpu", "paged_attention_cpu"), ("rms_norm_cpu", "verify_cpu"))
-    threads = [threading.Thread(target=_prebuild, args=(c,), name="npuspec-prebuild", daemon=True)
-               for c in chains]
-    for t in threads:
-        t.start()
-    return threads

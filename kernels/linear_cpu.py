@@ -116,13 +116,9 @@ extern "C" void npuspec_linear_rows(const float* x, const float* w, const float*
 @functools.lru_cache(maxsize=None)
 def _compiled():
     """The compiled function, or None (logged once) when no C++ toolchain works here."""
-    lib = load_library(_SOURCE, "small-M CPU linear kernel", "using torch.mm")
-    if lib is None:
-        return None
-    fn = lib.npuspec_linear_rows
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    return fn
+    sig = {"npuspec_linear_rows": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)}
+    lib = load_library(_SOURCE, "small-M CPU linear kernel", "using torch.mm", sig)
+    return None if lib is None else lib.npuspec_linear_rows
 
 
 def available() -> bool:

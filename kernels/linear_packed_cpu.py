@@ -121,16 +121,10 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 @functools.lru_cache(maxsize=None)
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    lib = load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)")
-    if lib is None:
-        return None
-    lib.npuspec_linear_packed_block.restype = ctypes.c_int64
-    lib.npuspec_linear_packed_block.argtypes = []
-    for s in _SUFFIX.values():
-        fn = getattr(lib, f"npuspec_linear_packed_{s}")
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    return lib
+    sig = {"npuspec_linear_packed_block": (ctypes.c_int64, [])}
+    sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
+                for s in _SUFFIX.values()})
+    return load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)", sig)
 
 
 def available() -> bool:

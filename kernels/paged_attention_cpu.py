@@ -572,13 +572,9 @@ _local = threading.local()  # one argument block per thread: ctypes drops the GI
 @functools.lru_cache(maxsize=None)
 def _compiled():
     """The compiled entry point, or None (logged once) when no C++ toolchain works here."""
-    lib = load_library(_SOURCE, "CPU paged-attention kernel", "falling back to the PyTorch reference")
-    if lib is None:
-        return None
-    fn = lib.npuspec_paged_attention
-    fn.argtypes = [ctypes.c_void_p]
-    fn.restype = None
-    return fn
+    lib = load_library(_SOURCE, "CPU paged-attention kernel", "falling back to the PyTorch reference",
+                       {"npuspec_paged_attention": (None, [ctypes.c_void_p])})
+    return None if lib is None else lib.npuspec_paged_attention
 
 
 def available() -> bool:

@@ -127,14 +127,9 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 @functools.lru_cache(maxsize=None)
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    lib = load_library(_SOURCE, "CPU add+RMSNorm kernel", "norms stay in PyTorch")
-    if lib is None:
-        return None
-    for s in _SUFFIX.values():
-        fn = getattr(lib, f"npuspec_add_rms_norm_{s}")
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double]
-    return lib
+    args = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_double]
+    return load_library(_SOURCE, "CPU add+RMSNorm kernel", "norms stay in PyTorch",
+                        {f"npuspec_add_rms_norm_{s}": (None, args) for s in _SUFFIX.values()})
 
 
 def available() -> bool:

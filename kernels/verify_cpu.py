@@ -576,12 +576,8 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 @functools.lru_cache(maxsize=None)
 def _compiled():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    lib = load_library(_SOURCE, "fused CPU verify kernel", "falling back to the PyTorch reference")
-    if lib is None:
-        return None
-    for name in ("npuspec_row_stats", "npuspec_standard_rows"):
-        getattr(lib, name).restype = None
-    return lib
+    return load_library(_SOURCE, "fused CPU verify kernel", "falling back to the PyTorch reference",
+                        {"npuspec_row_stats": (None, None), "npuspec_standard_rows": (None, None)})
 
 
 def _library():

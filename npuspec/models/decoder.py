@@ -224,13 +224,10 @@ class DecoderLM(nn.Module):
                                 self.fused_norm)
         return x, residual
 
-    def _final(self, x, residual):
-        """The final norm of (x + residual), fused like the layers' norms."""
-        return add_rms_norm(x, residual, self.norm.weight, self.config.rms_norm_eps,
-                            self.fused_norm)[0]
-
-    def _logits(self, x, normed: bool = False):
-        x = x if normed else self.norm(x)
+    def _logits(self, x, residual):
+        """The final norm of (x + residual), fused like the layers' norms, then the LM head."""
+        x = add_rms_norm(x, residual, self.norm.weight, self.config.rms_norm_eps,
+                         self.fused_norm)[0]
         if self.head_packed is not None:
             return linear_packed(x, self.head_packed, None, self.config.vocab_size).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -268,11 +265,10 @@ class DecoderLM(nn.Module):
             o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
             return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
 
-        return self._logits(self._final(*self._layers(x, cos, sin, attend)), normed=True)
+        return self._logits(*self._layers(x, cos, sin, attend))
 
     def _forward_paged(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
-        x, residual = self._hidden_pair(input_ids, positions, meta, cache)
-        return self._logits(self._final(x, residual), normed=True)
+        return self._logits(*self._hidden_pair(input_ids, positions, meta, cache))
 
     def hidden(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
         """The paged forward up to the final residual (before the norm): [B, T, hidden]."""
@@ -313,4 +309,4 @@ class DecoderLM(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
             return o.transpose(1, 2).reshape(B, T, H * D)
 
-        return self._logits(self._final(*self._layers(x, cos, sin, attend)), normed=True)
+        return self._logits(*self._layers(x, cos, sin, attend))

@@ -100,6 +100,6 @@ def test_a_broken_build_is_reported_and_unavailable(caplog):
     from npuspec.kernels.cpp_build import load_library
 
     with caplog.at_level(logging.WARNING, logger="npuspec.kernels.cpp_build"):
-        assert load_library("this is not C++ {", "test kernel", "using the reference") is None
+        assert load_library("this is not C++ {", "test kernel", "using the reference", {}) is None
     assert "the test kernel could not be compiled" in caplog.text
     assert "using the reference" in caplog.text
