@@ -11,12 +11,20 @@ size; a step with u units replays the smallest captured size u_pad >= u:
 Padding rows are inert for a row-separable step: each row's outputs depend on that row only,
 and draft ids of -1 make the verify op reject every padded draft. A step beyond the largest
 size runs the callable eagerly (counted as eager_fallbacks, logged once per cause).
+
+A replay computes what one eager call computes, once (docs/graphs.md, "Equal to eager"):
+every input is copied in at every call (so one refilled in place is never stale), inputs the
+step writes in place are copied back, captures run on the static buffers, never on the
+caller's tensors, and by-reference state the step mutates is restored after a device capture's
+warm-up runs. Static buffers keep the strides the graph was compiled for, and one lock per
+set serialises calls from several threads.
 """
 from __future__ import annotations
 
 import bisect
 import dataclasses
 import logging
+import threading
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -51,7 +59,9 @@ class Slot:
     coef: int = 1     # TOKEN: size along dim = coef*u; INT: value = coef*u + const
     const: Any = 0    # INT: constant term
     pad: Any = 0      # TOKEN: value of the padding rows
-    mutated: bool = False  # TOKEN: the step writes it in place; copy real rows back
+    mutated: bool = False  # TOKEN/COPY: the step writes it in place; copy (real rows) back
+    stride: tuple = ()     # TOKEN/COPY: per dim (a, b), stride = a*u + b; () = contiguous
+    restore: bool = False  # STATIC: mutated; restored after a device capture's warm-up runs
 
 
 def token(dim: int = 0, coef: int = 1, pad: Any = 0, mutated: bool = False) -> Slot:
@@ -81,7 +91,7 @@ class GraphSet:
     def __init__(self, fn: Callable, slots: Sequence[Slot], unit_sizes: Sequence[int], *,
                  k: int = 0, tokens_per_unit: int = 1, out_dims: Optional[Sequence] = None,
                  runner: str = "cpu", capture=True, exact_only: bool = False,
-                 clone_outputs: bool = False, name: str = "step"):
+                 clone_outputs: bool = False, name: str = "step", exact_why: str = ""):
         assert unit_sizes and all(s >= 1 for s in unit_sizes), unit_sizes
         assert any(s.kind == TOKEN for s in slots) or len(unit_sizes) == 1, slots
         self.fn, self.slots, self.k, self.name = fn, list(slots), k, name
@@ -90,15 +100,18 @@ class GraphSet:
         self.out_dims = None if out_dims is None else list(out_dims)
         self.runner_kind, self.capture_mode = runner, capture
         self.exact_only, self.clone_outputs = exact_only, clone_outputs
+        self.exact_why = exact_why  # why the step is not padded (named in the fallback log)
         self.entries: dict[int, _Entry] = {}
         self._out_coef: Optional[list] = None
         self._out_type = tuple
         self._shared: dict[int, torch.Tensor] = {}  # slot index -> largest static buffer
-        self._copied: dict[int, tuple] = {}  # COPY slot -> (source, its _version, buffer)
+        self._lock = threading.Lock()  # static buffers are shared: one call at a time
         self._dirty: dict[tuple, int] = {}  # (slot, buffer address) -> rows that may be non-pad
         self._token_idx = [i for i, s in enumerate(slots) if s.kind == TOKEN]
         self._copy_idx = [i for i, s in enumerate(slots) if s.kind == COPY]
         self._static_idx = [i for i, s in enumerate(slots) if s.kind == STATIC]
+        self._restore_idx = [i for i in self._static_idx if slots[i].restore]
+        self._back_idx = [i for i, s in enumerate(slots) if s.kind in (TOKEN, COPY) and s.mutated]
 
     # -- sizes -------------------------------------------------------------------------------
     def units_of(self, args: Sequence) -> Optional[int]:
@@ -127,15 +140,18 @@ class GraphSet:
         shape = list(like.shape)
         if s.kind == COPY:
             if i not in self._shared:
-                self._shared[i] = torch.empty_like(like, memory_format=torch.contiguous_format)
+                self._shared[i] = _empty(like, shape, s, units)
             return self._shared[i]
         shape[s.dim] = s.coef * units
-        if s.dim == 0:  # every size is a prefix view of the largest one (captured first)
+        if s.dim == 0 and not any(a for a, _ in s.stride):
+            # every size is a prefix view of the largest one (captured first)
             big = self._shared.get(i)
             if big is None or big.shape[0] < shape[0] or list(big.shape[1:]) != shape[1:]:
-                big = self._shared[i] = like.new_empty([s.coef * self.sizes[-1]] + shape[1:])
+                big_units = max(self.sizes[-1], -(-shape[0] // s.coef))
+                big = self._shared[i] = _empty(like, [s.coef * big_units] + shape[1:], s,
+                                               big_units)
             return big[:shape[0]]
-        return like.new_empty(shape)
+        return _empty(like, shape, s, units)
 
     def _static_args(self, args: Sequence, units: int) -> list:
         out = []
@@ -156,11 +172,19 @@ class GraphSet:
         # writes) then touch only what padding rows touch (e.g. a scratch slot), never real data.
         self._fill_pad(static, args)
         runner = make_runner(self.runner_kind)
+        # A device capture runs the step (warm-up runs): state it mutates by reference is put
+        # back afterwards, so the call that captures mutates it once, as eager does. The CPU
+        # runner runs nothing at capture.
+        keep = ([(static[i], static[i].clone()) for i in self._restore_idx]
+                if runner.kind != "cpu" else [])
         # The capture runs draw from a copy of the CPU generator, so the call that captures
         # sees eager's random stream (device generators: see docs/graphs.md).
         with torch.random.fork_rng(devices=[]):
             outs = runner.capture(self._typed_fn, static)
-        self._learn_outputs(outs, units)
+        for t, saved in keep:
+            t.copy_(saved)
+        if outs:
+            self._learn_outputs(outs, units)
         e = self.entries[units] = _Entry(units, runner, static, runner.outs)
         log.debug("npuspec graphs: captured %s K=%d at %d tokens (%s runner)", self.name, self.k,
                   units * self.tokens_per_unit, self.runner_kind)
@@ -219,17 +243,9 @@ class GraphSet:
                 buf.narrow(s.dim, n, min(dirty, total) - n).fill_(s.pad)
             self._dirty[key] = n if dirty <= total else dirty
         for i in self._copy_idx:
-            # Skip the copy when the caller passes the same tensor, unmodified since last time
-            # (its version counter moves on every in-place write): weights read as plain inputs.
-            # Inference tensors have no version counter: always copied.
-            a = args[i]
-            ver = None if a.is_inference() else a._version
-            last = self._copied.get(i)
-            if (ver is not None and last is not None and last[0] is a and last[1] == ver
-                    and last[2] is static[i]):
-                continue
-            static[i].copy_(a)
-            self._copied[i] = (a, ver, static[i])
+            # every call: a caller may refill one tensor in place through a numpy view or
+            # `.data`, which its version counter does not see
+            static[i].copy_(args[i])
 
     def _check_static(self, e: _Entry, args: Sequence) -> bool:
         for i in self._static_idx:
@@ -249,9 +265,14 @@ class GraphSet:
     def run_units(self, args: Sequence, u: int):
         if self.capture_mode is False:
             return self.fn(*args)
+        with self._lock:
+            return self._run_locked(args, u)
+
+    def _run_locked(self, args: Sequence, u: int):
         units = self.pick(u)
         if units is None:
-            why = ("not row-separable and not a captured size" if self.exact_only
+            why = (f"not a captured size, and not padded ({self.exact_why or 'not row-separable'})"
+                   if self.exact_only
                    else f"above the largest captured size ({self.sizes[-1] * self.tokens_per_unit} tokens)")
             fallback(f"{self.name} K={self.k}: {u * self.tokens_per_unit} tokens {why}")
             return self.fn(*args)
@@ -267,15 +288,20 @@ class GraphSet:
             return self.fn(*args)
         self._fill(e.args, args)
         outs = e.runner.replay()  # debug mode: the runner asserts the buffers did not move
-        for i in self._token_idx:  # in-place writes of the step go back to the caller's tensor
+        if self._out_coef is None:  # the CPU runner's first replay made the outputs
+            self._learn_outputs(outs, units)
+        for i in self._back_idx:  # in-place writes of the step go back to the caller's tensor
             s = self.slots[i]
-            if s.mutated:
-                args[i].copy_(e.args[i].narrow(s.dim, 0, s.coef * u))
-        return self._slice(outs, u)
+            src = e.args[i] if s.kind == COPY else e.args[i].narrow(s.dim, 0, s.coef * u)
+            args[i].copy_(src)
+        return self._slice(outs, u, e.runner.alias, args)
 
-    def _slice(self, outs: list, u: int):
+    def _slice(self, outs: list, u: int, alias: dict, args: Sequence):
         res = []
-        for o, c, d in zip(outs, self._out_coef, self.out_dims):
+        for j, (o, c, d) in enumerate(zip(outs, self._out_coef, self.out_dims)):
+            if j in alias:  # the step returned an input (`return x.mul_(2)`): the caller's
+                res.append(args[alias[j]])
+                continue
             if c is not None and o.shape[d] != c * u:
                 o = o.narrow(d, 0, c * u)
             if self.clone_outputs and isinstance(o, torch.Tensor):
@@ -293,3 +319,12 @@ class GraphSet:
     def captured_sizes(self) -> list[int]:
         """Captured token counts, ascending."""
         return sorted(u * self.tokens_per_unit for u in self.entries)
+
+
+def _empty(like: torch.Tensor, shape: list, s: Slot, units: int) -> torch.Tensor:
+    """A buffer of `shape` with the strides the graph was compiled for (s.stride at `units`)."""
+    if s.stride and len(s.stride) == len(shape):
+        stride = [a * units + b for a, b in s.stride]
+        if all(st > 0 or n <= 1 for st, n in zip(stride, shape)):
+            return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
+    return like.new_empty(shape)

@@ -84,8 +84,10 @@ class ArgInfo:
     shape: tuple = ()               # tensors: sympy exprs
     dim: Optional[int] = None       # TOKEN: token dim
     expr: Any = None                # INT: sympy expr
-    pad: Any = 0
+    pad: Any = 1
     mutated: bool = False
+    stride: tuple = ()              # TOKEN/COPY tensors: sympy exprs
+    restore: bool = False           # STATIC: mutated other than at declared token indices
 
 
 @dataclasses.dataclass
@@ -100,6 +102,7 @@ class GraphLayout:
     verify_k: Optional[Any] = None  # sympy expr of K from the verify op, if one is in the graph
     verify_b: Optional[Any] = None  # sympy expr of the verify op's batch dim
     reason: str = ""                # why the graph cannot be padded at all ("" = it can)
+    rows: str = ""                  # why padding could change a real row ("" = it cannot)
 
 
 @dataclasses.dataclass
@@ -116,6 +119,10 @@ class KeyLayout:
 _VIEW_METHODS = {"view", "reshape", "narrow", "select", "unsqueeze", "squeeze", "transpose",
                  "permute", "flatten", "expand", "t", "as_strided", "unflatten", "__getitem__",
                  "view_as", "unbind", "split", "chunk"}
+
+
+_INPLACE = frozenset("iadd isub imul itruediv ifloordiv imod ipow iand ior ixor ilshift "
+                     "irshift imatmul".split())
 
 
 def _target_name(n: torch.fx.Node) -> str:
@@ -147,8 +154,8 @@ def _mutated(gm: torch.fx.GraphModule) -> set:
             written.append(n.args[0])
         elif n.op in ("call_method", "call_function"):
             name = _target_name(n)
-            if name.endswith("_") and not name.startswith("_") and n.args:
-                written.append(n.args[0])
+            if (name.endswith("_") and not name.startswith("_") or name in _INPLACE) and n.args:
+                written.append(n.args[0])  # x.div_(t), x /= t
             schema = getattr(n.target, "_schema", None)
             if schema is not None:
                 for a, v in zip(schema.arguments, n.args):
@@ -213,6 +220,7 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
                 verify_pads[base[d]] = pad
 
     args: list[ArgInfo] = []
+    declared = set()  # token inputs whose caller chose the padding value
     for n, ex in zip(phs, example_inputs):
         if isinstance(ex, torch.SymInt):
             args.append(ArgInfo(INT, expr=_expr(ex)))
@@ -227,13 +235,18 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
                 dim = 0  # unmarked but dynamic at dim 0 (automatic dynamic): the batch dim
             if dim is not None and not shape[dim].free_symbols:
                 dim = None  # marked, but Dynamo specialised it (e.g. size 1): nothing to pad
+            stride = tuple(_expr(s) for s in fake.stride())
             if dim is not None:
-                pad = getattr(real, PAD_ATTR, verify_pads.get(n, 0))
-                args.append(ArgInfo(TOKEN, shape, dim, pad=pad, mutated=n in mutated))
-            elif _is_static_tensor(n, real) or n in mutated:
-                args.append(ArgInfo(STATIC, shape))
-            else:
-                args.append(ArgInfo(COPY, shape))
+                # default padding 1: a safe divisor, finite through any arithmetic
+                pad = getattr(real, PAD_ATTR, verify_pads.get(n, 1))
+                if hasattr(real, PAD_ATTR):
+                    declared.add(n)
+                args.append(ArgInfo(TOKEN, shape, dim, pad=pad, mutated=n in mutated,
+                                    stride=stride))
+            elif _is_static_tensor(n, real):
+                args.append(ArgInfo(STATIC, shape, mutated=n in mutated))
+            else:  # copied in (and, when the step writes it, back out) at every call
+                args.append(ArgInfo(COPY, shape, mutated=n in mutated, stride=stride))
         else:
             args.append(ArgInfo(CONST))
 
@@ -298,13 +311,26 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
             if vr is not None:
                 ranges[s] = (vr.lower, vr.upper)
 
+    rows = ""
+    if pad_syms and not reason:
+        from npuspec.graphs.rows import row_blockers
+        seeds = token_phs | {phs[i] for i, a in enumerate(args)
+                             if a.kind == INT and a.expr.free_symbols & set(pad_syms)}
+        rows, written = row_blockers(gm, seeds, set(key_syms), declared, base)
+    else:
+        written = set()
+    for n, a in zip(phs, args):
+        if a.kind == STATIC and a.mutated:
+            a.restore = n not in written or bool(rows)
+
     vk = vb = None
     if verify:
         d = verify[0].args[1] if len(verify[0].args) > 1 else verify[0].kwargs.get("draft_token_ids")
         dv = d.meta.get("example_value") if isinstance(d, torch.fx.Node) else None
         if isinstance(dv, torch.Tensor) and dv.dim() == 2:
             vb, vk = _expr(dv.shape[0]), _expr(dv.shape[1])
-    return GraphLayout(args, outs, pad_syms, key_syms, sources, guards, ranges, vk, vb, reason)
+    return GraphLayout(args, outs, pad_syms, key_syms, sources, guards, ranges, vk, vb, reason,
+                       rows)
 
 
 # -- one key -------------------------------------------------------------------------------------
@@ -323,6 +349,17 @@ def _linear(e) -> Optional[tuple[int, int]]:
     if not (a.is_integer and b.is_integer):
         return None
     return int(a), int(b)
+
+
+def _strides(exprs: tuple, sub: dict) -> tuple:
+    """Stride exprs at one key as (a, b) per dim (stride = a*u + b); () when not linear."""
+    out = []
+    for e in exprs:
+        lin = _linear(sympy.sympify(e).subs(sub))
+        if lin is None:
+            return ()
+        out.append(lin)
+    return tuple(out)
 
 
 def runtime_values(layout: GraphLayout, args: Sequence) -> dict:
@@ -348,11 +385,13 @@ def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
     ratio, kv = key
     sub = {s: a * U for s, a in zip(layout.pad_syms, ratio)}
     sub.update(dict(zip(layout.key_syms, kv)))
-    exact = not layout.pad_syms
+    exact = not layout.pad_syms or bool(layout.rows)
     slots = []
     for a in layout.args:
+        stride = _strides(a.stride, sub)
         if a.kind == TOKEN and not sympy.sympify(a.shape[a.dim]).subs(sub).free_symbols:
-            slots.append(Slot(COPY))  # its size depends on key symbols only (e.g. K+1 at B=1)
+            # its size depends on key symbols only (e.g. K+1 at B=1)
+            slots.append(Slot(COPY, mutated=a.mutated, stride=stride))
         elif a.kind == TOKEN:
             lin = _linear(a.shape[a.dim].subs(sub))
             rest_ok = all(not sympy.sympify(e).subs(sub).free_symbols
@@ -360,13 +399,17 @@ def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
             if lin is None or lin[1] != 0 or lin[0] < 1 or not rest_ok:
                 exact = True
                 lin = lin if lin is not None and lin[0] >= 1 and lin[1] == 0 else (1, 0)
-            slots.append(Slot(TOKEN, a.dim, lin[0], 0, a.pad, a.mutated))
+            slots.append(Slot(TOKEN, a.dim, lin[0], 0, a.pad, a.mutated, stride))
         elif a.kind == INT:
             lin = _linear(a.expr.subs(sub))
             if lin is None:
                 exact = True
                 lin = (0, 0)
             slots.append(Slot(INT, 0, lin[0], lin[1]))
+        elif a.kind == COPY:
+            slots.append(Slot(COPY, mutated=a.mutated, stride=stride))
+        elif a.kind == STATIC:
+            slots.append(Slot(STATIC, restore=a.restore))
         else:
             slots.append(Slot(a.kind))
     out_dims = []

@@ -55,12 +55,24 @@ class _RunnerBase:
     def __init__(self):
         self.args: list = []
         self.outs: list = []
+        self.alias: dict[int, int] = {}  # output index -> input index it *is* (x.mul_(2))
         self._in_ptrs: list = []
         self.captured = False
 
     def _record(self, static_args):
         self.args = list(static_args)
         self._in_ptrs = _ptrs(self.args)
+
+    def _find_aliases(self, outs: list) -> None:
+        """Outputs that are an input itself (same storage, shape and strides): the caller gets
+        its own tensor back, as in eager, not a copy (Dynamo may store it as module state)."""
+        for j, o in enumerate(outs):
+            for i, a in enumerate(self.args):
+                if (isinstance(o, torch.Tensor) and isinstance(a, torch.Tensor)
+                        and o.data_ptr() == a.data_ptr() and o.shape == a.shape
+                        and o.stride() == a.stride() and o.dtype == a.dtype):
+                    self.alias[j] = i
+                    break
 
     def check_addresses(self) -> None:
         """Debug mode (NPUSPEC_DEBUG=1): static inputs must not have moved since capture."""
@@ -69,7 +81,11 @@ class _RunnerBase:
 
 
 class CpuRunner(_RunnerBase):
-    """Static input/output buffers; 'replay' runs the compiled callable on them."""
+    """Static input/output buffers; 'replay' runs the compiled callable on them.
+
+    Capture runs nothing (a CPU replay needs no recording), so a step with side effects runs
+    exactly once per call. The static outputs are made by the first replay, into the list
+    `capture` returned."""
     kind = "cpu"
 
     def __init__(self, pool=None):
@@ -79,9 +95,7 @@ class CpuRunner(_RunnerBase):
     def capture(self, fn, static_args):
         self._record(static_args)
         self.fn = fn
-        outs = _as_list(fn(*self.args))
-        # Detach from the callable's own allocations, as a device graph's outputs would be.
-        self.outs = [o.clone() if isinstance(o, torch.Tensor) else o for o in outs]
+        self.outs = []
         self.captured = True
         counters.bump("graphs_captured")
         return self.outs
@@ -90,11 +104,20 @@ class CpuRunner(_RunnerBase):
         if envs.debug():
             self.check_addresses()
         fresh = _as_list(self.fn(*self.args))
-        for i, (s, f) in enumerate(zip(self.outs, fresh)):
-            if isinstance(s, torch.Tensor):
-                s.copy_(f)
-            else:
-                self.outs[i] = f
+        if not self.outs:
+            self._find_aliases(fresh)
+            # Detach from the callable's own allocations, as a device graph's outputs would be.
+            self.outs.extend(self.args[self.alias[j]] if j in self.alias
+                             else o.clone() if isinstance(o, torch.Tensor) else o
+                             for j, o in enumerate(fresh))
+        else:
+            for i, (s, f) in enumerate(zip(self.outs, fresh)):
+                if i in self.alias:
+                    continue
+                if isinstance(s, torch.Tensor):
+                    s.copy_(f)
+                else:
+                    self.outs[i] = f
         counters.bump("graph_replays")
         return self.outs
 
@@ -130,6 +153,7 @@ class DeviceGraphRunner(_RunnerBase):
             outs = _as_list(fn(*self.args))
         api.synchronize()
         self.outs = outs
+        self._find_aliases(outs)
         self.captured = True
         counters.bump("graphs_captured")
         return self.outs

@@ -113,7 +113,8 @@ class StepDispatcher:
         return GraphSet(self.compiled, kl.slots, units, k=k, tokens_per_unit=tpu,
                         out_dims=kl.out_dims, runner=self.platform.graph_runner,
                         capture=self.opts.capture, exact_only=kl.exact_only,
-                        clone_outputs=True, name=self.name)
+                        clone_outputs=True, name=self.name,
+                        exact_why=self.layout.rows or "its outputs are not row-aligned")
 
 
 def wrap_compiled(gm: torch.fx.GraphModule, example_inputs: Sequence, compiled: Callable,

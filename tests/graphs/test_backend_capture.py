@@ -115,7 +115,8 @@ def test_verify_inputs_get_inert_pads(fresh_dynamo):
     (disp,) = _new_dispatchers(before)
     (gs,) = disp.sets.values()
     toks = [s for s in gs.slots if s.kind == "token"]
-    assert sorted((s.coef, s.pad) for s in toks) == [(1, -1), (1, 0), (1, 0.5), (1, 1.0), (4, 0)]
+    # the verify op's inputs get its inert pads; the others 1 (a safe divisor, e.g. temperature)
+    assert sorted((s.coef, s.pad) for s in toks) == [(1, -1), (1, 0.5), (1, 1), (1, 1.0), (4, 1)]
     assert gs.k == 3 and gs.tokens_per_unit == 4
 
 
