@@ -111,6 +111,23 @@ def test_acl_graph_set_pads_through_replays(npu, delta):
     assert delta() == {"graphs_captured": 4, "graph_replays": 6}
 
 
+def test_acl_capture_restores_mutated_state(npu, delta):
+    """A device capture runs the step (warm-ups, and the fake graph runs under capture too):
+    state the step mutates by reference is put back, so each call bumps it once, as eager."""
+    from npuspec.graphs import STATIC, Slot
+
+    def step(x, count):
+        count.add_(1)
+        return x * count
+
+    count = torch.zeros(())
+    gs = GraphSet(step, [token(), Slot(STATIC, restore=True)], [1, 2, 4], runner="acl")
+    for i, B in enumerate((3, 1, 2, 4), start=1):
+        x = torch.randn(B, 5)
+        assert torch.equal(gs.run(x, count), x * i) and count.item() == i, (B, count)
+    assert delta() == {"graphs_captured": 3, "graph_replays": 4}
+
+
 def test_acl_runner_without_torch_npu(monkeypatch):
     monkeypatch.delattr(torch, "npu", raising=False)
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)  # import fails
