@@ -14,6 +14,7 @@ seen K finds its set already captured.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -57,19 +58,31 @@ class StepDispatcher:
         self.compiled, self.layout, self.opts, self.platform = compiled, layout, opts, platform
         self.name = name
         self.sets: dict[Any, GraphSet] = {}
+        self.seen: set = set()  # keys of a graph with nothing to pad, seen once
+        self._lock = threading.Lock()
+        # Nothing to pad (no token dims): on CPU a replay would only add copies, so the
+        # compiled graph is called directly; on a device a shape is captured on its second
+        # call, so shapes that never come back (HF generate's growing KV length) cost none.
+        self.direct = not layout.pad_syms and platform.graph_runner == "cpu"
         _LIVE.add(self)
 
     def __call__(self, *args):
         if self.layout.reason:
             fallback(f"{self.name}: cannot pad this graph ({self.layout.reason})")
             return self.compiled(*args)
+        if self.direct:
+            return self.compiled(*args)
         key, u = key_of(self.layout, runtime_values(self.layout, args))
-        gs = self.sets.get(key)
-        if gs is None:
-            if len(self.sets) >= MAX_KEYS:
-                fallback(f"{self.name}: more than {MAX_KEYS} distinct shape layouts")
-                return self.compiled(*args)
-            gs = self.sets[key] = self._make_set(key, args)
+        with self._lock:
+            gs = self.sets.get(key)
+            if gs is None:
+                if not self.layout.pad_syms and key not in self.seen:
+                    self.seen.add(key)
+                    return self.compiled(*args)
+                if len(self.sets) >= MAX_KEYS:
+                    fallback(f"{self.name}: more than {MAX_KEYS} distinct shape layouts")
+                    return self.compiled(*args)
+                gs = self.sets[key] = self._make_set(key, args)
         return gs.run_units(args, u)
 
     def _pick_k(self, kl, slots, args) -> int:

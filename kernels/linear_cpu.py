@@ -29,6 +29,9 @@ from npuspec.kernels.cpp_build import load_library
 
 # Rows up to which the kernel beats MKL on the target CPU (AVX2, 2 threads); see the bench.
 SMALL_M_MAX = 16
+# One row is a GEMV, which MKL runs at memory speed (faster than this kernel at 1 and 2
+# threads, bench: 1.1-3.3x); from 2 rows MKL switches to a small GEMM, where the kernel wins.
+SMALL_M_MIN = 2
 
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -128,7 +131,7 @@ def available() -> bool:
 def uses_kernel(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """Whether `linear_rows(x, w, bias)` runs the kernel (else torch.mm / addmm)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.dim() == 2 and w.dim() == 2 and 0 < x.shape[0] <= SMALL_M_MAX
+            and x.dim() == 2 and w.dim() == 2 and SMALL_M_MIN <= x.shape[0] <= SMALL_M_MAX
             and x.shape[1] == w.shape[1] and x.is_contiguous() and w.is_contiguous()
             and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1
                                   and bias.is_contiguous() and bias.shape[0] == w.shape[0]))

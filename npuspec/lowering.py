@@ -32,13 +32,16 @@ from typing import Any, Callable
 import torch
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-from npuspec import counters
+from npuspec import counters, pass_counts
 from npuspec.kernels import linear_cpu
 
 log = logging.getLogger("npuspec.backend")
 
 # The small-M linear rewrite (SmallMLinearPass); part of the graph cache key (lowering_key).
 SMALL_M_LINEAR = True
+# Smaller weights stay MKL's: there the custom op's per-call cost exceeds what streaming saves
+# (docs/graphs.md, "Compiled step vs eager on a real model").
+SMALL_M_MIN_WEIGHT_BYTES = 512 * 1024
 
 
 def _is_weight_t(node: Any) -> Any:
@@ -85,6 +88,8 @@ class SmallMLinearPass(CustomInferenceAwareGraphPass):
             xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
             if w is None or not isinstance(xv, torch.Tensor) or xv.dtype != torch.float32:
                 continue
+            if w.meta["val"].numel() * 4 < SMALL_M_MIN_WEIGHT_BYTES:
+                continue
             with graph.inserting_before(node):
                 new = graph.call_function(torch.ops.npuspec.linear_rows.default, (x, w, bias))
             new.meta.update(node.meta)
@@ -104,7 +109,8 @@ def small_m_linear_uuid() -> str:
     """Hash of the pass, the kernel and its row limit (Inductor's FX cache and npuspec's key)."""
     src = inspect.getsource(SmallMLinearPass) + inspect.getsource(_is_weight_t)
     src += linear_cpu._SOURCE + inspect.getsource(linear_cpu.uses_kernel)
-    return hashlib.sha256(f"{src}|{linear_cpu.SMALL_M_MAX}".encode()).hexdigest()
+    limits = f"{linear_cpu.SMALL_M_MIN}|{linear_cpu.SMALL_M_MAX}|{SMALL_M_MIN_WEIGHT_BYTES}"
+    return hashlib.sha256(f"{src}|{limits}".encode()).hexdigest()
 
 
 def lowering_key(opts: Any) -> dict:
@@ -132,7 +138,12 @@ def inductor_config_patches(opts: Any) -> dict:
 def lower_inductor(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_config_patches(opts))
+    from npuspec.passes import InductorVerifyPass
+
+    before, runs = counters.snapshot(), InductorVerifyPass.runs
+    fn = compile_fx(gm, example_inputs, config_patches=inductor_config_patches(opts))
+    pass_counts.carry(gm, example_inputs, opts, before, ran=InductorVerifyPass.runs != runs)
+    return fn
 
 
 def _aot_with_passes(gm: torch.fx.GraphModule, example_inputs: list, inner: Callable) -> Callable:

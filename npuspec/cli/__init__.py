@@ -2,7 +2,7 @@
 
     npuspec demo                       # speculative vs plain decoding on the embedded model
     npuspec generate --prompt "def f(" [--model PATH] [--speculative-config JSON]
-    npuspec bench e2e|verify|propose|graphs|cache|passes [...]
+    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf [...]
     npuspec plan --speculative-config JSON --max-num-seqs N
     npuspec tune [--max-num-seqs N]
     npuspec cache ls|verify|prune|clear
@@ -29,6 +29,7 @@ BENCHES = {
     "cache": "cold vs warm start of a compiled speculative step with the graph cache",
     "passes": "pattern-matching passes: compile time and matched verify patterns",
     "linear": "one step's projections per weight layout (mm, few-row kernel, packed fp32/bf16/fp16)",
+    "hf": "HF generate with a compiled forward: eager vs backend=inductor vs backend=npuspec",
 }
 
 COMMANDS = {

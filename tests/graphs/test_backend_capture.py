@@ -151,13 +151,14 @@ def test_not_row_separable_is_exact_only(fresh_dynamo, delta):
     assert d["eager_fallbacks"] == 2 and d["graph_replays"] == 2
 
 
-def test_static_graph_captured_once(fresh_dynamo, delta):
+def test_static_graph_runs_direct_on_cpu(fresh_dynamo, delta):
+    """Nothing to pad: on CPU a replay would only add copies, so the graph is called directly
+    (a device captures it on its second call: tests/graphs/test_runners.py)."""
     f = compile_step(lambda x, w: (x @ w).relu(), speculative_config=None)
     x, w = torch.randn(4, 6), torch.randn(6, 3)
     for _ in range(3):
         assert torch.equal(f(x, w), (x @ w).relu())
-    d = delta()
-    assert d["graphs_captured"] == 1 and d["graph_replays"] == 3
+    assert delta() == {}
 
 
 def test_inductor_lowering_pads_and_matches(fresh_dynamo, delta):

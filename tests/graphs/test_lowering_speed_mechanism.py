@@ -22,7 +22,8 @@ def test_linear_rows_equals_f_linear(M, bias):
     x = torch.randn(M, 37, generator=g)           # K not a multiple of the vector width
     w = torch.randn(10, 37, generator=g)          # N not a multiple of the 4-row block
     b = torch.randn(10, generator=g) if bias else None
-    assert linear_cpu.uses_kernel(x, w, b) == (M <= linear_cpu.SMALL_M_MAX)
+    # one row is MKL's GEMV; 2..SMALL_M_MAX rows the kernel
+    assert linear_cpu.uses_kernel(x, w, b) == (linear_cpu.SMALL_M_MIN <= M <= linear_cpu.SMALL_M_MAX)
     torch.testing.assert_close(torch.ops.npuspec.linear_rows(x, w, b), F.linear(x, w, b),
                                rtol=1e-5, atol=1e-5)
     x3 = x.view(1, M, 37)
@@ -60,6 +61,7 @@ def test_compiled_equals_eager_through_the_kernel(monkeypatch, delta, fresh_dyna
     calls = []
     real = linear_cpu._compiled()
     monkeypatch.setattr(linear_cpu, "_compiled", lambda: (calls.append(1), real)[1])
+    monkeypatch.setattr(lowering, "SMALL_M_MIN_WEIGHT_BYTES", 0)  # this test's weights are tiny
     torch.manual_seed(0)
     m = _Block().eval()
     fn = torch.compile(m, backend="npuspec", options={"capture": False, "lowering": "inductor"})
@@ -73,3 +75,15 @@ def test_compiled_equals_eager_through_the_kernel(monkeypatch, delta, fresh_dyna
             torch.testing.assert_close(fn(x), m(x), rtol=1e-5, atol=1e-5)
             assert bool(calls) == (rows <= linear_cpu.SMALL_M_MAX)
     assert delta().get("small_m_linears", 0) == 2  # both linears, one (dynamic) graph
+
+
+def test_small_weights_stay_mkl(delta, fresh_dynamo):
+    """Below SMALL_M_MIN_WEIGHT_BYTES the custom op's per-call cost outweighs the streaming."""
+    torch.manual_seed(0)
+    m = _Block().eval()
+    assert m.a.weight.numel() * 4 < lowering.SMALL_M_MIN_WEIGHT_BYTES
+    fn = torch.compile(m, backend="npuspec", options={"capture": False, "lowering": "inductor"})
+    with torch.inference_mode(), torch._inductor.config.patch(force_disable_caches=True):
+        x = torch.randn(1, 3, 24)
+        torch.testing.assert_close(fn(x), m(x), rtol=1e-5, atol=1e-5)
+    assert "small_m_linears" not in delta()

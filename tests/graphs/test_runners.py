@@ -128,6 +128,24 @@ def test_acl_capture_restores_mutated_state(npu, delta):
     assert delta() == {"graphs_captured": 3, "graph_replays": 4}
 
 
+def test_static_graph_on_a_device_captured_on_its_second_call(npu, delta, monkeypatch,
+                                                             fresh_dynamo):
+    """A graph with nothing to pad, on a (fake) device: its first call at a shape runs the
+    compiled graph, the second captures, later ones replay; a shape seen once costs no capture
+    (HF generate's KV length grows every step)."""
+    import dataclasses
+
+    from npuspec import backend
+    plat = dataclasses.replace(backend.current_platform(), graph_runner="acl")
+    monkeypatch.setattr(backend, "current_platform", lambda: plat)
+    f = torch.compile(lambda x, w: (x @ w).relu(), backend="npuspec", options={"lowering": "eager"})
+    w = torch.randn(6, 3)
+    for n in (4, 4, 4, 5, 6, 7):  # 5, 6, 7: a dynamic dim 1 (not a batch dim), each seen once
+        x = torch.randn(2, n, 6)
+        assert torch.allclose(f(x, w), (x @ w).relu()), n
+    assert delta() == {"graphs_captured": 1, "graph_replays": 2}
+
+
 def test_acl_runner_without_torch_npu(monkeypatch):
     monkeypatch.delattr(torch, "npu", raising=False)
     monkeypatch.setitem(__import__("sys").modules, "torch_npu", None)  # import fails

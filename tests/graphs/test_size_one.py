@@ -275,10 +275,13 @@ def test_unmarked_user_step_first_call_one_request(fresh_dynamo, lowering):
 
     f = torch.compile(step, backend="npuspec", options={"lowering": lowering})
     gen = torch.Generator().manual_seed(10)
-    replays = counters["graph_replays"]
+    replays, fallbacks = counters["graph_replays"], counters["eager_fallbacks"]
     for B in (1, 2, 16, 3, 1):
         h = torch.randn(B * (K + 1), HID, generator=gen)
         d = torch.randint(-1, V, (B, K), generator=gen)
         got, want = f(h, d), step(h, d)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), B
-    assert counters["graph_replays"] - replays == 5  # every call replayed a captured graph
+    # B=1 is Dynamo's own static graph (unmarked: its 0/1 rule), which has nothing to pad, so
+    # on CPU it is called directly; B = 2, 16, 3 replay the dynamic graph's captured sizes
+    assert counters["graph_replays"] - replays == 3
+    assert counters["eager_fallbacks"] == fallbacks

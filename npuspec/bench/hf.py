@@ -1,0 +1,148 @@
+"""HF transformers' generate() with its forward compiled: eager vs backend="inductor" vs
+backend="npuspec", warm, in one run.
+
+    npuspec bench hf [--model PATH] [--prompts code-edit|FILE] [--max-tokens 64] [--repeats 3]
+
+    model.forward = torch.compile(model.forward, backend=B)    # B = inductor | npuspec
+    model.generate(ids, do_sample=False, ...)                   # one prompt at a time
+
+Rows per generate mode: greedy, prompt lookup (prompt_lookup_num_tokens=K), the static cache
+(cache_implementation="static"), and assisted generation with --draft-model (default for the
+embedded model: itself). Each system loads its own copy of the model; every row is warmed up
+(compiled) once and then timed round-robin, so machine load hits every row alike; tokens/s is
+the median. Outputs are compared token by token with the eager row of the same mode.
+
+HF's forward is one code object for every model instance, so Dynamo's recompile limit is
+raised to 256 for this run: generate's changing cache and candidate lengths recompile it.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+MODES = ("greedy", "prompt lookup", "static cache", "assisted")
+SYSTEMS = ("eager", "inductor", "npuspec")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="HF checkpoint directory or GGUF file (default: the embedded model)")
+    p.add_argument("--draft-model", default=None, metavar="PATH",
+                   help="assistant for the assisted row (default: the embedded model drafts "
+                        "for itself; a --model with another vocabulary has no assisted row "
+                        "without it)")
+    p.add_argument("--prompts", default="code-edit",
+                   help="'code-edit' (chat-templated when the checkpoint has a template) or a file")
+    p.add_argument("--num-prompts", type=int, default=4, help="first N prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("-k", type=int, default=4, help="prompt_lookup_num_tokens / assistant tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
+    return p
+
+
+def _modes(value: str) -> list[str]:
+    modes = [m.strip() for m in value.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--modes={value!r}: {bad or 'empty'} not among {', '.join(MODES)}")
+    return modes
+
+
+def compiled_model(load, backend: str):
+    """A fresh model with its forward compiled by `backend` (eager: not compiled)."""
+    import torch
+
+    m = load()
+    if backend != "eager":
+        m.forward = torch.compile(m.forward, backend=backend)
+    return m
+
+
+def run(args) -> int:
+    import json
+    import os
+
+    import torch
+
+    from npuspec.bench.e2e import Runner, encode, hf_runner, load_hf, require_transformers, run_interleaved
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
+    from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
+
+    require_transformers()
+    modes = _modes(args.modes)
+    mdir = common.model_dir(args.model)
+    threads = common.set_threads(args.threads, mdir)
+    torch._dynamo.config.recompile_limit = 256
+    if args.prompts == CODE_EDIT:
+        tok = chat_tokenizer(mdir)
+        ids = encode(mdir, code_edit_prompts(mdir, tok), tok)
+    else:
+        ids = encode(mdir, load_prompts(args.prompts))
+    ids = ids[:args.num_prompts]
+    eos = list(read_model_config(mdir).eos_token_ids)
+    draft = args.draft_model or (TINY_MODEL_DIR if os.path.realpath(mdir) == os.path.realpath(
+        TINY_MODEL_DIR) else None)
+    if "assisted" in modes and draft is None:
+        print("assisted: no --draft-model for this checkpoint; row skipped", file=sys.stderr)
+        modes.remove("assisted")
+
+    def assistant():
+        m = load_hf(common.model_dir(draft, "--draft-model"))
+        m.generation_config.num_assistant_tokens = args.k
+        m.generation_config.num_assistant_tokens_schedule = "constant"
+        return m
+
+    extra = {"greedy": {}, "prompt lookup": {"prompt_lookup_num_tokens": args.k},
+             "static cache": {"cache_implementation": "static"},
+             "assisted": {"assistant_model": assistant}}
+    runners = []
+    for system in SYSTEMS:
+        model = functools.lru_cache(None)(functools.partial(compiled_model, lambda: load_hf(mdir), system))
+        for mode in modes:
+            runners.append(Runner(system, mode, args.k if mode in ("prompt lookup", "assisted") else 0,
+                                  hf_runner(model, ids, args.max_tokens, eos, **extra[mode])))
+    with common.Progress("bench hf", len(runners) * (1 + args.repeats)) as bar:
+        run_interleaved(runners, args.repeats, bar)
+
+    by = {(r.system, r.method): r for r in runners}
+    rows = []
+    for r in runners:
+        tps = r.result["tokens"] / r.seconds
+        ref = by[("eager", r.method)]
+        ind = by[("inductor", r.method)]
+        rows.append({"mode": r.method, "system": r.system, "tokens": r.result["tokens"],
+                     "warmup_s": r.warmup_seconds, "seconds": r.seconds, "tokens_per_s": tps,
+                     "vs_eager": tps / (ref.result["tokens"] / ref.seconds),
+                     "vs_inductor": tps / (ind.result["tokens"] / ind.seconds),
+                     "identical": sum(a == b for a, b in zip(r.result["token_ids"],
+                                                             ref.result["token_ids"])),
+                     "prompts": len(ids)})
+    print_table(rows, title=f"HF generate, compiled forward ({os.path.basename(mdir.rstrip('/'))}, "
+                            f"{threads} threads, {args.max_tokens} new tokens, median of {args.repeats})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": mdir, "threads": threads, "rows": rows}, f, indent=1)
+    bad = [r for r in rows if r["identical"] != r["prompts"]]
+    for r in bad:
+        print(f"{r['system']} {r['mode']}: {r['prompts'] - r['identical']} of {r['prompts']} "
+              f"outputs differ from eager", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    from npuspec.cli.errors import run_command
+
+    args = build_parser().parse_args(argv)
+    return run_command(lambda: run(args), "npuspec bench hf", args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
