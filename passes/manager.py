@@ -40,7 +40,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical
+from npuspec.passes import canonical, prefix
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 
 log = logging.getLogger("npuspec.passes")
@@ -180,6 +180,7 @@ class PassManager:
     def _rewrite(self, graph: torch.fx.Graph, flavor: str) -> dict:
         _remove_noop_ops(graph)
         canonical.canonicalize(graph)  # repeated views merged: shared inputs match
+        prefix.prove_prefix_counts(graph, flavor)  # every accepted-prefix spelling -> one
         found = {}
         for views in ("merged", "split"):
             if views == "split":  # a merged view shared with outside code then blocks nothing
@@ -201,6 +202,7 @@ class PassManager:
     def uuid(self) -> str:
         h = hashlib.sha256(inspect.getsource(inspect.getmodule(PassManager)).encode())
         h.update(inspect.getsource(canonical).encode())
+        h.update(inspect.getsource(prefix).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()
@@ -214,10 +216,13 @@ class InductorVerifyPass(CustomGraphPass):
     very ops our patterns look for). `uuid()` enters Inductor's FX graph cache key, so editing a
     pass's source or config invalidates cached compiles, and identical passes hit the cache."""
 
+    runs = 0  # calls in this process: a compile that leaves it unchanged hit Inductor's cache
+
     def __init__(self, manager: Optional[PassManager] = None):
         self.manager = manager or PassManager()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        InductorVerifyPass.runs += 1
         self.manager.run(graph, flavor="inductor")
 
     def uuid(self) -> str:

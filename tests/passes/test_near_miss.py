@@ -80,11 +80,6 @@ def greedy_int32_drafts(logits, drafts, p, q):
     return t, (drafts == t[:, :-1]).cumprod(dim=-1).sum(dim=-1)
 
 
-def greedy_float_count(logits, drafts, p, q):
-    t = logits.argmax(-1)
-    return t, (drafts == t[:, :-1]).float().cumprod(dim=-1).sum(dim=-1)  # float prefix count
-
-
 CASES = [
     (greedy_wrong_dim, 0, torch.int64),
     (residual_wrong_dim, 0, torch.int64),
@@ -95,7 +90,6 @@ CASES = [
     (greedy_extra_use, 0, torch.int64),
     (residual_extra_use, 0, torch.int64),
     (greedy_int32_drafts, 0, torch.int32),
-    (greedy_float_count, 0, torch.int64),
 ]
 
 

@@ -1,0 +1,230 @@
+"""Accepted-prefix counts proven by exhaustive evaluation (issue 13, point 6).
+
+Codebases spell "the number of leading accepted drafts" in many ways: `cumprod().sum()`,
+`(~ok).cumsum() < 1`, the argmax of the first rejection with an all-accepted special case,
+`(ok.cumsum() - 1) == arange(K)`, an unrolled per-position loop, a bare `ok[:, 0]` when K = 1.
+Instead of one pattern per spelling, `prove_prefix_counts` finds every sub-graph that computes
+a count [B] (or [B, 1], or a scalar when B = 1) from one boolean [B, K] tensor `ok` and
+constants only, evaluates it on all 2^K masks, and, when it equals the prefix length on every
+one, replaces it with the canonical spelling `ok.cumprod(1).sum(1)` (cast back to the
+user's dtype). The pattern families then see one form (GreedyAccept, GreedyVerify).
+
+A proof over every mask is a proof: the sub-graph reads nothing but `ok`, and the masks are
+all of its values. K is limited to MAX_K (2^K evaluations, batched); random ops, graph inputs
+and data-dependent shapes end the search for that sub-graph, which is then left as written.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Optional
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils._pytree import tree_map
+
+log = logging.getLogger("npuspec.passes")
+aten = torch.ops.aten
+
+MAX_K = 12
+MAX_NODES = 40  # nodes between `ok` and a count: larger sub-graphs are not verify code
+
+
+def _val(n):
+    v = n.meta.get("val") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _static(shape) -> bool:
+    return all(isinstance(s, int) for s in shape)
+
+
+def _flags(graph: Graph) -> list[Node]:
+    out = []
+    for n in graph.nodes:
+        v = _val(n)
+        if (v is not None and v.dtype == torch.bool and v.dim() == 2
+                and isinstance(v.shape[1], int) and 1 <= v.shape[1] <= MAX_K):
+            out.append(n)
+    return out
+
+
+def _closure(ok: Node, n: Node) -> Optional[list[Node]]:
+    """The nodes computing `n` from `ok` and constants, in graph order, or None when `n`
+    reads anything else (a graph input, a random op, a node outside the budget)."""
+    seen, stack = set(), [n]
+    while stack:
+        m = stack.pop()
+        if m is ok or m in seen:
+            continue
+        if m.op == "get_attr" and _attr(m) is not None:  # a lifted constant (arange(K))
+            seen.add(m)
+            continue
+        if m.op != "call_function" or len(seen) >= MAX_NODES:
+            return None
+        t = m.target
+        if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+            return None
+        seen.add(m)
+        stack.extend(m.all_input_nodes)
+    if ok not in _inputs(seen):
+        return None
+    return [m for m in ok.graph.nodes if m in seen]
+
+
+def _attr(m: Node):
+    obj = m.graph.owning_module
+    for part in str(m.target).split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _inputs(nodes) -> set:
+    return {a for m in nodes for a in m.all_input_nodes}
+
+
+def _run(order: list[Node], ok: Node, masks: torch.Tensor):
+    env = {ok: masks}
+    for m in order:
+        if m.op == "get_attr":
+            env[m] = _attr(m)
+            continue
+        args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.args)
+        kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.kwargs)
+        env[m] = m.target(*args, **kwargs)
+    return env[order[-1]]
+
+
+def _all_masks(k: int) -> torch.Tensor:
+    return torch.tensor(list(itertools.product((False, True), repeat=k)), dtype=torch.bool)
+
+
+def _prefix(masks: torch.Tensor) -> torch.Tensor:
+    return masks.long().cumprod(1).sum(1)
+
+
+def _same(a, b) -> bool:
+    """Sizes equal without asking the shape environment (no guards)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return isinstance(a, int) and isinstance(b, int) and a == b
+    return a.node.expr == b.node.expr
+
+
+def _shape_kind(n: Node, b) -> Optional[str]:
+    v = _val(n)
+    if v is None or v.dtype == torch.bool or v.is_complex():
+        return None
+    if v.dim() == 1 and _same(v.shape[0], b):
+        return "rows"
+    if v.dim() == 2 and _same(v.shape[0], b) and v.shape[1] == 1:
+        return "keepdim"
+    if v.dim() == 0 and isinstance(b, int) and b == 1:
+        return "scalar"
+    return None
+
+
+def _proves(order, ok: Node, kind: str, b) -> bool:
+    """Evaluate on all 2^K masks (in chunks of B rows when B is baked into the graph), on real
+    tensors even when the pass runs inside a fake-tensor trace."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return _proves_real(order, ok, kind, b)
+
+
+def _proves_real(order, ok: Node, kind: str, b) -> bool:
+    k = _val(ok).shape[1]
+    masks = _all_masks(k)
+    want = _prefix(masks)
+    rows = b if isinstance(b, int) else len(masks)
+    try:
+        got = []
+        for i in range(0, len(masks), rows):
+            chunk = masks[i:i + rows]
+            if len(chunk) < rows:  # repeat the last mask: the slice's shapes stay as traced
+                chunk = torch.cat([chunk, chunk[-1:].expand(rows - len(chunk), k)])
+            if kind == "scalar":
+                r = torch.stack([_run(order, ok, chunk[j:j + 1]).reshape(()) for j in range(rows)])
+            else:
+                r = _run(order, ok, chunk).reshape(rows)
+            got.append(r[:min(rows, len(masks) - i)])
+        got = torch.cat(got)
+    except Exception as e:  # an op this evaluation cannot run (shapes, device): no proof
+        log.debug("npuspec passes: prefix proof not evaluable: %s", e)
+        return False
+    return got.shape == want.shape and bool((got.to(torch.float64) == want.to(torch.float64)).all())
+
+
+def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
+    # what `.to(dtype)` traces to in each flavor (Inductor's decompositions: a prims cast)
+    if flavor == "inductor":
+        return graph.call_function(torch.ops.prims.convert_element_type.default, (x, dtype))
+    return graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
+
+
+def _canonical(graph: Graph, ok: Node, like: Node, kind: str, flavor: str) -> Node:
+    """`ok.cumprod(1).sum(1)` (every family's first prefix spelling), cast and shaped like
+    `like`."""
+    v = _val(like)
+    with graph.inserting_before(like):
+        x = graph.call_function(aten.cumprod.default, (ok, 1))  # int64 from bool
+        x = graph.call_function(aten.sum.dim_IntList, (x, [1]))
+        if v.dtype != torch.int64:
+            x = _cast(graph, x, v.dtype, flavor)
+        if kind == "keepdim":
+            x = graph.call_function(aten.unsqueeze.default, (x, 1))
+        elif kind == "scalar":
+            x = graph.call_function(aten.sum.default, (x,))
+    _fill_meta(graph, ok, x)
+    return x
+
+
+def _fill_meta(graph: Graph, ok: Node, last: Node) -> None:
+    """meta['val'] for the new nodes (the pattern matcher's checks read it): the ops run on
+    the fake value of `ok`, which dispatches through its own fake mode."""
+    new, m = [], last
+    while m is not ok:
+        new.append(m)
+        m = m.args[0]
+    env = {ok: _val(ok)}
+    for n in reversed(new):
+        args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.args)
+        kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.kwargs)
+        env[n] = n.target(*args, **kwargs)
+        n.meta["val"] = env[n]
+
+
+def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
+    """Replace every proven prefix-count sub-graph by the canonical spelling. Returns how many."""
+    done = 0
+    for ok in _flags(graph):
+        b = _val(ok).shape[0]
+        proven: set = set()
+        # innermost first: the count itself, before the views and casts of it downstream
+        for n in list(graph.nodes):
+            if n in proven or n.op != "call_function" or n is ok:
+                continue
+            kind = _shape_kind(n, b)
+            if kind is None:
+                continue
+            order = _closure(ok, n)
+            if order is None or _is_canonical(order, ok):
+                continue
+            if not _proves(order, ok, kind, b):
+                continue
+            new = _canonical(graph, ok, n, kind, flavor)
+            n.replace_all_uses_with(new)
+            proven.update(order)
+            done += 1
+    if done:
+        graph.eliminate_dead_code()
+        log.info("npuspec passes: %d accepted-prefix counts proven and canonicalised", done)
+    return done
+
+
+def _is_canonical(order: list[Node], ok: Node) -> bool:
+    """Already `ok.cumprod(1).sum(1)` (possibly cast or shaped): nothing to rewrite."""
+    targets = [m.target for m in order]
+    return (targets[:2] == [aten.cumprod.default, aten.sum.dim_IntList]
+            and order[0].args[0] is ok and order[0].args[1] == 1
+            and len(order[1].args) == 2 and not order[1].kwargs.get("keepdim")
+            and len(order) <= 3)
