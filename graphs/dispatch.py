@@ -147,9 +147,8 @@ class GraphSet:
             # every size is a prefix view of the largest one (captured first)
             big = self._shared.get(i)
             if big is None or big.shape[0] < shape[0] or list(big.shape[1:]) != shape[1:]:
-                big_units = max(self.sizes[-1], -(-shape[0] // s.coef))
-                big = self._shared[i] = _empty(like, [s.coef * big_units] + shape[1:], s,
-                                               big_units)
+                big = self._shared[i] = _empty(like, [s.coef * self.sizes[-1]] + shape[1:], s,
+                                               self.sizes[-1])
             return big[:shape[0]]
         return _empty(like, shape, s, units)
 

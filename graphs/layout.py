@@ -29,6 +29,7 @@ import sympy
 import torch
 
 from npuspec.graphs.dispatch import CONST, COPY, INT, STATIC, TOKEN, Slot
+from npuspec.graphs.rows import inplace_name, row_blockers
 
 U = sympy.Symbol("u", integer=True, positive=True)
 TOKEN_DIM_ATTR = "_npuspec_token_dim"
@@ -121,10 +122,6 @@ _VIEW_METHODS = {"view", "reshape", "narrow", "select", "unsqueeze", "squeeze", 
                  "view_as", "unbind", "split", "chunk"}
 
 
-_INPLACE = frozenset("iadd isub imul itruediv ifloordiv imod ipow iand ior ixor ilshift "
-                     "irshift imatmul".split())
-
-
 def _target_name(n: torch.fx.Node) -> str:
     t = n.target
     return t if isinstance(t, str) else getattr(t, "__name__", str(t))
@@ -154,7 +151,7 @@ def _mutated(gm: torch.fx.GraphModule) -> set:
             written.append(n.args[0])
         elif n.op in ("call_method", "call_function"):
             name = _target_name(n)
-            if (name.endswith("_") and not name.startswith("_") or name in _INPLACE) and n.args:
+            if inplace_name(name) and n.args:
                 written.append(n.args[0])  # x.div_(t), x /= t
             schema = getattr(n.target, "_schema", None)
             if schema is not None:
@@ -313,7 +310,6 @@ def analyse(gm: torch.fx.GraphModule, example_inputs: Sequence) -> GraphLayout:
 
     rows = ""
     if pad_syms and not reason:
-        from npuspec.graphs.rows import row_blockers
         seeds = token_phs | {phs[i] for i, a in enumerate(args)
                              if a.kind == INT and a.expr.free_symbols & set(pad_syms)}
         rows, written = row_blockers(gm, seeds, set(key_syms), declared, base)

@@ -65,7 +65,8 @@ RANDOM = frozenset("""rand randn randint rand_like randn_like randint_like berno
 exponential uniform normal dropout randperm poisson""".split())
 INPLACE_OPERATORS = {"iadd": "add", "isub": "sub", "imul": "mul", "itruediv": "truediv",
                      "ifloordiv": "floordiv", "imod": "mod", "ipow": "pow", "iand": "and_",
-                     "ior": "or_", "ixor": "xor", "ilshift": "lshift", "irshift": "rshift"}
+                     "ior": "or_", "ixor": "xor", "ilshift": "lshift", "irshift": "rshift",
+                     "imatmul": "matmul"}
 INDEX_WRITES = frozenset("setitem index_put index_copy index_add index_fill".split())
 CONTRACT = frozenset("matmul mm bmm linear embedding scaled_dot_product_attention addmm "
                      "baddbmm layer_norm rms_norm pad cat concat concatenate stack".split())
@@ -75,6 +76,11 @@ _check_is_size _assert_tensor_metadata _check _check_with""".split())
 # npuspec's ops: inputs and outputs row-aligned at dim 0; they may read a scatter-written pool
 ROW_OPS = frozenset("""rejection_sample paged_attention add_rms_norm linear_packed linear_rows
 greedy_accept ratio_accept residual_probs residual_sample""".split())
+
+
+def inplace_name(name: str) -> bool:
+    """`x.div_(t)` / `torch.Tensor.add_` or Python's `x /= t` (operator.itruediv)."""
+    return (name.endswith("_") and not name.startswith("_")) or name in INPLACE_OPERATORS
 
 
 def op_name(n: Node) -> str:
@@ -198,7 +204,7 @@ class _Rows:
         if base in INDEX_WRITES or name in INDEX_WRITES:
             return self.index_write(n, base)
         self.no_taint(n)
-        if self.writes_token_free(n, name, base):
+        if self.writes_token_free(n, name):
             raise _Blocked(f"writes token data into {n.args[0]}, which has no token dim")
         if base in RANDOM:
             raise _Blocked("draws random numbers for the whole batch")
@@ -238,9 +244,8 @@ class _Rows:
                 raise _Blocked(f"reads {self.base.get(a, a)} (written at token indices) other "
                                f"than by gathering rows")
 
-    def writes_token_free(self, n: Node, name: str, base: str) -> bool:
-        inplace = (name.endswith("_") and not name.startswith("_")) or name in INPLACE_OPERATORS
-        if not inplace or not n.args or not isinstance(n.args[0], Node):
+    def writes_token_free(self, n: Node, name: str) -> bool:
+        if not inplace_name(name) or not n.args or not isinstance(n.args[0], Node):
             return False
         return n.args[0] not in self.dep
 
@@ -258,7 +263,7 @@ class _Rows:
                 if b + nd - self.ndim(a) != d:
                     raise _Blocked("token dims of its inputs are not aligned")
 
-    def _dims(self, n: Node, dims, nd: int) -> list[int]:
+    def _dims(self, dims, nd: int) -> list[int]:
         if isinstance(dims, (list, tuple)):
             return [int(x) % nd for x in dims]
         return [int(dims) % nd]
@@ -266,7 +271,7 @@ class _Rows:
     def dims_not_bd(self, n: Node, dims, what: str) -> None:
         x = n.args[0]
         d = self.bd(x)
-        if d is not None and d in self._dims(n, dims, self.ndim(x)):
+        if d is not None and d in self._dims(dims, self.ndim(x)):
             raise _Blocked(f"{what} along the token dim")
         self.out_has_one(n)
 
@@ -363,10 +368,10 @@ class _Rows:
         if not isinstance(v, torch.Tensor):  # an item of a tuple (topk, split, size)
             return self.out_has_one(n)
         idx = list(idx) if isinstance(idx, tuple) else [idx]
-        self.check_index(x, idx, reading=True)
+        self.check_index(x, idx)
         self.out_has_one(n)
 
-    def check_index(self, x, idx: list, reading: bool) -> None:
+    def check_index(self, x, idx: list) -> None:
         """x[idx]: at x's token dim only a full slice or the row ids; token data as an index
         into a token-free x is a gather (fine)."""
         for t in idx:
@@ -404,7 +409,7 @@ class _Rows:
             idx = list(n.args[1]) if base == "index_put" else [n.args[2]]
             vals = list(n.args[2:])
         if x in self.dep and not self.is_tainted(x):
-            self.check_index(x, idx, reading=False)
+            self.check_index(x, idx)
             return
         for t in idx:
             if isinstance(t, Node) and t in self.dep:

@@ -74,16 +74,22 @@ class StepDispatcher:
             return self.compiled(*args)
         key, u = key_of(self.layout, runtime_values(self.layout, args))
         with self._lock:
-            gs = self.sets.get(key)
-            if gs is None:
-                if not self.layout.pad_syms and key not in self.seen:
-                    self.seen.add(key)
-                    return self.compiled(*args)
-                if len(self.sets) >= MAX_KEYS:
-                    fallback(f"{self.name}: more than {MAX_KEYS} distinct shape layouts")
-                    return self.compiled(*args)
-                gs = self.sets[key] = self._make_set(key, args)
-        return gs.run_units(args, u)
+            gs = self._set_for(key, args)
+        return self.compiled(*args) if gs is None else gs.run_units(args, u)
+
+    def _set_for(self, key, args):
+        """The graph set of `key` (made on first use), or None: run the compiled graph."""
+        gs = self.sets.get(key)
+        if gs is not None:
+            return gs
+        if not self.layout.pad_syms and key not in self.seen:
+            self.seen.add(key)  # first call at this shape: not worth a capture yet
+            return None
+        if len(self.sets) >= MAX_KEYS:
+            fallback(f"{self.name}: more than {MAX_KEYS} distinct shape layouts")
+            return None
+        gs = self.sets[key] = self._make_set(key, args)
+        return gs
 
     def _pick_k(self, kl, slots, args) -> int:
         if kl.k is not None:
