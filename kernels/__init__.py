@@ -17,17 +17,21 @@ def prebuild_cpu_kernels() -> None:
     """Compile the CPU kernels' C++ (packed linear, add+RMSNorm, paged attention, fused verify)
     on two background threads.
 
-    Each library compiles on first use (g++, 5-10 s apiece). An engine starts this before it
-    loads its model, so the compiles overlap loading, packing and Dynamo's tracing instead of
-    adding to them. A first use that comes early waits on Inductor's per-library file lock and
-    loads the finished library. Runs once per process; failures are logged by the loaders."""
-    # two g++ runs at a time (these machines have 2+ cores); the kernels pack_model needs
-    # first, the ones the first step needs second
+    Each library compiles on first use (g++, 1-4 s apiece once Inductor's precompiled
+    cpp_prefix.h exists; the first build makes it, ~8 s, kernels/cpp_build.py). An engine
+    starts this before it loads its model, so the compiles, and the header Inductor's own
+    kernels then reuse, overlap loading, packing and Dynamo's tracing instead of adding to
+    them. Packing waits only for the vector-ISA probe, which each thread runs first. A first
+    use that comes early waits on Inductor's per-library file lock and loads the finished
+    library. Runs once per process; failures are logged by the loaders."""
+    # two g++ runs at a time (these machines have 2+ cores)
     for chain in (("linear_packed_cpu", "paged_attention_cpu"), ("rms_norm_cpu", "verify_cpu")):
         threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",
                          daemon=True).start()
 
 
 def _prebuild(names: tuple[str, ...]) -> None:
+    from npuspec.kernels.cpp_build import vec_isa
+    vec_isa()  # first: packing a model at load waits for it (linear_packed_cpu.block_width)
     for name in names:
         importlib.import_module(f"npuspec.kernels.{name}").available()

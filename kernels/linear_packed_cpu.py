@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from typing import Optional
 
 import torch
 
-from npuspec.kernels.cpp_build import load_library
+from npuspec._counters import counters
+from npuspec.kernels.cpp_build import load_library, toolchain_present, vec_isa
+
+log = logging.getLogger(__name__)
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -133,10 +137,34 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def block_width() -> int:
-    """Output columns per packed panel (2 SIMD vectors of this CPU's build)."""
+    """Output columns per packed panel: 2 SIMD vectors of the ISA Inductor builds the kernel
+    for. Known without the build, so a model packs while g++ runs; the op checks it against
+    the built kernel's `kBW` and takes the reference if they differ."""
+    isa = vec_isa()
+    # no usable ISA: ATen's generic Vectorized<float> is 32 bytes
+    return 2 * (isa.nelements(torch.float) if isa else 8)
+
+
+def can_pack() -> bool:
+    """Whether to pack now: a compiler is present. The build itself runs in the background
+    (`prebuild_cpu_kernels`); if it fails after all, the op logs once and runs the reference."""
+    return toolchain_present()
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_for(bw: int):
+    """The kernel library when it was built for panels of `bw` columns, else None (logged
+    once per width)."""
     lib = _library()
-    assert lib is not None, "the packed linear kernel is not available here"
-    return int(lib.npuspec_linear_packed_block())
+    if lib is None:
+        return None  # load_library logged why
+    built = int(lib.npuspec_linear_packed_block())
+    if built != bw:
+        log.warning("npuspec: weights were packed for %d-column panels but the packed linear "
+                    "kernel was built for %d; npuspec::linear_packed runs its PyTorch reference",
+                    bw, built)
+        return None
+    return lib
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
@@ -176,8 +204,10 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
     M, K = x.shape
     nb, Kw, bw = wp.shape
     assert K == Kw and n <= nb * bw and wp.dtype in _SUFFIX, (x.shape, wp.shape, n, wp.dtype)
-    lib = _library()
-    assert lib is not None and bw == block_width(), (bw, "packed for another kernel build")
+    lib = _kernel_for(bw)
+    if lib is None:
+        counters.bump("eager_fallbacks")
+        return linear_packed_reference(x, wp, bias, n)
     x = x.float().contiguous()
     wp = wp.contiguous()
     b = bias

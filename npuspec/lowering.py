@@ -25,7 +25,6 @@ one ATen op each, so one traced pattern per idiom covers them all.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
 from typing import Any, Callable
 
@@ -107,8 +106,8 @@ class SmallMLinearPass(CustomInferenceAwareGraphPass):
 
 def small_m_linear_uuid() -> str:
     """Hash of the pass, the kernel and its row limit (Inductor's FX cache and npuspec's key)."""
-    src = inspect.getsource(SmallMLinearPass) + inspect.getsource(_is_weight_t)
-    src += linear_cpu._SOURCE + inspect.getsource(linear_cpu.uses_kernel)
+    from npuspec.passes.patterns import _source_hash
+    src = _source_hash(SmallMLinearPass, _is_weight_t, linear_cpu.uses_kernel) + linear_cpu._SOURCE
     limits = f"{linear_cpu.SMALL_M_MIN}|{linear_cpu.SMALL_M_MAX}|{SMALL_M_MIN_WEIGHT_BYTES}"
     return hashlib.sha256(f"{src}|{limits}".encode()).hexdigest()
 

@@ -41,7 +41,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
 from npuspec.passes import canonical, prefix
-from npuspec.passes.patterns import VerifyPattern, default_patterns
+from npuspec.passes.patterns import VerifyPattern, _source_hash, default_patterns
 
 log = logging.getLogger("npuspec.passes")
 
@@ -200,9 +200,7 @@ class PassManager:
         return found
 
     def uuid(self) -> str:
-        h = hashlib.sha256(inspect.getsource(inspect.getmodule(PassManager)).encode())
-        h.update(inspect.getsource(canonical).encode())
-        h.update(inspect.getsource(prefix).encode())
+        h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, prefix).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()

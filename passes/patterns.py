@@ -24,6 +24,7 @@ torch.rand / exponential_ / Gumbel draws are kept; multinomial stays the user's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import itertools
@@ -146,7 +147,11 @@ def _bind(fn, **fixed):
     return bound
 
 
+@functools.lru_cache(maxsize=None)
 def _source_hash(*objs) -> str:
+    """sha256 of the objects' source. Cached: an engine's warm-up asks for every pass's
+    uuid a few dozen times (cache keys, Inductor's FX cache), and reading the source of a
+    module costs ~5 ms; a process's loaded source does not change under it."""
     h = hashlib.sha256()
     for o in objs:
         h.update(inspect.getsource(o).encode())

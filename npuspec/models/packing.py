@@ -16,15 +16,16 @@ import torch
 from torch import nn
 
 from npuspec.kernels import linear_packed_cpu as lp
-from npuspec.kernels import rms_norm_cpu
 
 log = logging.getLogger(__name__)
 
 
 def can_pack(model: nn.Module) -> bool:
-    """CPU weights in a dtype the kernel reads, and a working C++ toolchain."""
+    """CPU weights in a dtype the kernel reads, and a C++ compiler. The kernel's build is not
+    awaited (it runs in the background, `prebuild_cpu_kernels`); should it fail, the op logs
+    once and runs its PyTorch reference on the packed weights."""
     w = model.norm.weight
-    return w.device.type == "cpu" and w.dtype in lp.WEIGHT_DTYPES and lp.available()
+    return w.device.type == "cpu" and w.dtype in lp.WEIGHT_DTYPES and lp.can_pack()
 
 
 def _pack_linear(layer: nn.Linear) -> None:
@@ -55,5 +56,5 @@ def pack_model(model: nn.Module) -> bool:
         else:
             model.head_packed = lp.pack_weight(model.lm_head.weight.detach())
             model.lm_head = None
-    model.fused_norm = rms_norm_cpu.available()
+    model.fused_norm = lp.can_pack()  # same toolchain; the op falls back the same way
     return True

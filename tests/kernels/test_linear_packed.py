@@ -107,9 +107,9 @@ def test_packed_half_model_close_to_unpacked(dtype):
     assert (got - ref).abs().max() < 0.05 * scale, ((got - ref).abs().max(), scale)
 
 
-def test_no_kernel_leaves_model_unpacked(monkeypatch, caplog):
+def test_no_compiler_leaves_model_unpacked(monkeypatch, caplog):
     _, model = load_model("tiny")
-    monkeypatch.setattr(lp, "available", lambda: False)
+    monkeypatch.setattr(lp, "toolchain_present", lambda: False)
     with caplog.at_level(logging.WARNING, logger="npuspec.models.packing"):
         assert not pack_model(model)
     assert model.layers[0].wqkv.weight is not None and model.head_packed is None
@@ -127,3 +127,35 @@ def test_bench_linear_runs(capsys):
         ms = [float(p[n + 1].replace(",", "")) for p in lines if p[:n] == variant.split() and len(p) > n + 1]
         assert len(ms) == 2 and all(m > 0 for m in ms), (variant, out)  # M=1 and M=5
     assert "sum GB/s" in out
+
+
+def test_block_width_known_before_the_build_matches_the_kernel():
+    # weights pack while g++ runs, with the width predicted from Inductor's vector ISA
+    assert lp.block_width() == lp._library().npuspec_linear_packed_block()
+
+
+def test_weights_packed_for_another_width_take_the_reference(caplog):
+    from npuspec import counters
+    bw = 2 * lp.block_width()  # not what this build reads
+    w, x, bias = torch.randn(40, 24), torch.randn(3, 24), torch.randn(40)
+    nb = -(-40 // bw)
+    padded = torch.zeros(nb * bw, 24)
+    padded[:40] = w
+    wp = padded.view(nb, bw, 24).transpose(1, 2).contiguous()
+    before = counters.snapshot()
+    with caplog.at_level(logging.WARNING):
+        y = torch.ops.npuspec.linear_packed(x, wp, bias, 40)
+    assert counters.delta(before).get("eager_fallbacks") == 1
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), atol=1e-5, rtol=1e-5)
+    assert f"{bw}-column panels" in caplog.text
+
+
+def test_a_failed_build_after_packing_takes_the_reference(monkeypatch):
+    from npuspec import counters
+    w, x = torch.randn(50, 24), torch.randn(2, 24)
+    wp = lp.pack_weight(w)
+    monkeypatch.setattr(lp, "_kernel_for", lambda bw: None)
+    before = counters.snapshot()
+    y = torch.ops.npuspec.linear_packed(x, wp, None, 50)
+    assert counters.delta(before).get("eager_fallbacks") == 1
+    torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=1e-5)

@@ -103,3 +103,42 @@ def test_a_broken_build_is_reported_and_unavailable(caplog):
         assert load_library("this is not C++ {", "test kernel", "using the reference", {}) is None
     assert "the test kernel could not be compiled" in caplog.text
     assert "using the reference" in caplog.text
+
+
+def test_a_failed_build_takes_the_reference(monkeypatch):
+    # a model picks the op before its build finishes (packing.pack_model); a build that
+    # fails after all must still give the reference's values, counted
+    from npuspec import counters
+    x, r, w = torch.randn(3, 64), torch.randn(3, 64), torch.randn(64)
+    monkeypatch.setattr(rn, "_library", lambda: None)
+    before = counters.snapshot()
+    out, s = torch.ops.npuspec.add_rms_norm(x, r, w, 1e-5)
+    assert counters.delta(before).get("eager_fallbacks") == 1
+    ref_out, ref_s = rn.add_rms_norm_reference(x, r, w, 1e-5)
+    assert torch.equal(out, ref_out) and torch.equal(s, ref_s)
+
+
+def test_kernels_share_inductor_kernels_precompiled_header(monkeypatch):
+    """load_library compiles with the command Inductor's CPU kernels use and its precompiled
+    cpp_prefix.h, so a cold start builds that header once for both (kernels/cpp_build.py)."""
+    import uuid
+
+    from torch._inductor import codecache
+
+    from npuspec.kernels import cpp_build
+
+    cache = cpp_build._code_cache()
+    assert cache.cpp_compile_command_flags == codecache.CppPythonBindingsCodeCache.cpp_compile_command_flags
+    assert cache._get_uncompiled_header("cpu") == codecache.CppPythonBindingsCodeCache._get_uncompiled_header("cpu")
+    seen = []
+    real = codecache._precompile_header
+
+    def spy(header, cmd, **kw):
+        seen.append(header)
+        return real(header, cmd, **kw)
+
+    monkeypatch.setattr(codecache, "_precompile_header", spy)
+    src = ("#include <torch/csrc/inductor/cpp_prefix.h>\n"
+           f'extern "C" int npuspec_test_{uuid.uuid4().hex}() {{ return at::vec::Vectorized<float>::size(); }}\n')
+    lib = cpp_build.load_library(src, "test kernel", "nothing", {})
+    assert lib is not None and seen == ["torch/csrc/inductor/cpp_prefix.h"]
