@@ -5,7 +5,7 @@ or the user computes the emitted tokens their own way), the passes rewrite that 
 of these ops instead of the whole `npuspec::rejection_sample`:
 
     greedy_accept(draft_ids, target_ids)            -> int64 [...]   accepted-prefix length
-    ratio_accept(p, q, draft_ids, uniforms)         -> int64 [...]   standard test, prefix length
+    ratio_accept(p, q, draft_ids, uniforms, mode)   -> int64 [...]   standard test, prefix length
     residual_probs(p, q, normalize)                 -> float [..., V] clamp(p - q, 0) (normalised)
     residual_sample(p, q, noise, normalize, sampler)-> int64 [...]   exponential race / Gumbel-max
 
@@ -89,28 +89,45 @@ def _at_ids(p: Tensor, ids: Tensor) -> Tensor:
     return p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
+# How a position's test is written, as the accept predicate over (ratio, u). Each is evaluated
+# exactly as written, so NaN goes where it goes in eager: `u <= ratio` / `ratio >= u` rejects a
+# NaN, while `~(u > ratio)` (code that keeps the rejections) accepts it.
+ACCEPT_MODES = {
+    "ge": lambda r, u: r >= u,          # u <= ratio         (Leviathan et al., HF, vLLM v1)
+    "gt": lambda r, u: r > u,           # u < ratio          (vLLM v0, vllm-ascend)
+    "not_lt": lambda r, u: ~(u > r),    # rejected: u > ratio (lucidrains, gpt-fast)
+    "not_le": lambda r, u: ~(u >= r),   # rejected: u >= ratio
+}
+
+
 @torch.library.custom_op("npuspec::ratio_accept", mutates_args=())
-def ratio_accept(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor) -> Tensor:
+def ratio_accept(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor,
+                 mode: str = "ge") -> Tensor:
     """p, q: float [..., K, V] target/draft probs (q None: one-hot drafts), draft_ids int64 [..., K],
     uniforms float [..., K] -> int64 [...] accepted-prefix length.
 
-    Position k is accepted iff p(x)/q(x) >= u (q None: p(x) >= u), evaluated exactly as the
-    user's expression is in eager: one float division, one comparison. NaN ratios (0/0) reject."""
+    Position k is accepted iff ACCEPT_MODES[mode](p(x)/q(x), u) (q None: p(x) in place of
+    the ratio), evaluated exactly as the user's expression is in eager: one float division,
+    one comparison. With the default "ge", NaN ratios (0/0) reject."""
     assert draft_ids.dtype == torch.int64, draft_ids.dtype
+    assert mode in ACCEPT_MODES, mode
     px = _at_ids(p, draft_ids)  # [..., K]
     ratio = px if q is None else px / _at_ids(q, draft_ids)
-    return _prefix_len(ratio >= uniforms)
+    return _prefix_len(ACCEPT_MODES[mode](ratio, uniforms))
 
 
 @ratio_accept.register_fake
-def _(p, q, draft_ids, uniforms):
+def _(p, q, draft_ids, uniforms, mode="ge"):
     return draft_ids.new_empty(draft_ids.shape[:-1], dtype=torch.int64)
 
 
-def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor) -> Tensor:
+def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor,
+                     mode: str = "ge") -> Tensor:
     px = p.gather(-1, draft_ids[..., None])[..., 0]
     ratio = px if q is None else px / q.gather(-1, draft_ids[..., None])[..., 0]
-    return prefix_len_ref(uniforms <= ratio)
+    ok = {"ge": lambda: uniforms <= ratio, "gt": lambda: uniforms < ratio,
+          "not_lt": lambda: ~(uniforms > ratio), "not_le": lambda: ~(uniforms >= ratio)}[mode]()
+    return prefix_len_ref(ok)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,8 +19,10 @@ traced with the same table as the graph they run on:
   the manager runs as Inductor's `joint_custom_pre_pass` (see `InductorVerifyPass`).
 - "aten": no decompositions; used by the eager lowering on the graph from AOT autograd.
 
-Before matching, `canonicalize` rewrites dim/slice literals into one form (both in the graph and
-in the traced patterns). `counters["verify_patterns_matched"]` moves by the number of
+Before matching, in this order: `canonicalize` rewrites dim/slice literals into one form (both
+in the graph and in the traced patterns); `picks.canonical_picks` puts every spelling of
+"p at the drafted ids" into the gather form; `prefix.prove_prefix_counts` proves every
+accepted-prefix count and rewrites it into the cumprod form. `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family). With NPUSPEC_DEBUG_DUMP set,
 each run writes `NNNN_1_before.txt` / `NNNN_2_after.txt` there (numbered per process).
 """
@@ -40,7 +42,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical, prefix
+from npuspec.passes import canonical, picks, prefix
 from npuspec.passes.patterns import VerifyPattern, _source_hash, default_patterns
 
 log = logging.getLogger("npuspec.passes")
@@ -117,8 +119,10 @@ def _remove_noop_ops(graph: torch.fx.Graph) -> None:
         remove_noop_ops(graph)
 
 
-# Every pattern's output node is one of these ops; a graph without any is skipped outright.
-_ANCHORS = ("sum", "argmax", "multinomial", "where", "squeeze", "gather")
+# Every pattern's output node is one of these ops, or the prefix proof and the pick rewrite
+# (which make one) start from one of them; a graph without any is skipped outright.
+_ANCHORS = ("sum", "argmax", "multinomial", "where", "squeeze", "gather", "index", "index_put",
+            "max", "min", "cumsum", "cumprod", "cummin")
 
 
 def _has_anchor(graph: torch.fx.Graph) -> bool:
@@ -180,6 +184,8 @@ class PassManager:
     def _rewrite(self, graph: torch.fx.Graph, flavor: str) -> dict:
         _remove_noop_ops(graph)
         canonical.canonicalize(graph)  # repeated views merged: shared inputs match
+        if picks.canonical_picks(graph, flavor):  # p[b, k, ids], reshape-for-squeeze -> gather
+            canonical.canonicalize(graph)  # the new views merge with the user's
         prefix.prove_prefix_counts(graph, flavor)  # every accepted-prefix spelling -> one
         found = {}
         for views in ("merged", "split"):
@@ -200,7 +206,7 @@ class PassManager:
         return found
 
     def uuid(self) -> str:
-        h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, prefix).encode())
+        h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, picks, prefix).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()

@@ -331,10 +331,22 @@ class RatioAcceptConfig:
     one_hot: bool = True  # also match p(x) >= u without draft probs
     bounded: tuple = ("min", "clamp")  # gpt-fast's u <= min(1, p/q), and u <= (p/q).clamp(max=1)
     bounded_tails: tuple = ("cumprod", "cumsum_not")
+    modes: tuple = ("gt", "not_lt", "not_le")  # comparison directions besides `ratio >= u`
 
 
-def _bounded(ratio, how):        # min(1, ratio), as gpt-fast writes it or as a clamp
+def _bounded(ratio, how):        # min(1, ratio): gpt-fast, a clamp, vLLM v0's full((1,), 1)
+    if how == "full1":
+        return torch.minimum(ratio, torch.full((1,), 1, device=ratio.device))
     return torch.minimum(torch.ones(()), ratio) if how == "min" else ratio.clamp(max=1)
+
+
+# the accept test of each ratio_accept mode but the default, as it reads after
+# canonical.canonicalize (`u < r` is written `r > u` there)
+MODE_SPELLINGS = {
+    "gt": lambda r, u: r > u,
+    "not_lt": lambda r, u: ~(u > r),
+    "not_le": lambda r, u: ~(u >= r),
+}
 
 
 def _unbounded_u(u):
@@ -450,6 +462,45 @@ class RatioAccept(VerifyPattern):
 
         ex_hf = lambda: [torch.rand(1, 5, 9), torch.rand(1, 4, 9), torch.randint(0, 9, (1, 4))]  # noqa: E731
         out.append(Spelling("hf_speculative_sampling", s_hf, r_hf, ex_hf))
+        out += self._mode_spellings(ex)
+        return out
+
+    def _mode_spellings(self, ex) -> list:
+        """The other comparison directions: vLLM v0's `u < ratio` (also under
+        `torch.minimum(ratio, torch.full((1,), 1))`), and code that keeps the rejections
+        (lucidrains' `r > p / q`, `u >= ratio`). Only the cumprod tail: the prefix proof
+        (prefix.py) has put every count into that form, a count of leading rejections as
+        `(~reject).cumprod(1).sum(1)`."""
+        out = []
+        for mode in self.config.modes:
+            cmp = MODE_SPELLINGS[mode]
+
+            def s(p, q, ids, u, cmp):
+                return tail_cumprod(cmp(_gather_at(p, ids) / _gather_at(q, ids), u))
+
+            def s1(p, ids, u, cmp):
+                return tail_cumprod(cmp(_gather_at(p, ids), u))
+
+            def r(p, q, ids, u, mode):
+                return npuspec_ops.ratio_accept(p, q, ids, u, mode)
+
+            def r1(p, ids, u, mode):
+                return npuspec_ops.ratio_accept(p, None, ids, u, mode)
+
+            ex1 = lambda: [ex()[0], ex()[2], ex()[3]]  # noqa: E731
+            out.append(Spelling(f"mode_{mode}", _bind(s, cmp=cmp), _bind(r, mode=mode), ex))
+            out.append(Spelling(f"onehot_mode_{mode}", _bind(s1, cmp=cmp), _bind(r1, mode=mode), ex1))
+        if "gt" in self.config.modes:
+            # u < min(ratio, 1) holds iff u < 1 and u < ratio (NaN false on both sides), so
+            # u -> where(u < 1, u, nan) turns it into the plain "gt" test
+            for how in ("min", "full1"):
+                def s_b(p, q, ids, u, how):
+                    return tail_cumprod(_bounded(_gather_at(p, ids) / _gather_at(q, ids), how) > u)
+
+                def r_b(p, q, ids, u):
+                    return npuspec_ops.ratio_accept(p, q, ids, torch.where(u < 1, u, float("nan")), "gt")
+
+                out.append(Spelling(f"bounded_{how}_gt", _bind(s_b, how=how), r_b, ex))
         return out
 
     def extra_check(self, match) -> bool:
@@ -554,11 +605,20 @@ class Residual(VerifyPattern):
             return False
         if p.dtype not in FLOATS or q.dtype != p.dtype or not _eq_shape(p.shape, q.shape) or p.dim() < 1:
             return False
-        if noise is not None and (noise.dtype != p.dtype or not _eq_shape(noise.shape, p.shape)):
+        if noise is not None and (noise.dtype != p.dtype or not _noise_fits(noise.shape, p.shape)):
             return False
         if "noise" not in match.kwargs and p.dim() not in (1, 2):  # multinomial takes 1-D/2-D
             return False
         return True
+
+
+def _noise_fits(noise, p) -> bool:
+    """noise has p's shape, or broadcasts to it without growing it (per-request noise
+    [B, 1, V] for a [B, K, V] residual, as vllm-ascend's PyTorch path draws it); the op
+    divides by it exactly as the user's broadcast does."""
+    return len(noise) == len(p) and all(
+        _eq_shape((n,), (d,)) or (isinstance(n, int) and n == 1) for n, d in zip(noise, p)) and \
+        _eq_shape(noise[-1:], p[-1:])
 
 
 # The library, supersets first (the manager's order).

@@ -7,7 +7,10 @@ Instead of one pattern per spelling, `prove_prefix_counts` finds every sub-graph
 a count [B] (or [B, 1], or a scalar when B = 1) from one boolean [B, K] tensor `ok` and
 constants only, evaluates it on all 2^K masks, and, when it equals the prefix length on every
 one, replaces it with the canonical spelling `ok.cumprod(1).sum(1)` (cast back to the
-user's dtype). The pattern families then see one form (GreedyAccept, GreedyVerify).
+user's dtype). A count of leading Falses (the tensor holds rejections, as lucidrains'
+`find_first_true_index(r > p / q)` = `((r > p / q).cumsum(-1) == 0).sum(-1)` does) becomes
+`(~ok).cumprod(1).sum(1)`. The pattern families then see one form (GreedyAccept,
+GreedyVerify, RatioAccept's rejection spellings).
 
 A proof over every mask is a proof: the sub-graph reads nothing but `ok`, and the masks are
 all of its values. K is limited to MAX_K (2^K evaluations, batched); random ops, graph inputs
@@ -123,18 +126,19 @@ def _shape_kind(n: Node, b) -> Optional[str]:
     return None
 
 
-def _proves(order, ok: Node, kind: str, b) -> bool:
+def _proves(order, ok: Node, kind: str, b) -> Optional[bool]:
     """Evaluate on all 2^K masks (in chunks of B rows when B is baked into the graph), on real
-    tensors even when the pass runs inside a fake-tensor trace."""
+    tensors even when the pass runs inside a fake-tensor trace. True: the count of leading
+    Trues of `ok`; False: of leading Falses (`ok` holds rejections, as in
+    `(reject.cumsum(-1) == 0).sum(-1)`); None: neither."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
         return _proves_real(order, ok, kind, b)
 
 
-def _proves_real(order, ok: Node, kind: str, b) -> bool:
+def _proves_real(order, ok: Node, kind: str, b) -> Optional[bool]:
     k = _val(ok).shape[1]
     masks = _all_masks(k)
-    want = _prefix(masks)
     rows = b if isinstance(b, int) else len(masks)
     try:
         got = []
@@ -150,8 +154,11 @@ def _proves_real(order, ok: Node, kind: str, b) -> bool:
         got = torch.cat(got)
     except Exception as e:  # an op this evaluation cannot run (shapes, device): no proof
         log.debug("npuspec passes: prefix proof not evaluable: %s", e)
-        return False
-    return got.shape == want.shape and bool((got.to(torch.float64) == want.to(torch.float64)).all())
+        return None
+    for leading, want in ((True, _prefix(masks)), (False, _prefix(~masks))):
+        if got.shape == want.shape and bool((got.to(torch.float64) == want.to(torch.float64)).all()):
+            return leading
+    return None
 
 
 def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
@@ -161,12 +168,14 @@ def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
     return graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
 
 
-def _canonical(graph: Graph, ok: Node, like: Node, kind: str, flavor: str) -> Node:
-    """`ok.cumprod(1).sum(1)` (every family's first prefix spelling), cast and shaped like
-    `like`."""
+def _canonical(graph: Graph, ok: Node, like: Node, kind: str, flavor: str,
+               leading: bool = True) -> Node:
+    """`ok.cumprod(1).sum(1)` (every family's first prefix spelling), or `(~ok).cumprod(1)
+    .sum(1)` for a count of leading Falses, cast and shaped like `like`."""
     v = _val(like)
     with graph.inserting_before(like):
-        x = graph.call_function(aten.cumprod.default, (ok, 1))  # int64 from bool
+        root = x = ok if leading else _negated(graph, ok)
+        x = graph.call_function(aten.cumprod.default, (x, 1))  # int64 from bool
         x = graph.call_function(aten.sum.dim_IntList, (x, [1]))
         if v.dtype != torch.int64:
             x = _cast(graph, x, v.dtype, flavor)
@@ -174,18 +183,34 @@ def _canonical(graph: Graph, ok: Node, like: Node, kind: str, flavor: str) -> No
             x = graph.call_function(aten.unsqueeze.default, (x, 1))
         elif kind == "scalar":
             x = graph.call_function(aten.sum.default, (x,))
-    _fill_meta(graph, ok, x)
+    _fill_meta(graph, root, x)
     return x
 
 
-def _fill_meta(graph: Graph, ok: Node, last: Node) -> None:
-    """meta['val'] for the new nodes (the pattern matcher's checks read it): the ops run on
-    the fake value of `ok`, which dispatches through its own fake mode."""
+# `~(a != b)` is `a == b` for every value, NaN included (IEEE `!=` is exactly "not equal"), so
+# a rejection mask spelled with `!=` becomes the accept mask the families match. Order
+# comparisons have no such twin (`~(u > r)` is not `u <= r` for NaN): those stay negated.
+_NEGATION = {aten.ne.Tensor: aten.eq.Tensor, aten.ne.Scalar: aten.eq.Scalar,
+             aten.eq.Tensor: aten.ne.Tensor, aten.eq.Scalar: aten.ne.Scalar}
+
+
+def _negated(graph: Graph, ok: Node) -> Node:
+    if ok.op == "call_function" and ok.target in _NEGATION and not ok.kwargs:
+        x = graph.call_function(_NEGATION[ok.target], ok.args)
+    else:
+        x = graph.call_function(aten.bitwise_not.default, (ok,))
+    x.meta["val"] = _val(ok)  # same shape and dtype (bool)
+    return x
+
+
+def _fill_meta(graph: Graph, root: Node, last: Node) -> None:
+    """meta['val'] for the new nodes after `root` (the pattern matcher's checks read it): the
+    ops run on the fake value of `root`, which dispatches through its own fake mode."""
     new, m = [], last
-    while m is not ok:
+    while m is not root:
         new.append(m)
         m = m.args[0]
-    env = {ok: _val(ok)}
+    env = {root: _val(root)}
     for n in reversed(new):
         args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.args)
         kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.kwargs)
@@ -209,9 +234,10 @@ def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
             order = _closure(ok, n)
             if order is None or _is_canonical(order, ok):
                 continue
-            if not _proves(order, ok, kind, b):
+            leading = _proves(order, ok, kind, b)
+            if leading is None:
                 continue
-            new = _canonical(graph, ok, n, kind, flavor)
+            new = _canonical(graph, ok, n, kind, flavor, leading)
             n.replace_all_uses_with(new)
             proven.update(order)
             done += 1
@@ -222,7 +248,10 @@ def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
 
 
 def _is_canonical(order: list[Node], ok: Node) -> bool:
-    """Already `ok.cumprod(1).sum(1)` (possibly cast or shaped): nothing to rewrite."""
+    """Already `ok.cumprod(1).sum(1)` or `(~ok).cumprod(1).sum(1)` (possibly cast or shaped):
+    nothing to rewrite."""
+    if order and order[0].target is aten.bitwise_not.default and order[0].args[0] is ok:
+        ok, order = order[0], order[1:]
     targets = [m.target for m in order]
     return (targets[:2] == [aten.cumprod.default, aten.sum.dim_IntList]
             and order[0].args[0] is ok and order[0].args[1] == 1

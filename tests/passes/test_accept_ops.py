@@ -49,6 +49,28 @@ def test_ratio_accept_matches_reference(onehot, B, K, V):
     assert torch.equal(torch.ops.npuspec.ratio_accept(p, q, ids, r), torch.full((B,), K))
 
 
+@pytest.mark.parametrize("mode", list(accept.ACCEPT_MODES))
+def test_ratio_accept_modes_match_their_spelling_at_ties_and_nan(mode):
+    """Each comparison mode equals its eager spelling on ties (u == ratio) and NaN (0/0
+    ratios, NaN draws): "gt" rejects a tie, "not_lt" accepts a NaN."""
+    g = torch.Generator().manual_seed(7)
+    B, K, V = 6, 4, 9
+    p = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    ids = _ids((B, K), V, g)
+    r = p.gather(-1, ids[..., None])[..., 0] / q.gather(-1, ids[..., None])[..., 0]
+    u = torch.rand(B, K, generator=g)
+    u[0] = r[0]                                   # ties
+    u[1, 1] = float("nan")                        # a NaN draw
+    p[2, 0, ids[2, 0]] = q[2, 0, ids[2, 0]] = 0   # a 0/0 ratio
+    got = torch.ops.npuspec.ratio_accept(p, q, ids, u, mode)
+    assert torch.equal(got, accept.ratio_accept_ref(p, q, ids, u, mode))
+    r = p.gather(-1, ids[..., None])[..., 0] / q.gather(-1, ids[..., None])[..., 0]
+    spelled = {"ge": u <= r, "gt": u < r, "not_lt": ~(u > r), "not_le": ~(u >= r)}[mode]
+    assert torch.equal(got, spelled.long().cumprod(-1).sum(-1))
+    assert got[0].item() == (K if mode in ("ge", "not_lt") else 0)  # the row of ties
+
+
 def test_ratio_accept_zero_q_nan_rejects():
     p = torch.tensor([[[0.0, 1.0]]])
     q = torch.tensor([[[0.0, 1.0]]])

@@ -79,7 +79,22 @@ def float_count(logits, drafts):
     return ok.float().cumprod(dim=-1).sum(dim=-1)  # stays float
 
 
-SPELLINGS = [float_count, first_reject_argmax, first_reject_max_indices, where_min, cumsum_eq_arange,
+def reject_cumsum_eq0(logits, drafts):
+    # lucidrains' find_first_true_index over the rejections: the count of leading Falses of
+    # `drafts != target`; `~(a != b)` is `a == b` for every value, so it is the accept count
+    rej = drafts != logits.argmax(-1)[:, :drafts.shape[1]]
+    return (rej.cumsum(dim=-1) == 0).sum(dim=-1)
+
+
+def vllm_v0_limits(logits, drafts):
+    # vLLM v0 rejection sampler's output limits: first zero of `accepted`, K when none
+    accepted = _ok(logits, drafts)
+    limits = (accepted == 0).max(1).indices
+    limits[~(accepted == 0).any(1)] = drafts.shape[1]
+    return limits
+
+
+SPELLINGS = [reject_cumsum_eq0, vllm_v0_limits, float_count, first_reject_argmax, first_reject_max_indices, where_min, cumsum_eq_arange,
              unrolled_loop, float_cumprod_keepdim, not_cumsum_int32]
 
 
@@ -102,6 +117,22 @@ def test_a_near_miss_is_not_rewritten():
     def step(logits, drafts):
         return _ok(logits, drafts).long().sum(1)
     three_way(step, _inputs(5), matched=0, gone=["npuspec.greedy_accept"])
+
+
+def test_leading_false_counts_are_proven_over_the_negated_mask():
+    """`(r.cumsum(1) == 0).sum(1)` counts leading Falses: proven, rewritten over `~r`; an
+    order comparison stays negated (its complement differs for NaN)."""
+    def step(u, ratio):
+        return ((u > ratio).cumsum(dim=-1) == 0).sum(dim=-1)
+
+    u, r = torch.rand(3, 4), torch.rand(3, 4)
+    gm = make_fx(step, tracing_mode="fake")(u, r)
+    assert prefix.prove_prefix_counts(gm.graph) == 1
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.bitwise_not.default in targets and torch.ops.aten.cumsum.default not in targets
+    u[0, 1] = float("nan")
+    assert torch.equal(gm(u, r), step(u, r))
 
 
 def test_proof_checks_every_mask():

@@ -1,0 +1,215 @@
+"""Picking each draft's probability, in one spelling (issue 13, point 6).
+
+Codebases read p(x) at the drafted ids in several ways that move the same data:
+
+    p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)             # the form the families match
+    p[batch_idx, pos_idx, ids]    # vLLM v0, vllm-ascend: arange(B)[:, None], arange(K), int32 too
+    p.gather(-1, ids3).reshape(B, K)                         # lucidrains: ids3 [B, K, 1], einops
+    p.gather(-1, ids3)[..., 0]
+
+`canonical_picks` rewrites the others into the first. It also removes two things that hide a
+pick from the families without changing any value: `x * 1` on a float (a lenience factor at
+its default), and `zeros_like(x)` (or ones/empty) of a contiguous x, remade from x's shape,
+so a draw `zeros_like(q).uniform_()` no longer counts as a second user of q. Each rewrite is pure data movement with
+the same values: advanced indexing with `arange` rows and columns reads p[b, k, ids[b, k]],
+which is what gather reads; int32 ids are widened to int64 (gather's index type), which
+changes no id; a reshape that drops a trailing 1 is that squeeze. The arange operands are
+checked by evaluating them (they are computed from constants only), so any spelling of
+arange(B)[:, None] / arange(K) is recognised and nothing else is.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch.fx import Graph, Node
+from torch.utils._pytree import tree_map
+
+log = logging.getLogger("npuspec.passes")
+aten = torch.ops.aten
+
+MAX_CONST_NODES = 12  # an index operand built from more nodes than this is not an arange
+
+
+def _val(n):
+    v = n.meta.get("val") if isinstance(n, Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _static(shape) -> bool:
+    return all(isinstance(s, int) for s in shape)
+
+
+def _const_value(n: Node) -> Optional[torch.Tensor]:
+    """The value of `n` when it is computed from constants only (no inputs, no random ops)."""
+    order, stack, seen = [], [n], set()
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        if m.op != "call_function" or len(seen) >= MAX_CONST_NODES:
+            return None
+        t = m.target
+        if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
+            return None
+        seen.add(m)
+        stack.extend(m.all_input_nodes)
+    order = [m for m in n.graph.nodes if m in seen]
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    env = {}
+    try:
+        with unset_fake_temporarily():
+            for m in order:
+                args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.args)
+                kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.kwargs)
+                env[m] = m.target(*args, **kwargs)
+    except Exception as e:  # not evaluable here (device, shapes): not recognised
+        log.debug("npuspec passes: index operand not evaluable: %s", e)
+        return None
+    v = env[n]
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is_arange(n, size: int, shape: tuple) -> bool:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    v = _const_value(n) if isinstance(n, Node) else None
+    if v is None or v.dtype not in (torch.int32, torch.int64) or tuple(v.shape) != shape:
+        return False
+    with unset_fake_temporarily():  # v is a real tensor; the pass may run inside a fake trace
+        return bool((v.reshape(-1).cpu() == torch.arange(size)).all())
+
+
+def _new(graph: Graph, target, args, like: Node) -> Node:
+    with graph.inserting_before(like):
+        n = graph.call_function(target, args)
+    vals = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, args)
+    n.meta["val"] = target(*vals)  # on the fake values: their own fake mode
+    return n
+
+
+def _long(graph: Graph, ids: Node, like: Node, flavor: str) -> Node:
+    if _val(ids).dtype == torch.int64:
+        return ids
+    if flavor == "inductor":
+        return _new(graph, torch.ops.prims.convert_element_type.default, (ids, torch.int64), like)
+    with graph.inserting_before(like):
+        n = graph.call_function(aten._to_copy.default, (ids,), {"dtype": torch.int64})
+    n.meta["val"] = _val(ids).to(torch.int64)
+    return n
+
+
+def _gather_pick(graph: Graph, p: Node, ids: Node, like: Node, flavor: str) -> Node:
+    """p.gather(2, ids.unsqueeze(2)).squeeze(2), inserted before `like`."""
+    ids = _long(graph, ids, like, flavor)
+    u = _new(graph, aten.unsqueeze.default, (ids, 2), like)
+    g = _new(graph, aten.gather.default, (p, 2, u), like)
+    return _new(graph, aten.squeeze.dim, (g, 2), like)
+
+
+def _index_pick(n: Node) -> Optional[tuple]:
+    """(p, ids) when n is p[arange(B)[:, None], arange(K), ids] on p [B, K, V]."""
+    if n.target is not aten.index.Tensor or len(n.args) != 2 or len(n.args[1]) != 3:
+        return None
+    p, (i0, i1, ids) = n.args[0], n.args[1]
+    pv, iv = _val(p), _val(ids) if isinstance(ids, Node) else None
+    if pv is None or iv is None or pv.dim() != 3 or iv.dim() != 2 or not _static(pv.shape):
+        return None
+    B, K = pv.shape[0], pv.shape[1]
+    if iv.dtype not in (torch.int32, torch.int64) or tuple(iv.shape) != (B, K):
+        return None
+    if not (_is_arange(i0, B, (B, 1)) and _is_arange(i1, K, (K,))):
+        return None
+    return p, ids
+
+
+def _trailing_one_view(n: Node) -> bool:
+    """A view/reshape of a [B, K, 1] gather to [B, K]: the squeeze of its last dim."""
+    if n.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+        return False
+    x, out = n.args[0], _val(n)
+    xv = _val(x)
+    return (isinstance(x, Node) and x.target is aten.gather.default and xv is not None
+            and out is not None and xv.dim() == 3 and xv.shape[2] == 1 and out.dim() == 2
+            and _static(xv.shape) and tuple(out.shape) == tuple(xv.shape[:2]))
+
+
+def _bare_index(n: Node) -> bool:
+    """gather(p, 2, idx) with idx [B, K, 1] not already `ids.unsqueeze(2)`."""
+    if n.target is not aten.gather.default or len(n.args) != 3 or n.args[1] not in (2, -1):
+        return False
+    idx = n.args[2]
+    iv, pv = _val(idx), _val(n.args[0])
+    return (isinstance(idx, Node) and iv is not None and pv is not None and pv.dim() == 3
+            and iv.dim() == 3 and iv.shape[2] == 1
+            and not (idx.target is aten.unsqueeze.default and idx.args[1] in (2, -1)))
+
+
+def _unit_scale(n: Node) -> bool:
+    """x * 1 or x / 1 on a float x (lucidrains' `* lenience` at its default): x, bit for bit."""
+    if n.target not in (aten.mul.Tensor, aten.div.Tensor) or len(n.args) != 2 or n.kwargs:
+        return False
+    x, y = n.args
+    xv, out = _val(x), _val(n)
+    return (not isinstance(y, Node) and y == 1 and xv is not None and out is not None
+            and xv.is_floating_point() and out.dtype == xv.dtype and out.shape == xv.shape)
+
+
+_LIKE = {aten.zeros_like.default: aten.zeros.default, aten.ones_like.default: aten.ones.default,
+         aten.empty_like.default: aten.empty.memory_format}
+
+
+def _shape_only_user(n: Node) -> bool:
+    """zeros_like / ones_like / empty_like of a contiguous tensor of static shape: a fresh
+    tensor that reads only x's shape, dtype and device. Made from those literals it no longer
+    counts as a user of x (which would block a pattern that has x inside)."""
+    if n.target not in _LIKE or len(n.args) != 1:
+        return False
+    xv = _val(n.args[0])
+    return (xv is not None and _static(xv.shape) and xv.is_contiguous()
+            and set(n.kwargs) <= {"pin_memory", "dtype", "layout", "device", "memory_format"}
+            and n.kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format))
+
+
+def _fresh_like(graph: Graph, n: Node) -> Node:
+    out = _val(n)
+    with graph.inserting_before(n):
+        new = graph.call_function(_LIKE[n.target], (list(out.shape),),
+                                  {"dtype": out.dtype, "device": out.device, "pin_memory": False})
+    new.meta["val"] = out
+    return new
+
+
+def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
+    """Rewrite the pick spellings above into gather/unsqueeze/squeeze (and drop the exact
+    no-ops and shape-only uses that would hide one). Returns how many."""
+    done = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function":
+            continue
+        if _unit_scale(n):
+            n.replace_all_uses_with(n.args[0])
+            done += 1
+            continue
+        if _shape_only_user(n):
+            n.replace_all_uses_with(_fresh_like(graph, n))
+            done += 1
+            continue
+        pick = _index_pick(n)
+        if pick is not None:
+            new = _gather_pick(graph, *pick, n, flavor)
+        elif _bare_index(n):
+            idx = n.args[2]
+            ids = _new(graph, aten.squeeze.dim, (idx, 2), n)
+            u = _new(graph, aten.unsqueeze.default, (ids, 2), n)
+            new = _new(graph, aten.gather.default, (n.args[0], 2, u), n)
+        elif _trailing_one_view(n):
+            new = _new(graph, aten.squeeze.dim, (n.args[0], 2), n)
+        else:
+            continue
+        n.replace_all_uses_with(new)
+        done += 1
+    if done:
+        graph.eliminate_dead_code()
+        log.info("npuspec passes: %d probability picks put into the gather form", done)
+    return done
