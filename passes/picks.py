@@ -26,6 +26,8 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
+from npuspec.passes import prefix
+
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
 
@@ -43,31 +45,16 @@ def _static(shape) -> bool:
 
 def _const_value(n: Node) -> Optional[torch.Tensor]:
     """The value of `n` when it is computed from constants only (no inputs, no random ops)."""
-    order, stack, seen = [], [n], set()
-    while stack:
-        m = stack.pop()
-        if m in seen:
-            continue
-        if m.op != "call_function" or len(seen) >= MAX_CONST_NODES:
-            return None
-        t = m.target
-        if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
-            return None
-        seen.add(m)
-        stack.extend(m.all_input_nodes)
-    order = [m for m in n.graph.nodes if m in seen]
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    env = {}
+    order = prefix.closure(None, n, MAX_CONST_NODES)
+    if not order:
+        return None
     try:
         with unset_fake_temporarily():
-            for m in order:
-                args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.args)
-                kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.kwargs)
-                env[m] = m.target(*args, **kwargs)
+            v = prefix.run(order, {})
     except Exception as e:  # not evaluable here (device, shapes): not recognised
         log.debug("npuspec passes: index operand not evaluable: %s", e)
         return None
-    v = env[n]
     return v if isinstance(v, torch.Tensor) else None
 
 

@@ -52,9 +52,10 @@ def _flags(graph: Graph) -> list[Node]:
     return out
 
 
-def _closure(ok: Node, n: Node) -> Optional[list[Node]]:
-    """The nodes computing `n` from `ok` and constants, in graph order, or None when `n`
-    reads anything else (a graph input, a random op, a node outside the budget)."""
+def closure(ok: Optional[Node], n: Node, budget: int = MAX_NODES) -> Optional[list[Node]]:
+    """The nodes computing `n` from `ok` and constants (from constants only when `ok` is
+    None), in graph order, or None when `n` reads anything else (a graph input, a random op,
+    more than `budget` nodes)."""
     seen, stack = set(), [n]
     while stack:
         m = stack.pop()
@@ -63,16 +64,16 @@ def _closure(ok: Node, n: Node) -> Optional[list[Node]]:
         if m.op == "get_attr" and _attr(m) is not None:  # a lifted constant (arange(K))
             seen.add(m)
             continue
-        if m.op != "call_function" or len(seen) >= MAX_NODES:
+        if m.op != "call_function" or len(seen) >= budget:
             return None
         t = m.target
         if isinstance(t, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in t.tags:
             return None
         seen.add(m)
         stack.extend(m.all_input_nodes)
-    if ok not in _inputs(seen):
+    if ok is not None and ok not in _inputs(seen):
         return None
-    return [m for m in ok.graph.nodes if m in seen]
+    return [m for m in n.graph.nodes if m in seen]
 
 
 def _attr(m: Node):
@@ -86,8 +87,8 @@ def _inputs(nodes) -> set:
     return {a for m in nodes for a in m.all_input_nodes}
 
 
-def _run(order: list[Node], ok: Node, masks: torch.Tensor):
-    env = {ok: masks}
+def run(order: list[Node], env: dict):
+    """Evaluate `order` on the values in `env` (node -> tensor); -> the last node's value."""
     for m in order:
         if m.op == "get_attr":
             env[m] = _attr(m)
@@ -147,9 +148,9 @@ def _proves_real(order, ok: Node, kind: str, b) -> Optional[bool]:
             if len(chunk) < rows:  # repeat the last mask: the slice's shapes stay as traced
                 chunk = torch.cat([chunk, chunk[-1:].expand(rows - len(chunk), k)])
             if kind == "scalar":
-                r = torch.stack([_run(order, ok, chunk[j:j + 1]).reshape(()) for j in range(rows)])
+                r = torch.stack([run(order, {ok: chunk[j:j + 1]}).reshape(()) for j in range(rows)])
             else:
-                r = _run(order, ok, chunk).reshape(rows)
+                r = run(order, {ok: chunk}).reshape(rows)
             got.append(r[:min(rows, len(masks) - i)])
         got = torch.cat(got)
     except Exception as e:  # an op this evaluation cannot run (shapes, device): no proof
@@ -231,7 +232,7 @@ def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
             kind = _shape_kind(n, b)
             if kind is None:
                 continue
-            order = _closure(ok, n)
+            order = closure(ok, n)
             if order is None or _is_canonical(order, ok):
                 continue
             leading = _proves(order, ok, kind, b)
