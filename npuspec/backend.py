@@ -97,7 +97,7 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     from npuspec import lowering
     from npuspec.graph_breaks import note_graph_break
 
-    note_graph_break()  # a graph Dynamo ended at a break: say where, once per line
+    note_graph_break(gm)  # a graph Dynamo ended at a break: say where, once per line
 
     plat = current_platform()
     opts = BackendOptions.from_dict(options, mode=mode, platform=plat)

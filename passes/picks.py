@@ -100,7 +100,9 @@ def _index_pick(n: Node) -> Optional[tuple]:
         return None
     p, (i0, i1, ids) = n.args[0], n.args[1]
     pv, iv = _val(p), _val(ids) if isinstance(ids, Node) else None
-    if pv is None or iv is None or pv.dim() != 3 or iv.dim() != 2 or not _static(pv.shape):
+    # static shapes only: comparing a symbolic (or unbacked) size would add a guard
+    if (pv is None or iv is None or pv.dim() != 3 or iv.dim() != 2 or not _static(pv.shape)
+            or not _static(iv.shape)):
         return None
     B, K = pv.shape[0], pv.shape[1]
     if iv.dtype not in (torch.int32, torch.int64) or tuple(iv.shape) != (B, K):
@@ -117,8 +119,8 @@ def _trailing_one_view(n: Node) -> bool:
     x, out = n.args[0], _val(n)
     xv = _val(x)
     return (isinstance(x, Node) and x.target is aten.gather.default and xv is not None
-            and out is not None and xv.dim() == 3 and xv.shape[2] == 1 and out.dim() == 2
-            and _static(xv.shape) and tuple(out.shape) == tuple(xv.shape[:2]))
+            and out is not None and xv.dim() == 3 and out.dim() == 2 and _static(xv.shape)
+            and _static(out.shape) and xv.shape[2] == 1 and tuple(out.shape) == tuple(xv.shape[:2]))
 
 
 def _bare_index(n: Node) -> bool:
@@ -128,7 +130,7 @@ def _bare_index(n: Node) -> bool:
     idx = n.args[2]
     iv, pv = _val(idx), _val(n.args[0])
     return (isinstance(idx, Node) and iv is not None and pv is not None and pv.dim() == 3
-            and iv.dim() == 3 and iv.shape[2] == 1
+            and iv.dim() == 3 and _static(iv.shape) and iv.shape[2] == 1
             and not (idx.target is aten.unsqueeze.default and idx.args[1] in (2, -1)))
 
 
@@ -138,8 +140,9 @@ def _unit_scale(n: Node) -> bool:
         return False
     x, y = n.args
     xv, out = _val(x), _val(n)
-    return (not isinstance(y, Node) and y == 1 and xv is not None and out is not None
-            and xv.is_floating_point() and out.dtype == xv.dtype and out.shape == xv.shape)
+    return (type(y) in (int, float) and y == 1 and xv is not None and out is not None
+            and xv.is_floating_point() and out.dtype == xv.dtype and _static(xv.shape)
+            and _static(out.shape) and tuple(out.shape) == tuple(xv.shape))
 
 
 _LIKE = {aten.zeros_like.default: aten.zeros.default, aten.ones_like.default: aten.ones.default,
