@@ -27,20 +27,12 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
 from npuspec.passes import prefix
+from npuspec.passes.prefix import _static, _val  # one definition of each for both passes
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
 
 MAX_CONST_NODES = 12  # an index operand built from more nodes than this is not an arange
-
-
-def _val(n):
-    v = n.meta.get("val") if isinstance(n, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _static(shape) -> bool:
-    return all(isinstance(s, int) for s in shape)
 
 
 def _const_value(n: Node) -> Optional[torch.Tensor]:
