@@ -216,22 +216,42 @@ class DecoderLM(nn.Module):
             return packed_rows(self.head_packed, input_ids).to(self.norm.weight.dtype)
         return self.embed(input_ids)  # [B, T, hidden]
 
-    def _layers(self, x, cos, sin, attend):
-        """Run every layer; attend(i, q, k, v). -> (last MLP output, residual before it)."""
+    def _layers(self, x, cos, sin, attend, aux=None):
+        """Run every layer; attend(i, q, k, v). -> (last MLP output, residual before it).
+        `aux`: a dict {layer id: None} to fill with the residual stream entering each of those
+        layers (vLLM's semantics: id i = the input of layer i, id L = the final residual
+        before the norm), each [B, T, hidden]."""
         residual = None
         for i, layer in enumerate(self.layers):
+            if aux is not None and i in aux:
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(x, residual, cos, sin, functools.partial(attend, i),
                                 self.fused_norm)
+        if aux is not None and len(self.layers) in aux:
+            aux[len(self.layers)] = x + residual
         return x, residual
+
+    # ---- pieces a drafter shares with its target ------------------------------------------
+    def embed_tokens(self, input_ids):
+        """Token embeddings [B, T, hidden] (read from the packed LM head when tied+packed)."""
+        return self._embed(input_ids)
+
+    def final_norm(self, h):
+        """The final RMSNorm of a residual stream h [.., hidden]."""
+        return self.norm(h)
+
+    def head(self, x):
+        """The LM head alone on normed hidden states x [.., hidden] -> fp32 logits [.., V]."""
+        if self.head_packed is not None:
+            return linear_packed(x, self.head_packed, None, self.config.vocab_size).float()
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return linear(x, w).float()
 
     def _logits(self, x, residual):
         """The final norm of (x + residual), fused like the layers' norms, then the LM head."""
         x = add_rms_norm(x, residual, self.norm.weight, self.config.rms_norm_eps,
                          self.fused_norm)[0]
-        if self.head_packed is not None:
-            return linear_packed(x, self.head_packed, None, self.config.vocab_size).float()
-        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(x, w).float()  # [B, T, V]
+        return self.head(x)  # [B, T, V]
 
     def forward(self, input_ids, positions, slots, cache):
         """slots: int64 [B] with a `KVCache`, an `AttnMetadata` with a `PagedKVCache`."""
@@ -270,12 +290,34 @@ class DecoderLM(nn.Module):
     def _forward_paged(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
         return self._logits(*self._hidden_pair(input_ids, positions, meta, cache))
 
+    def forward_features(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache,
+                         aux_ids: tuple = (), final: bool = False, logits: bool = True):
+        """The paged forward, also returning what a drafter reads from the target:
+        -> (logits [B, T, V] fp32 or None, features [B, T, F]), where features concatenates
+        the residual streams entering layers `aux_ids` (in that order; id L = the final
+        residual before the norm) and then, with `final`, the final post-norm hidden state
+        (what the LM head reads). F = (len(aux_ids) + final) * hidden."""
+        assert aux_ids or final, "forward_features without features: use forward()"
+        aux = dict.fromkeys(aux_ids)
+        x, residual = self._hidden_pair(input_ids, positions, meta, cache, aux)
+        feats = [aux[i] for i in aux_ids]
+        out = None
+        if final or logits:
+            normed = add_rms_norm(x, residual, self.norm.weight, self.config.rms_norm_eps,
+                                  self.fused_norm)[0]
+            if final:
+                feats.append(normed)
+            if logits:
+                out = self.head(normed)
+        return out, feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
+
     def hidden(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
         """The paged forward up to the final residual (before the norm): [B, T, hidden]."""
         x, residual = self._hidden_pair(input_ids, positions, meta, cache)
         return x + residual
 
-    def _hidden_pair(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
+    def _hidden_pair(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache,
+                     aux=None):
         cfg = self.config
         B, T = input_ids.shape
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -293,10 +335,11 @@ class DecoderLM(nn.Module):
                                 cache.block_size)  # [B, T, H, D]
             return o.reshape(B, T, H * D)
 
-        return self._layers(x, cos, sin, attend)
+        return self._layers(x, cos, sin, attend, aux)
 
-    def forward_causal(self, input_ids):
-        """Cache-free causal forward over [B, T] tokens at positions 0..T-1 (for training)."""
+    def forward_causal(self, input_ids, aux_ids: tuple = (), final: bool = False):
+        """Cache-free causal forward over [B, T] tokens at positions 0..T-1 (for training).
+        -> logits [B, T, V]; with aux_ids or final, (logits, features) as forward_features."""
         B, T = input_ids.shape
         cfg = self.config
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -309,4 +352,10 @@ class DecoderLM(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=H != Hkv)
             return o.transpose(1, 2).reshape(B, T, H * D)
 
-        return self._logits(*self._layers(x, cos, sin, attend))
+        if not (aux_ids or final):
+            return self._logits(*self._layers(x, cos, sin, attend))
+        aux = dict.fromkeys(aux_ids)
+        x, residual = self._layers(x, cos, sin, attend, aux)
+        normed = add_rms_norm(x, residual, self.norm.weight, cfg.rms_norm_eps, self.fused_norm)[0]
+        feats = [aux[i] for i in aux_ids] + ([normed] if final else [])
+        return self.head(normed), feats[0] if len(feats) == 1 else torch.cat(feats, dim=-1)
