@@ -11,7 +11,8 @@ from npuspec.config import SpeculativeConfig, merge_additional_config
 
 log = logging.getLogger("npuspec.engine")
 
-ENGINE_METHODS = ("ngram", "suffix", "draft_model")
+ENGINE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
+                  "extract_hidden_states")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 COMPILATION_KEYS = ("cudagraph_capture_sizes", "cudagraph_mode", "backend")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,

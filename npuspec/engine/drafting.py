@@ -17,11 +17,21 @@ from npuspec.engine.scheduler import fill_drafts
 from npuspec.runtime import dynamic_k
 
 
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "medusa")
+
+
 def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device, vocab_size: int,
-                  max_num_seqs: int, cache_len: int):
+                  max_num_seqs: int, cache_len: int, *, target=None, target_path=None,
+                  num_blocks: int = 0, block_size: int = 0, kv_transfer_config=None):
     s = spec
     if s is None:
         return None
+    if s.method in HIDDEN_STATE_METHODS:
+        return _hidden_state_proposer(s, dtype, device, target, target_path, num_blocks,
+                                      block_size)
+    if s.method == "extract_hidden_states":
+        from npuspec.runtime.extract import ExtractHiddenStatesProposer
+        return ExtractHiddenStatesProposer(s, kv_transfer_config, target.config, dtype)
     if s.method == "ngram":
         from npuspec.runtime.ngram import NgramProposer
         return NgramProposer(prompt_lookup_min=s.prompt_lookup_min,
@@ -45,6 +55,20 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
     return DraftModelProposer(dmodel, max_num_seqs, cache_len, device=device)
 
 
+def _hidden_state_proposer(s: SpeculativeConfig, dtype, device, target, target_path,
+                           num_blocks: int, block_size: int):
+    from npuspec.models.draft_loading import load_draft
+    from npuspec.runtime.eagle import EagleProposer, MedusaProposer
+    path = target_path if s.method == "mtp" else s.model
+    module = load_draft(s.method, path, target.config, target, dtype=dtype, device=device,
+                        draft_model_config=s.draft_model_config)
+    if s.method == "medusa":
+        module.check_k(s.num_speculative_tokens)
+        return MedusaProposer(module)
+    return EagleProposer(module, num_blocks, block_size,
+                         padded=not s.disable_padded_drafter_batch)
+
+
 def draft(proposer, budget: Optional[dynamic_k.ConfidenceBudget], reqs: list[Request], k: int,
           caps: list[int], random: bool):
     """-> (drafts int64 [B, K], -1 = none; draft probs [B, K, V] or None). `caps` bounds each
@@ -58,8 +82,11 @@ def draft(proposer, budget: Optional[dynamic_k.ConfidenceBudget], reqs: list[Req
         return fill_drafts(proposer.propose(ids, caps), B, k), None
     # model drafters: tokens [B, K], draft probs and per-position confidences
     temps = np.array([r.params.temperature for r in reqs], dtype=np.float64)
-    d = proposer.draft(ids, k, temps if random else None,
-                       [r.generator for r in reqs], want_probs=random)
+    gens = [r.generator for r in reqs]
+    if hasattr(proposer, "draft_requests"):  # hidden-state drafters read the requests' tables
+        d = proposer.draft_requests(reqs, k, temps if random else None, gens, want_probs=random)
+    else:
+        d = proposer.draft(ids, k, temps if random else None, gens, want_probs=random)
     allow = np.asarray(caps, dtype=np.int64)
     if budget is not None:
         allow = np.minimum(allow, budget(d.conf))

@@ -39,7 +39,8 @@ class LLM:
                  additional_config: Optional[dict] = None, tensor_parallel_size: int = 1,
                  seed: int = 0, dtype: Any = "auto", device: Optional[str] = None,
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
-                 max_num_batched_tokens: Optional[int] = None):
+                 max_num_batched_tokens: Optional[int] = None,
+                 kv_transfer_config: Union[dict, str, None] = None):
         from npuspec.models import load_model, load_tokenizer
         from npuspec.models.packing import pack_model
         from npuspec.platform import current_platform
@@ -54,6 +55,9 @@ class LLM:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise arg_error("seed", seed, "must be an integer")
         self.spec = args.parse_spec(speculative_config, additional_config, tensor_parallel_size)
+        from npuspec.engine import hidden_states
+        hidden_states.check_with_spec(hidden_states.parse_kv_transfer_config(kv_transfer_config),
+                                      self.spec.method if self.spec else None)
         self.capture, self.capture_sizes, lowering = args.parse_compilation(compilation_config,
                                                                             enforce_eager)
         self.enforce_eager = enforce_eager
@@ -65,7 +69,6 @@ class LLM:
             from npuspec.kernels import prebuild_cpu_kernels
             prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
         self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
-        pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         self.tokenizer = load_tokenizer(model)
         cfg = self.model_config
         limit = min(cfg.max_position_embeddings, args.DEFAULT_MAX_MODEL_LEN)
@@ -86,7 +89,11 @@ class LLM:
         self.max_num_batched_tokens = args.parse_batched_tokens(
             max_num_batched_tokens, self.max_num_seqs, self.k_max)
         self.proposer = make_proposer(self.spec, torch_dtype, self.device, cfg.vocab_size,
-                                      self.max_num_seqs, cache_len)
+                                      self.max_num_seqs, cache_len, target=self.model,
+                                      target_path=model, num_blocks=num_blocks,
+                                      block_size=self.block_size,
+                                      kv_transfer_config=kv_transfer_config)
+        pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         dsc = self.spec.dynamic_spec_config if self.spec else None
         self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
         self.runner = ModelRunner(
@@ -94,13 +101,17 @@ class LLM:
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens, device=self.device,
             capture=self.capture, capture_sizes=self.capture_sizes, lowering=lowering,
-            enforce_eager=enforce_eager)
+            enforce_eager=enforce_eager, features=getattr(self.proposer, "features", None))
+        if hasattr(self.proposer, "attach"):  # hidden-state drafters read the runner's tables
+            self.proposer.attach(self.runner)
         self.k_values = self.runner.k_values
         self._rng = np.random.default_rng(seed)
         self._calls = itertools.count()
         self.metrics: Optional[EngineMetrics] = None   # of the last generate() call
         if self.capture:
             self.runner.warm_up()
+            if hasattr(self.proposer, "warm_up"):
+                self.proposer.warm_up(self.k_values, self.runner.top_rows)
 
     # the runner's state under the names it had on LLM before the split (tests and
     # npuspec.bench.tune reach some of them)
@@ -161,7 +172,10 @@ class LLM:
         m.num_output_tokens = sum(len(r.output) for r in reqs)
         m.num_preemptions = sched.num_preemptions
         self.metrics = m
-        return [request_output(r, self.tokenizer) for r in reqs]
+        outs = [request_output(r, self.tokenizer) for r in reqs]
+        if hasattr(self.proposer, "finish_call"):  # extract_hidden_states: the files' paths
+            self.proposer.finish_call(outs)
+        return outs
 
     def _prefill(self, sched: Scheduler, decode_tokens: int, m: EngineMetrics) -> None:
         rows = sched.prefill_rows(decode_tokens, self.runner.prefill_sizes
@@ -169,9 +183,17 @@ class LLM:
         if not rows and not sched.prefilling:
             return
         t0 = time.perf_counter()
+        pre = None
         if rows:
-            self.runner.prefill(rows)
+            pre = self.runner.prefill(rows)
             m.num_prefill_steps += 1
+        if self.proposer is not None:
+            for r in {id(row.req): row.req for row in rows}.values():
+                if not r.started:
+                    self.proposer.start_request(r.req_id, r.prompt_ids)
+                    r.started = True
+            if pre is not None:  # hidden-state drafters: their pass over the chunks
+                self.proposer.on_prefill(rows, pre)
         done = sched.prefilled(rows)
         if self.proposer is not None:
             for r in done:
@@ -198,6 +220,8 @@ class LLM:
             kept = r.append(res[b, :int(res[b, k + 1])].tolist())
             if not r.finished and self.proposer is not None:
                 self.proposer.extend(r.req_id, kept)
+        if self.runner.features is not None:  # the drafter's first pass on the step's rows
+            self.proposer.on_verify(reqs, k, drafts, res, inputs, self.runner.last_features)
         t4 = time.perf_counter()
         record_step(m, reqs, k, res, drafts, rows, draft_s=t1 - t0, step_s=t3 - t2,
                     book_s=(t2 - t1) + (t4 - t3))

@@ -32,7 +32,7 @@ class ModelRunner:
                  max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
                  max_num_batched_tokens: int, device: torch.device, capture: bool,
                  capture_sizes: Optional[list[int]], lowering: Optional[str],
-                 enforce_eager: bool):
+                 enforce_eager: bool, features: Optional[tuple[tuple, bool]] = None):
         self.model = model
         self.model_config = model_config
         self.spec = spec
@@ -54,7 +54,9 @@ class ModelRunner:
         self.cache = model.allocate_paged_cache(num_blocks, block_size)
         self.step_module = VerifyStep(
             model, self.cache, block_verify=bool(rs and rs.enable_block_verify),
-            entropy_verify=rs.entropy_verify if rs else None)
+            entropy_verify=rs.entropy_verify if rs else None, features=features)
+        self.features = features
+        self.last_features: Optional[torch.Tensor] = None  # [rows, K+1, F] of the last step
         self.prefill_module = PrefillStep(self.step_module)
         self.chunk = PREFILL_CHUNK
         self.max_prefill_rows = max(1, max_num_batched_tokens // self.chunk)
@@ -88,15 +90,18 @@ class ModelRunner:
             opts["lowering"] = lowering
         return opts
 
+    def top_rows(self, k: int) -> int:
+        """Rows of K's largest captured size (the size warm-up captures the set at)."""
+        sizes = self.plans.get(k)
+        return max(sizes[-1] // (k + 1) if sizes else self.min_rows, self.min_rows)
+
     def warm_up(self) -> None:
         """Compile and capture the greedy variant of every K before the first request, so a
         K swap never compiles or captures: one call per K at the largest captured size (the
         dynamic-batch graph, whose set captures every planned size); and compile the prefill
         step."""
         for k in self.k_values:
-            sizes = self.plans.get(k)
-            top = sizes[-1] // (k + 1) if sizes else self.min_rows
-            self.run_step(self.step_inputs(k, [], max(top, self.min_rows), None, None))
+            self.run_step(self.step_inputs(k, [], self.top_rows(k), None, None))
         self.prefill([])
 
     def start_call(self, reqs: list[Request]) -> None:
@@ -120,8 +125,10 @@ class ModelRunner:
         return torch.from_numpy(a).to(self.device)
 
     # -- prefill -------------------------------------------------------------------------------
-    def prefill(self, rows: list[PrefillRow]) -> None:
-        """Write the K/V of these context chunks (one row each, right-aligned in the row)."""
+    def prefill(self, rows: list[PrefillRow]) -> Optional[dict]:
+        """Write the K/V of these context chunks (one row each, right-aligned in the row).
+        With target features on, -> the step's device inputs plus "features" [n, C, F]
+        (rows past len(rows) are padding), for the drafter; else None."""
         C = self.chunk
         n = max(len(rows), self.min_rows)
         ids = np.zeros((n, C), dtype=np.int64)
@@ -140,12 +147,15 @@ class ModelRunner:
         inp = {k: self._tensor(v) for k, v in inp.items()}
         with torch.inference_mode():
             if self.enforce_eager:
-                self.prefill_module(**inp)
-                return
-            from npuspec.graphs import mark_token_dim
-            for t in inp.values():
-                mark_token_dim(t, 0, pad=0)
-            self._prefill_compiled()(**inp)
+                out = self.prefill_module(**inp)
+            else:
+                from npuspec.graphs import mark_token_dim
+                for t in inp.values():
+                    mark_token_dim(t, 0, pad=0)
+                out = self._prefill_compiled()(**inp)
+        if self.features is None:
+            return None
+        return dict(inp, features=out)
 
     def _prefill_compiled(self):
         if self._prefill_fn is None:
@@ -233,7 +243,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_step(self, inp: dict) -> torch.Tensor:
-        """-> [rows, K+2] int32 on the device: emitted tokens (-1 padded), then num_emitted."""
+        """-> [rows, K+2] int32 on the device: emitted tokens (-1 padded), then num_emitted.
+        With target features on, the step's features [rows, K+1, F] land in last_features."""
+        out = self._run_step(inp)
+        if self.features is None:
+            return out
+        out, self.last_features = out
+        return out
+
+    def _run_step(self, inp: dict):
         if self.enforce_eager:
             return self.step_module(**inp)
         from npuspec.graphs import mark_token_dim

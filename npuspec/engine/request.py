@@ -84,6 +84,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True
+    # extract_hidden_states: {"hidden_states_path": file of this request's hidden states}
+    kv_transfer_params: Optional[dict] = None
 
 
 def parse_requests(prompts, params, call: int, *, vocab_size: int, max_model_len: int,

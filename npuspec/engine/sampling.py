@@ -15,6 +15,9 @@ class SamplingParams:
     seed: Optional[int] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
+    # vLLM's extra_args; npuspec reads "kv_transfer_params" ({"hidden_states_path": ...,
+    # "include_output_tokens": bool}) for method extract_hidden_states
+    extra_args: Optional[dict] = None
 
     def __post_init__(self):
         def bad(key, fix):
@@ -38,6 +41,9 @@ class SamplingParams:
                     for t in self.stop_token_ids):
                 raise bad("stop_token_ids", "must be a list of token ids (integers >= 0)")
             self.stop_token_ids = list(self.stop_token_ids)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise bad("extra_args", "must be a dict such as "
+                      "{'kv_transfer_params': {'include_output_tokens': True}} or None")
 
     @property
     def greedy(self) -> bool:

@@ -38,9 +38,13 @@ class VerifyStep(nn.Module):
     layout, kept as the oracle) it takes `slots` [B]."""
 
     def __init__(self, model: nn.Module, cache, *, block_verify: bool = False,
-                 entropy_verify: Optional[tuple[float, float]] = None):
+                 entropy_verify: Optional[tuple[float, float]] = None,
+                 features: Optional[tuple[tuple, bool]] = None):
         super().__init__()
         self.model = model
+        # (aux layer ids, final): what a hidden-state drafter reads from the target. None: the
+        # step returns its tokens alone (nothing else is computed or kept)
+        self.features = features
         self.paged = isinstance(cache, PagedKVCache)
         self.block_size = cache.block_size if self.paged else 0
         # buffers share the cache's storage: prefill and the compiled step see one cache
@@ -51,6 +55,13 @@ class VerifyStep(nn.Module):
             float(entropy_verify[0]), float(entropy_verify[1]))
 
     def logits(self, input_ids, positions, slots, block_table=None, seq_lens=None):
+        """-> logits [B, T, V], or (logits, features [B, T, F]) when the drafter needs them."""
+        if self.features is not None:
+            cache = PagedKVCache(self.k_cache, self.v_cache, self.block_size)
+            aux_ids, final = self.features
+            return self.model.forward_features(
+                input_ids, positions, AttnMetadata(slots, block_table, seq_lens), cache,
+                aux_ids=aux_ids, final=final)
         if self.paged:
             cache = PagedKVCache(self.k_cache, self.v_cache, self.block_size)
             return self.model(input_ids, positions, AttnMetadata(slots, block_table, seq_lens),
@@ -63,17 +74,22 @@ class VerifyStep(nn.Module):
         # input_ids/positions [B, K+1], slots [B] (dense) or slot_mapping [B, K+1] (paged),
         # draft_ids [B, K], draft_probs [B, K, V]
         logits = self.logits(input_ids, positions, slots, block_table, seq_lens)
+        feats = None
+        if self.features is not None:
+            logits, feats = logits  # [B, K+1, V], [B, K+1, F]
         out, num = torch.ops.npuspec.rejection_sample(
             logits, draft_ids, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
             self.block_verify, self.thr, self.alpha, synthetic_rates)  # [B, K+1], [B]
-        return torch.cat([out, num[:, None]], dim=1)  # [B, K+2] int32
+        res = torch.cat([out, num[:, None]], dim=1)  # [B, K+2] int32
+        return res if feats is None else (res, feats)
 
 
 class PrefillStep(nn.Module):
     """Writes prompt K/V through the paged cache: rows of `chunk` tokens, any mix of requests
     and chunks (a row's tokens right-aligned; rows of one request may share a step, since
     every row's K/V is written before any row attends). Returns the rows' last hidden
-    state, [R, hidden], so the graph has an output; no logits are computed."""
+    state, [R, hidden], so the graph has an output; no logits are computed. When the
+    drafter reads target features, it returns those of every token instead, [R, C, F]."""
 
     def __init__(self, verify: VerifyStep):
         super().__init__()
@@ -83,6 +99,11 @@ class PrefillStep(nn.Module):
     def forward(self, input_ids, positions, slot_mapping, block_table, seq_lens):
         v = self.verify
         cache = PagedKVCache(v.k_cache, v.v_cache, v.block_size)
+        if v.features is not None:
+            aux_ids, final = v.features
+            return v.model.forward_features(
+                input_ids, positions, AttnMetadata(slot_mapping, block_table, seq_lens), cache,
+                aux_ids=aux_ids, final=final, logits=False)[1]
         h = v.model.hidden(input_ids, positions, AttnMetadata(slot_mapping, block_table, seq_lens),
                            cache)
         return h[:, -1]

@@ -323,7 +323,9 @@ class DecoderLM(nn.Module):
         H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = self._embed(input_ids)  # [B, T, hidden]
         cos, sin = self._rope(positions, x.dtype)
-        rows = meta.slot_mapping.reshape(1, B * T)
+        # -1, not B * T: with T = 1 the size is the batch symbol itself, and the graphs
+        # layer cannot tell a size used as a shape from one used as index data
+        rows = meta.slot_mapping.reshape(1, -1)
 
         def attend(i, q, k, v):
             # the write goes through the base pool with a tensor layer index, so Inductor
