@@ -149,7 +149,21 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
     hf = {}
     for shard in shards:
         hf.update(load_file(shard))
+    if _num_nextn_layers(model_dir):
+        # next-n (MTP) layers model.layers.{L+i}.* are a drafter's: npuspec.models.draft_loading
+        hf = {k: v for k, v in hf.items() if not _is_extra_layer(k, cfg.num_layers)}
     return _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json", dtype, device)
+
+
+def _num_nextn_layers(model_dir: str) -> int:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        n = json.load(f).get("num_nextn_predict_layers")
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def _is_extra_layer(name: str, num_layers: int) -> bool:
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return bool(m) and int(m.group(1)) >= num_layers
 
 
 def _build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], source: str, config_name: str,
