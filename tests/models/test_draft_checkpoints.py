@@ -1,0 +1,608 @@
+"""Drafter checkpoints (EAGLE, EAGLE-3, Medusa, MTP) on the embedded tiny target.
+
+Every public format is written by hand here (its config keys and tensor names pin the public
+layout), loaded, checked against an independent dense computation from the raw tensors (SDPA
+is_causal, hand-written RMSNorm/RoPE) on a prompt whose K/V all sits in the paged pool, and
+round-tripped through save_draft. Plus the user-facing errors and a dynamic-batch compile
+without graph breaks."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from npuspec.models import AttnMetadata, DecoderLM, ModelConfig, load_model, save_model
+from npuspec.models.draft_loading import DraftConfig, load_draft, save_draft
+from npuspec.models.eagle import Eagle3Draft, EagleDraft
+from npuspec.models.loading import TINY_MODEL_DIR
+from npuspec.models.medusa import MedusaHeads
+from npuspec.models.mtp import MTPDraft
+
+V, H, NH, NKV, D, I = 1024, 128, 4, 2, 32, 256  # the tiny target's shape; draft MLP width I
+EPS, THETA, BS = 1e-5, 10000.0, 4
+ATOL = 2e-4
+CLASSES = {"eagle": EagleDraft, "eagle3": Eagle3Draft, "mtp": MTPDraft, "medusa": MedusaHeads}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+class Weights(dict):
+    """Random HF-named tensors: linears ~ 1/sqrt(fan_in), norms ~ 1."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.g = _gen(seed)
+
+    def linear(self, name, out_f, in_f, bias=False):
+        self[name + ".weight"] = torch.randn(out_f, in_f, generator=self.g) / in_f ** 0.5
+        if bias:
+            self[name + ".bias"] = 0.1 * torch.randn(out_f, generator=self.g)
+
+    def norm(self, name, n=H):
+        self[name + ".weight"] = 1 + 0.1 * torch.randn(n, generator=self.g)
+
+    def layer(self, p, in_dim=H, input_norm=True, hidden_norm=False, qk_norm=False, bias=False,
+              inter=I):
+        if input_norm:
+            self.norm(p + "input_layernorm")
+        if hidden_norm:
+            self.norm(p + "hidden_norm")
+        for proj, n in (("q", NH), ("k", NKV), ("v", NKV)):
+            self.linear(f"{p}self_attn.{proj}_proj", n * D, in_dim, bias)
+        self.linear(p + "self_attn.o_proj", H, NH * D)
+        if qk_norm:
+            self.norm(p + "self_attn.q_norm", D)
+            self.norm(p + "self_attn.k_norm", D)
+        self.norm(p + "post_attention_layernorm")
+        self.linear(p + "mlp.gate_proj", inter, H)
+        self.linear(p + "mlp.up_proj", inter, H)
+        self.linear(p + "mlp.down_proj", H, inter)
+        return self
+
+
+def llama_cfg(**over):
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
+            "num_hidden_layers": 1, "num_attention_heads": NH, "num_key_value_heads": NKV,
+            "head_dim": D, "intermediate_size": I, "rms_norm_eps": EPS, "rope_theta": THETA,
+            "vocab_size": V, "max_position_embeddings": 2048, "hidden_act": "silu", **over}
+
+
+def write(path, config, tensors, weights="model.safetensors"):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    if weights.endswith(".safetensors"):
+        save_file(tensors, os.path.join(path, weights))
+    else:
+        torch.save(tensors, os.path.join(path, weights))
+    return str(path)
+
+
+# ---- the independent dense oracle ----------------------------------------------------------------
+def rms(x, w, eps=EPS):
+    x = x.float()
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def lin(x, t, name):
+    y = x @ t[name + ".weight"].T
+    return y + t[name + ".bias"] if name + ".bias" in t else y
+
+
+def rope(x, pos):  # x [B, T, heads, D], non-interleaved halves (HF Llama)
+    inv = THETA ** (-torch.arange(0, D, 2).float() / D)
+    ang = pos[..., None].float() * inv
+    c, s = ang.cos()[:, :, None], ang.sin()[:, :, None]
+    x1, x2 = x[..., :D // 2], x[..., D // 2:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def dense_layer(t, p, x, residual, pos, qk_norm=False):
+    B, T, _ = x.shape
+    q = lin(x, t, p + "self_attn.q_proj").view(B, T, NH, D)
+    k = lin(x, t, p + "self_attn.k_proj").view(B, T, NKV, D)
+    v = lin(x, t, p + "self_attn.v_proj").view(B, T, NKV, D)
+    if qk_norm:
+        q, k = rms(q, t[p + "self_attn.q_norm.weight"]), rms(k, t[p + "self_attn.k_norm.weight"])
+    q, k = rope(q, pos), rope(k, pos)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       is_causal=True, enable_gqa=True)
+    h = residual + lin(o.transpose(1, 2).reshape(B, T, NH * D), t, p + "self_attn.o_proj")
+    m = rms(h, t[p + "post_attention_layernorm.weight"])
+    return h + lin(F.silu(lin(m, t, p + "mlp.gate_proj")) * lin(m, t, p + "mlp.up_proj"),
+                   t, p + "mlp.down_proj")
+
+
+def scatter_vocab(ld, target_ids):
+    out = torch.full((*ld.shape[:-1], V), float("-inf"))
+    out[..., target_ids] = ld
+    return out
+
+
+# ---- the paged run: a 12-token prompt from position 0 in two chunks, random block tables ----------
+B, T, SPLIT = 2, 12, 7
+
+
+def inputs(feat_dim, seed=3):
+    g = _gen(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    return ids, torch.randn(B, T, feat_dim, generator=g), torch.arange(T).expand(B, T)
+
+
+def run_paged(draft, ids, feats):
+    num_blocks = 12
+    cache = draft.allocate_paged_cache(num_blocks, BS)
+    per_row = -(-T // BS)
+    table = (torch.randperm(num_blocks - 1, generator=_gen(5))[:B * per_row] + 1).view(B, per_row).int()
+    hidden = draft.first_hidden(feats)
+    outs = []
+    for s, e in ((0, SPLIT), (SPLIT, T)):
+        pos = torch.arange(s, e).expand(B, -1)
+        slots = table.long().gather(1, pos // BS) * BS + pos % BS
+        meta = AttnMetadata(slots, table, torch.full((B,), e, dtype=torch.int32))
+        outs.append(draft(ids[:, s:e], hidden[:, s:e], pos, meta, cache))
+    lh, nh = (torch.cat(x, dim=1) for x in zip(*outs))
+    return lh, nh, draft.logits(lh)
+
+
+def check_roundtrip(draft, tmp_path, fmt, method, tiny, ids, feats, **kw):
+    out = save_draft(draft, str(tmp_path / f"saved-{fmt}"), fmt)
+    again = load_draft(method, out, tiny[0], tiny[1], **kw)
+    assert again.config.format == fmt
+    for a, b in zip(run_paged(draft, ids, feats), run_paged(again, ids, feats)):
+        assert torch.equal(a, b)
+    return again
+
+
+# ---- EAGLE-1 ---------------------------------------------------------------------------------------
+def eagle_oracle(t, ids, hidden, pos, embed, head):
+    e = embed[ids]
+    if "embedding_layernorm.weight" in t:  # HASS add_para_norm
+        e, hidden = rms(e, t["embedding_layernorm.weight"]), rms(hidden, t["hidden_states_layernorm.weight"])
+    h0 = lin(torch.cat([e, hidden], -1), t, "fc")
+    h = dense_layer(t, "layers.0.", h0, h0, pos)  # layer 0: no input_layernorm
+    return h, h @ head.T
+
+
+@pytest.mark.parametrize("variant", ["plain", "prefix+bias", "bin+own_embed", "hass", "speculators"])
+def test_eagle_formats(tiny, tmp_path, variant):
+    tcfg, target = tiny
+    w = Weights(1).layer("layers.0.", input_norm=False)
+    w.linear("fc", H, 2 * H, bias=variant != "plain")
+    cfg, weights = llama_cfg(bias=variant != "plain"), "model.safetensors"
+    if variant == "hass":
+        w.norm("embedding_layernorm")
+        w.norm("hidden_states_layernorm")
+        cfg["add_para_norm"] = True
+    t = dict(w)
+    embed = target.embed.weight
+    if variant == "prefix+bias":
+        t = {"model." + k: v for k, v in t.items()}
+        t["model.embed_tokens.weight"] = target.embed.weight.clone()  # equal: shared, dropped
+    elif variant == "bin+own_embed":
+        weights = "pytorch_model.bin"
+        embed = t["embed_tokens.weight"] = 0.5 * torch.randn(V, H, generator=_gen(9))
+    elif variant == "speculators":
+        t = {k.replace("layers.0.", "transformer.").replace("fc.", "fusion_fc."): v
+             for k, v in t.items()}
+        cfg = {"speculators_model_type": "eagle", "architectures": ["EagleSpeculator"],
+               "layernorms": False, "fusion_bias": True, "transformer_layer_config": llama_cfg()}
+    path = write(tmp_path / variant, cfg, t, weights)
+    draft = load_draft("eagle", path, tcfg, target)
+    assert draft.config.own_embed == (variant == "bin+own_embed")
+    assert draft.target_features == ((), True) and draft.aux_layer_ids == () and draft.final_feature
+    assert not any(k.startswith("_target") for k in draft.state_dict())
+    assert (draft.fc.bias is not None) == (variant != "plain")
+
+    ids, feats, pos = inputs(H)
+    lh, nh, logits = run_paged(draft, ids, feats)
+    assert lh.shape == nh.shape == (B, T, H) and logits.shape == (B, T, V) and logits.isfinite().all()
+    want_h, want_logits = eagle_oracle(dict(w), ids, feats, pos, embed, target.embed.weight)
+    torch.testing.assert_close(nh, want_h, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
+    assert torch.equal(lh, nh)
+    check_roundtrip(draft, tmp_path, "speculators" if variant == "speculators" else "eagle",
+                    "eagle", tiny, ids, feats)
+
+
+# ---- EAGLE-3 ---------------------------------------------------------------------------------------
+VD = 512
+
+
+def vocab_map(seed=4):
+    used = torch.randperm(V, generator=_gen(seed))[:VD].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[used] = True
+    return used, used - torch.arange(VD), t2d
+
+
+def eagle3_weights(n_aux=3, layers=1, qk_norm=False):
+    w = Weights(2).layer("layers.0.", in_dim=2 * H, hidden_norm=True, qk_norm=qk_norm)
+    for i in range(1, layers):
+        w.layer(f"layers.{i}.", qk_norm=qk_norm)
+    w.linear("fc", H, n_aux * H)
+    w.norm("norm")
+    w.linear("lm_head", VD, H)
+    return w
+
+
+def eagle3_oracle(t, ids, feats, pos, embed, used, nbr, layers=1, qk_norm=False):
+    g = lin(feats, t, "fc")
+    hn = rms(g, t["layers.0.hidden_norm.weight"])
+    x = torch.cat([rms(embed[ids], t["layers.0.input_layernorm.weight"]), hn], -1)
+    h = dense_layer(t, "layers.0.", x, hn if nbr else g, pos, qk_norm)
+    for i in range(1, layers):
+        h = dense_layer(t, f"layers.{i}.", rms(h, t[f"layers.{i}.input_layernorm.weight"]), h, pos,
+                        qk_norm)
+    return h, scatter_vocab(rms(h, t["norm.weight"]) @ t["lm_head.weight"].T, used)
+
+
+@pytest.mark.parametrize("fmt", ["yuhuili", "specforge", "speculators"])
+def test_eagle3_formats(tiny, tmp_path, fmt, caplog):
+    tcfg, target = tiny
+    used, d2t, t2d = vocab_map()
+    layers, qk_norm, aux = (2, False, [1, 2, 4]) if fmt == "specforge" else (1, fmt == "speculators", None)
+    w = eagle3_weights(layers=layers, qk_norm=qk_norm)
+    t = {**w, "d2t": d2t, "t2d": t2d}
+    nbr = fmt == "speculators"  # the speculators default
+    if fmt == "yuhuili":
+        t = {k.replace("layers.0.", "midlayer."): v for k, v in t.items()}
+        cfg = llama_cfg(draft_vocab_size=VD)
+    elif fmt == "specforge":
+        t["embed_tokens.weight"] = target.embed.weight.clone()  # frozen copy: shared, dropped
+        cfg = llama_cfg(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=2,
+                        draft_vocab_size=VD, target_hidden_size=H, norm_before_residual=False,
+                        eagle_aux_hidden_state_layer_ids=aux,
+                        eagle_config={"eagle_aux_hidden_state_layer_ids": aux,
+                                      "use_aux_hidden_state": True})
+    else:
+        t["verifier_norm.weight"] = torch.ones(H)  # training-only, skipped
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "transformer_layer_config": llama_cfg(model_type="qwen3"),
+               "draft_vocab_size": VD, "target_hidden_size": H,
+               "eagle_aux_hidden_state_layer_ids": [2, 2, 1],
+               "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                      "proposal_methods": [{"proposal_type": "greedy",
+                                                            "speculative_tokens": 3}],
+                                      "verifier": {"name_or_path": None, "architectures": []}}}
+    path = write(tmp_path / fmt, cfg, t)
+    with caplog.at_level("WARNING"):
+        draft = load_draft("eagle3", path, tcfg, target)
+    assert draft.config.format == fmt and draft.config.norm_before_residual == nbr
+    want_aux = tuple(aux) if aux else (2, 2, 1)  # yuhuili: vLLM's default (2, L//2, L-3), warned
+    assert draft.aux_layer_ids == want_aux and draft.final_feature is False
+    assert ("eagle_aux_hidden_state_layer_ids" in caplog.text) == (fmt == "yuhuili")
+    assert not draft.config.own_embed
+
+    ids, _, pos = inputs(H)
+    _, feats = target.forward_causal(ids, aux_ids=draft.aux_layer_ids)  # [B, T, 3H]
+    lh, nh, logits = run_paged(draft, ids, feats)
+    assert lh.shape == nh.shape == (B, T, H) and logits.shape == (B, T, V)
+    want_h, want_logits = eagle3_oracle(dict(w), ids, feats, pos, target.embed.weight, used, nbr,
+                                        layers, qk_norm)
+    torch.testing.assert_close(nh, want_h, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
+    # d2t scatter: -inf exactly outside the draft vocab, argmax lands on a target id in it
+    assert torch.isinf(logits[..., ~t2d]).all() and logits[..., t2d].isfinite().all()
+    assert t2d[logits.argmax(-1)].all()
+    for out_fmt in {fmt, "specforge"} if fmt != "speculators" else {fmt}:
+        check_roundtrip(draft, tmp_path, out_fmt, "eagle3", tiny, ids, feats)
+
+
+def test_eagle3_identity_vocab_and_own_embed(tiny, tmp_path):
+    """No d2t and Vd == V: no scatter; an embed_tokens that differs from the target's is kept."""
+    tcfg, target = tiny
+    w = Weights(6).layer("layers.0.", in_dim=2 * H, hidden_norm=True)
+    w.linear("fc", H, 3 * H)
+    w.norm("norm")
+    w.linear("lm_head", V, H)
+    embed = 0.5 * torch.randn(V, H, generator=_gen(7))
+    path = write(tmp_path / "e3", llama_cfg(architectures=["LlamaForCausalLMEagle3"],
+                                            eagle_aux_hidden_state_layer_ids=[1, 2, 3]),
+                 {**w, "embed_tokens.weight": embed})
+    draft = load_draft("eagle3", path, tcfg, target)
+    assert draft.vocab_index is None and draft.config.own_embed
+    ids, feats, pos = inputs(3 * H)
+    _, nh, logits = run_paged(draft, ids, feats)
+    want_h, _ = eagle3_oracle(dict(w), ids, feats, pos, embed, torch.arange(V), False)
+    torch.testing.assert_close(nh, want_h, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits, rms(nh, w["norm.weight"]) @ w["lm_head.weight"].T,
+                               atol=ATOL, rtol=1e-4)
+
+
+# ---- Medusa ----------------------------------------------------------------------------------------
+def medusa_oracle(blocks, heads, h, token_map=None):
+    out = []
+    for k, (ws, lm) in enumerate(zip(blocks, heads)):
+        x = h
+        for wt, b in ws:
+            x = x + F.silu(x @ wt.T + (0 if b is None else b))
+        lk = x @ lm.T
+        out.append(lk if token_map is None else scatter_vocab(lk, token_map))
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("variant", ["fasterdecoding-pt", "fasterdecoding-st", "vllm-truncated",
+                                     "vllm-original", "vllm-target-head"])
+def test_medusa_formats(tiny, tmp_path, variant):
+    tcfg, target = tiny
+    g = _gen(11)
+    n_heads, n_layers = 3, 2
+    bias = variant.startswith("fasterdecoding")
+    Vt = VD if variant == "vllm-truncated" else V
+    blocks = [[(torch.randn(H, H, generator=g) / H ** 0.5,
+                0.1 * torch.randn(H, generator=g) if bias else None)
+               for _ in range(n_layers)] for _ in range(n_heads)]
+    heads = [torch.randn(Vt, H, generator=g) / H ** 0.5 for _ in range(n_heads)]
+    token_map = torch.randperm(V, generator=g)[:VD] if Vt < V else None
+    if bias:  # FasterDecoding: {h}.{l}.linear.*, {h}.{num_layers}.weight
+        t = {f"{k}.{l}.linear.{n}": x for k in range(n_heads) for l in range(n_layers)
+             for n, x in zip(("weight", "bias"), blocks[k][l])}
+        t.update({f"{k}.{n_layers}.weight": heads[k] for k in range(n_heads)})
+        cfg = {"medusa_num_heads": n_heads, "medusa_num_layers": n_layers,
+               "base_model_name_or_path": "tiny"}
+        weights = "medusa_lm_head.pt" if variant.endswith("pt") else "medusa_lm_head.safetensors"
+    else:  # vLLM MedusaConfig, with the medusa_heads. prefix
+        t = {f"medusa_heads.blocks.{k}.layers.{l}.weight": blocks[k][l][0]
+             for k in range(n_heads) for l in range(n_layers)}
+        cfg = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": H,
+               "vocab_size": V, "num_heads": n_heads, "num_hidden_layers": n_layers,
+               "truncated_vocab_size": Vt}
+        if variant == "vllm-truncated":
+            t.update({f"medusa_heads.lm_heads.{k}.weight": heads[k] for k in range(n_heads)})
+            t["medusa_heads.token_map"] = token_map
+        elif variant == "vllm-original":
+            cfg["original_lm_head"] = True
+            t["medusa_heads.lm_head.weight"] = heads[0]
+            heads = [heads[0]] * n_heads
+        else:
+            cfg["original_lm_head"] = True
+            heads = [target.embed.weight] * n_heads
+        weights = "model.safetensors"
+    path = write(tmp_path / variant, cfg, t, weights)
+    draft = load_draft("medusa", path, tcfg, target)
+    assert draft.num_heads == n_heads and draft.aux_layer_ids == () and draft.final_feature
+    h = torch.randn(5, H, generator=g)
+    logits = draft(h)
+    assert logits.shape == (5, n_heads, V) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits, medusa_oracle(blocks, heads, h, token_map),
+                               atol=ATOL, rtol=1e-4)
+    draft.check_k(n_heads)
+    with pytest.raises(ValueError, match=f"num_speculative_tokens={n_heads}") as e:
+        draft.check_k(n_heads + 1)
+    assert f"num_speculative_tokens={n_heads + 1}" in str(e.value) and f"{n_heads} heads" in str(e.value)
+    fmts = ["vllm"] + (["fasterdecoding"] if bias else [])
+    for fmt in fmts:
+        out = save_draft(draft, str(tmp_path / f"saved-{fmt}"), fmt)
+        assert torch.equal(load_draft("medusa", out, tcfg, target)(h), logits)
+
+
+# ---- MTP -------------------------------------------------------------------------------------------
+def mtp_weights(p, inter, qk_norm=False, own_head=False, embed=None, seed=12):
+    w = Weights(seed).layer(p, qk_norm=qk_norm, inter=inter)  # the target's MLP width
+    w.norm(p + "enorm")
+    w.norm(p + "hnorm")
+    w.linear(p + "eh_proj", H, 2 * H)
+    w.norm(p + "shared_head.norm")
+    if own_head:
+        w.linear(p + "shared_head.head", V, H)
+    if embed is not None:
+        w[p + "embed_tokens.weight"] = embed
+    return w
+
+
+def mtp_oracle(t, p, ids, hidden, pos, embed, head, qk_norm=False):
+    e = embed[ids] * (pos != 0)[..., None]
+    h0 = lin(torch.cat([rms(e, t[p + "enorm.weight"]), rms(hidden, t[p + "hnorm.weight"])], -1),
+             t, p + "eh_proj")
+    h = dense_layer(t, p, rms(h0, t[p + "input_layernorm.weight"]), h0, pos, qk_norm)
+    out = rms(h, t[p + "shared_head.norm.weight"])
+    return out, out @ head.T
+
+
+def qwen3_target(tmp_path):
+    cfg = ModelConfig.from_hf_dict({"model_type": "qwen3", "vocab_size": V, "hidden_size": H,
+                                    "num_hidden_layers": 2, "num_attention_heads": NH,
+                                    "num_key_value_heads": NKV, "head_dim": D,
+                                    "intermediate_size": I, "rms_norm_eps": EPS,
+                                    "rope_theta": THETA, "tie_word_embeddings": False})
+    torch.manual_seed(0)
+    model = DecoderLM(cfg)
+    return save_model(model, str(tmp_path / "qwen3-target"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_mtp_in_target_checkpoint(tiny, tmp_path, family):
+    if family == "llama":  # the tiny target (tied) with a next-n layer sharing embed and head
+        tdir = str(tmp_path / "target")
+        shutil.copytree(TINY_MODEL_DIR, tdir)
+        L, qk_norm, own_head = 4, False, False
+        tcfg0, target0 = tiny
+        w = mtp_weights(f"model.layers.{L}.", 384, embed=target0.embed.weight.clone())
+        w[f"model.layers.{L}.shared_head.head.weight"] = target0.embed.weight.clone()
+    else:  # Qwen3 (q/k norms, untied) with its own shared_head.head
+        tdir = qwen3_target(tmp_path)
+        L, qk_norm, own_head = 2, True, True
+        w = mtp_weights(f"model.layers.{L}.", I, qk_norm=True, own_head=True)
+    save_file(dict(w), os.path.join(tdir, "mtp.safetensors"))
+    with open(os.path.join(tdir, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(tdir, "config.json"), "w") as f:
+        json.dump({**cfg, "num_nextn_predict_layers": 1}, f)
+    tcfg, target = load_model(tdir)  # the target still loads, the next-n tensors left aside
+    if family == "llama":
+        ids = torch.arange(10)[None]
+        assert torch.equal(target.forward_causal(ids), tiny[1].forward_causal(ids))
+    draft = load_draft("mtp", tdir, tcfg, target)
+    assert draft.config.own_lm_head == own_head and not draft.config.own_embed
+    assert draft.target_features == ((), True)
+
+    p = f"model.layers.{L}."
+    ids, feats, pos = inputs(H)
+    lh, nh, logits = run_paged(draft, ids, feats)
+    assert lh.shape == (B, T, H) and logits.shape == (B, T, V) and logits.isfinite().all()
+    head = w[p + "shared_head.head.weight"] if own_head else _head_of(target)
+    want_h, want_logits = mtp_oracle(dict(w), p, ids, feats, pos, target.embed.weight, head, qk_norm)
+    torch.testing.assert_close(nh, want_h, atol=ATOL, rtol=1e-4)
+    torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=1e-4)
+    assert torch.equal(lh, nh)
+
+    # save_draft writes the layers into a fresh copy of the target directory
+    fresh = str(tmp_path / "fresh")
+    shutil.copytree(tdir, fresh, ignore=shutil.ignore_patterns("mtp.safetensors"))
+    with open(os.path.join(fresh, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_draft(draft, fresh)
+    with open(os.path.join(fresh, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 1
+    again = load_draft("mtp", fresh, tcfg, target)
+    for a, b in zip(run_paged(draft, ids, feats), run_paged(again, ids, feats)):
+        assert torch.equal(a, b)
+
+
+def _head_of(target):
+    return target.embed.weight if target.lm_head is None else target.lm_head.weight
+
+
+def test_mtp_needs_next_n_layers(tiny):
+    with pytest.raises(ValueError, match="num_nextn_predict_layers") as e:
+        load_draft("mtp", "tiny", *tiny)
+    assert "eagle3" in str(e.value)
+
+
+# ---- errors ----------------------------------------------------------------------------------------
+def _eagle_ckpt(tmp_path, cfg=None, **tensors):
+    w = Weights(1).layer("layers.0.", input_norm=False)
+    w.linear("fc", H, 2 * H)
+    w.update(tensors)
+    return write(tmp_path / "bad", cfg or llama_cfg(), {k: v for k, v in w.items() if v is not None})
+
+
+def test_wrong_shape_names_tensor_and_shapes(tiny, tmp_path):
+    path = _eagle_ckpt(tmp_path, **{"fc.weight": torch.zeros(H, 3 * H)})
+    with pytest.raises(ValueError, match=r"'fc\.weight' has shape \[128, 384\], expected \[128, 256\]"):
+        load_draft("eagle", path, *tiny)
+
+
+def test_missing_and_unknown_tensors_listed(tiny, tmp_path):
+    path = _eagle_ckpt(tmp_path, **{"layers.0.mlp.up_proj.weight": None, "extra.weight": torch.zeros(2)})
+    with pytest.raises(ValueError, match="missing") as e:
+        load_draft("eagle", path, *tiny)
+    assert "layers.0.mlp.up_proj.weight" in str(e.value) and "extra.weight" in str(e.value)
+    # an EAGLE-3 checkpoint without its final norm: the midlayer name is reported
+    w = eagle3_weights()
+    t = {k.replace("layers.0.", "midlayer."): v for k, v in w.items() if k != "norm.weight"}
+    path = write(tmp_path / "e3", llama_cfg(draft_vocab_size=VD), t)
+    with pytest.raises(ValueError, match=r"missing \['norm\.weight'\]"):
+        load_draft("eagle3", path, *tiny)
+
+
+@pytest.mark.parametrize("over, key, found", [
+    ({"hidden_size": 256}, "hidden_size", "256"),
+    ({"vocab_size": 2048}, "vocab_size", "2048"),
+    ({"rope_theta": 500000.0}, "rope_theta", "500000.0"),
+    ({"target_hidden_size": 4096}, "target_hidden_size", "4096"),
+])
+def test_target_mismatch_names_key_and_values(tiny, tmp_path, over, key, found):
+    method = "eagle3" if key == "target_hidden_size" else "eagle"
+    if method == "eagle3":
+        w = eagle3_weights()
+        path = write(tmp_path / "m", llama_cfg(architectures=["LlamaForCausalLMEagle3"],
+                                               draft_vocab_size=VD, **over), dict(w))
+    else:
+        path = _eagle_ckpt(tmp_path, llama_cfg(**over))
+    with pytest.raises(ValueError, match=f"{key}={found}") as e:
+        load_draft(method, path, *tiny)
+    target_value = {"rope_theta": "10000.0", "vocab_size": "1024"}.get(key, "128")
+    assert f"target's" in str(e.value) and target_value in str(e.value)
+
+
+def test_unknown_format_and_wrong_method(tiny, tmp_path):
+    path = write(tmp_path / "x", llama_cfg(), {"foo.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="supported: .*SpecForge"):
+        load_draft("eagle3", path, *tiny)
+    with pytest.raises(ValueError, match="supported: .*FasterDecoding"):
+        load_draft("medusa", path, *tiny)
+    with pytest.raises(ValueError, match="method 'eagle'"):
+        load_draft("eagle3", _eagle_ckpt(tmp_path), *tiny)
+    e3 = write(tmp_path / "e3", llama_cfg(draft_vocab_size=VD),
+               {k.replace("layers.0.", "midlayer."): v for k, v in eagle3_weights().items()})
+    with pytest.raises(ValueError, match="method 'eagle3'"):
+        load_draft("eagle", e3, *tiny)
+
+
+def test_writable_pickle_is_refused(tiny, tmp_path):
+    w = Weights(1).layer("layers.0.", input_norm=False)
+    w.linear("fc", H, 2 * H)
+    path = write(tmp_path / "pkl", llama_cfg(), dict(w), "pytorch_model.bin")
+    load_draft("eagle", path, *tiny)  # 0644 in a 0700 directory: fine
+    f = os.path.join(path, "pytorch_model.bin")
+    os.chmod(f, 0o664)
+    with pytest.raises(PermissionError, match="pytorch_model.bin.*safetensors"):
+        load_draft("eagle", path, *tiny)
+    os.chmod(f, 0o644)
+    os.chmod(path, 0o777)
+    try:
+        with pytest.raises(PermissionError, match="writable by group or others"):
+            load_draft("eagle", path, *tiny)
+    finally:
+        os.chmod(path, 0o755)
+
+
+# ---- compile: dynamic batch, no graph breaks ----------------------------------------------------------
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "medusa"])
+def test_compiles_with_dynamic_batch_without_graph_breaks(tiny, method):
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    tcfg, target = tiny
+    cfg = DraftConfig.from_target(method, tcfg, intermediate_size=I,
+                                  **({"draft_vocab_size": VD} if method == "eagle3" else {}))
+    draft = CLASSES[method](cfg).eval().requires_grad_(False)
+    draft.bind_target(target)
+    if method == "eagle3":
+        draft.d2t.copy_(vocab_map()[1])
+        draft.init_buffers()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")  # the eager backend, counting compiled graphs
+    if method == "medusa":
+        fn = torch.compile(draft, backend=counter, fullgraph=True)
+        for b in (2, 3):
+            h = torch.randn(b, H)
+            torch._dynamo.mark_dynamic(h, 0)
+            torch.testing.assert_close(fn(h), draft(h))
+        assert counter.frame_count == 1  # one graph for both batch sizes
+        return
+    cache = draft.allocate_paged_cache(16, BS)
+
+    def step(ids, feats, pos, slots, table, lens):
+        lh, nh = draft(ids, draft.first_hidden(feats), pos, AttnMetadata(slots, table, lens), cache)
+        return draft.logits(lh), nh
+
+    fn = torch.compile(step, backend=counter, fullgraph=True)  # a graph break raises
+    F_in = 3 * H if method == "eagle3" else H
+    for b in (2, 3):
+        t = 3
+        ids = torch.randint(0, V, (b, t))
+        pos = torch.arange(t).expand(b, t).contiguous()
+        table = (torch.arange(b * 2) + 1).view(b, 2).int()
+        slots = table.long()[:, :1] * BS + pos
+        args = [ids, torch.randn(b, t, F_in), pos, slots, table, torch.full((b,), t, dtype=torch.int32)]
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        got = fn(*args)
+        want = step(*args)  # rewrites the same K/V, so eager sees the same pool
+        for x, y in zip(got, want):
+            torch.testing.assert_close(x, y)
+    assert counter.frame_count == 1  # one graph for both batch sizes
