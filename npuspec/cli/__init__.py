@@ -6,6 +6,7 @@
     npuspec plan --speculative-config JSON --max-num-seqs N
     npuspec tune [--max-num-seqs N]
     npuspec cache ls|verify|prune|clear
+    npuspec train-draft --target tiny --method eagle3 --out DIR   # train a drafter
 
 Every subcommand has --help. User errors print one line and exit 2; --debug (anywhere on the
 line) shows the traceback instead. Subcommand modules are imported only when they run, so
@@ -37,6 +38,7 @@ COMMANDS = {
     "generate": ("npuspec.cli.generate", "generate text from prompts with an HF checkpoint"),
     "plan": ("npuspec.cli.plan", "print the graph capture plan per K and warn about uncaptured batches"),
     "tune": ("npuspec.bench.tune", "measure latency and acceptance, write the K-per-batch-size table"),
+    "train-draft": ("npuspec.cli.train_draft", "train an EAGLE-3 / EAGLE / Medusa / MTP drafter for a target"),
 }
 
 

@@ -1,0 +1,313 @@
+"""npuspec train-draft (npuspec/models/train_draft.py, npuspec/cli/train_draft.py).
+
+The dense training forward must equal the serving module's paged forward (else training and
+serving disagree); resuming must reproduce the uninterrupted run bit for bit; each method's
+output must load with load_draft.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from npuspec.models import AttnMetadata, load_model
+from npuspec.models import train_draft as td
+from npuspec.models.draft_loading import default_aux_layer_ids, load_draft
+
+METHODS = ("eagle3", "eagle", "medusa", "mtp")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model("tiny")
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    from npuspec.models import load_tokenizer
+    return td.stdlib_corpus(load_tokenizer("tiny"), max_files=12)
+
+
+def _aux(method, tcfg):
+    return default_aux_layer_ids(tcfg.num_layers) if method == "eagle3" else ()
+
+
+def _randomize(module, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+
+
+# ---- paged reference ---------------------------------------------------------------------------
+BS = 4
+
+
+def _meta(positions, seq_len, nblocks):
+    table = torch.arange(1, nblocks, dtype=torch.int32)[None]             # block 0 is scratch
+    slots = table[0, positions // BS].long() * BS + positions % BS
+    return AttnMetadata(slots[None], table, torch.tensor([seq_len], dtype=torch.int32))
+
+
+def _paged_first(module, ids, feats):
+    """First pass over one sequence [1, T] on a fresh pool -> (logits, logit_h, next_h, cache)."""
+    T = ids.shape[1]
+    nb = T // BS + 3
+    cache = module.allocate_paged_cache(nb, BS)
+    pos = torch.arange(T)
+    logit_h, next_h = module(ids, module.first_hidden(feats), pos[None], _meta(pos, T, nb), cache)
+    return module.logits(logit_h), logit_h, next_h, cache, nb
+
+
+def _features(target, method, ids):
+    aux = _aux(method, target.config)
+    with torch.no_grad():
+        _, feats = target.forward_causal(ids, aux_ids=aux, final=True)
+    H = target.config.hidden_size
+    return feats[..., :-H] if method == "eagle3" else feats[..., -H:]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp"])
+def test_dense_equals_paged(tiny, method):
+    tcfg, target = tiny
+    cfg = td.TrainConfig(method=method, steps=1)
+    torch.manual_seed(0)
+    used = None
+    if method == "eagle3":  # a truncated draft vocabulary, to check the d2t mapping too
+        used = torch.sort(torch.randperm(tcfg.vocab_size)[:300]).values
+    m = td.build_draft(method, tcfg, target, cfg, used).eval()
+    _randomize(m)
+    T = 10
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, tcfg.vocab_size, (1, T + 2), generator=g)
+    feats = _features(target, method, ids[:, :T])
+    step0, step1 = ids[:, 1:T + 1], ids[:, 2:T + 2]
+    with torch.no_grad():
+        dense = td.dense_chain(m, [step0, step1], feats)
+        logits, logit_h, next_h, cache, nb = _paged_first(m, step0, feats)
+        torch.testing.assert_close(dense[0][0], logit_h, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(dense[0][1], next_h, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(m.logits(dense[0][0]), logits, rtol=1e-4, atol=1e-4)
+        # the training logits (draft vocabulary) are the served ones at the mapped ids
+        obj = td._Objective(m, target, cfg)
+        ld = obj._draft_logits(dense[0][0])
+        ids_t = obj.used if method == "eagle3" else torch.arange(tcfg.vocab_size)
+        torch.testing.assert_close(ld, logits[..., ids_t], rtol=1e-4, atol=1e-4)
+        # TTT step 1 at row j == the chain step from row j's first pass (position j + 1)
+        for j in range(T):
+            _, _, nh, cache, nb = _paged_first(m, step0, feats)
+            pos = torch.tensor([j + 1])
+            lh1, nh1 = m(step1[:, j:j + 1], nh[:, j:j + 1], pos[None], _meta(pos, j + 2, nb), cache)
+            torch.testing.assert_close(dense[1][0][:, j:j + 1], lh1, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(dense[1][1][:, j:j + 1], nh1, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(m.logits(dense[1][0][:, j:j + 1]), m.logits(lh1),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_dense_medusa_equals_forward(tiny):
+    tcfg, target = tiny
+    cfg = td.TrainConfig(method="medusa", steps=1, num_heads=3)
+    torch.manual_seed(0)
+    m = td.build_draft("medusa", tcfg, target, cfg).eval()
+    _randomize(m)
+    ids = torch.randint(0, tcfg.vocab_size, (1, 6))
+    h = _features(target, "medusa", ids)[0]                               # [T, H]
+    with torch.no_grad():
+        served = m(h)                                                     # [T, heads, V]
+        dense = td.dense_medusa(m, h)
+        for k in range(3):
+            torch.testing.assert_close(torch.nn.functional.linear(dense[k], m.lm_heads[k].weight),
+                                       served[:, k], rtol=1e-4, atol=1e-4)
+
+
+def test_ttt_attention_matches_explicit_mask():
+    # step s queries see the step-0 keys causally and the later steps' keys of their own row
+    g = torch.Generator().manual_seed(0)
+    B, T, Hq, Hkv, D = 2, 5, 4, 2, 8
+    q = torch.randn(B, T, Hq, D, generator=g)
+    ks = [torch.randn(B, T, Hkv, D, generator=g) for _ in range(3)]
+    vs = [torch.randn(B, T, Hkv, D, generator=g) for _ in range(3)]
+    out = td.ttt_attention(q, ks, vs)
+    K = torch.cat(ks, 1).repeat_interleave(Hq // Hkv, 2)                  # [B, 3T, Hq, D]
+    V = torch.cat(vs, 1).repeat_interleave(Hq // Hkv, 2)
+    j = torch.arange(T)
+    allowed = torch.cat([j[None, :] <= j[:, None]] + [torch.eye(T, dtype=torch.bool)] * 2, 1)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, K) / D ** 0.5
+    p = s.masked_fill(~allowed, float("-inf")).softmax(-1)
+    ref = torch.einsum("bhqk,bkhd->bqhd", p, V).reshape(B, T, Hq * D)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- training ------------------------------------------------------------------------------------
+class _Fixed:
+    """One fixed batch, for the overfit check."""
+
+    def __init__(self, data, B, N):
+        self.b = data.sample(torch.Generator().manual_seed(5), B, N)
+        self.info = {"source": "fixed"}
+
+    def sample(self, gen, B, N):
+        return self.b
+
+    def eval_set(self, n, B, N):
+        return [self.b]
+
+    def token_counts(self, V):
+        return torch.ones(V)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_loss_goes_down_on_a_fixed_batch(tiny, corpus, method):
+    tcfg, target = tiny
+    cfg = td.TrainConfig(method=method, steps=20, batch=4, seq_len=32, lr=3e-3, warmup=2,
+                         eval_every=0, eval_k=3, num_heads=3)
+    data = _Fixed(td.CorpusData(target, corpus.train, corpus.val, _aux(method, tcfg)), 4, 33)
+    r = td.train(target, data, cfg, log=lambda s: None)
+    loss = r.history["loss"]
+    assert len(loss) == 20
+    assert loss[-1] < 0.8 * loss[0], loss
+    assert 0 <= min(r.acceptance) and max(r.acceptance) <= 1 and r.acceptance_length >= 1
+
+
+def _weights(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_resume_equals_uninterrupted_and_seeded(tiny, corpus, tmp_path):
+    tcfg, target = tiny
+    aux = _aux("eagle3", tcfg)
+    data = td.CorpusData(target, corpus.train, corpus.val, aux)
+    cfg = td.TrainConfig(method="eagle3", steps=6, batch=2, seq_len=16, eval_every=0,
+                         save_every=3, eval_batches=1, ttt_steps=2, eval_k=2)
+    quiet = dict(log=lambda s: None)
+    a = td.train(target, data, cfg, str(tmp_path / "a"), **quiet)
+    b = td.train(target, data, cfg, **quiet)                              # same seed, no state
+    for k, v in _weights(a.module).items():
+        assert torch.equal(v, b.module.state_dict()[k]), k
+    part = td.train(target, data, cfg, str(tmp_path / "c"), stop_after=4, **quiet)
+    assert part.steps == 4
+    meta = json.load(open(tmp_path / "c" / "state.json"))
+    assert meta["step"] == 4
+    c = td.train(target, data, cfg, str(tmp_path / "c"), resume=True, **quiet)
+    wa = _weights(a.module)
+    for k, v in c.module.state_dict().items():
+        assert torch.equal(v, wa[k]), k
+    assert c.history["loss"] == a.history["loss"]
+    # another seed gives other weights
+    other = td.train(target, data, td.TrainConfig(**{**cfg.__dict__, "seed": 1}), **quiet)
+    assert not torch.equal(other.module.fc.weight, a.module.fc.weight)
+    # a changed schedule is refused on resume
+    with pytest.raises(ValueError, match="lr"):
+        td.train(target, data, td.TrainConfig(**{**cfg.__dict__, "lr": 1e-4}),
+                 str(tmp_path / "c"), resume=True, **quiet)
+    # the state holds no pickles
+    assert sorted(os.listdir(tmp_path / "c")) == ["state.json", "state.safetensors"]
+
+
+def test_draft_vocab_map():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    used = td.draft_vocab(counts, 3)
+    assert used.tolist() == [2, 3, 5]
+    assert td.expected_acceptance_length([0.5, 0.5]) == 1.75
+
+
+def test_train_from_hidden_states_files(tiny, corpus, tmp_path):
+    from npuspec.engine.hidden_states import HiddenStatesWriter
+
+    tcfg, target = tiny
+    aux = default_aux_layer_ids(tcfg.num_layers)
+    L = tcfg.num_layers
+    kv = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "hs")}}
+    with HiddenStatesWriter(kv) as w:
+        for i, n in enumerate((40, 30)):
+            ids = corpus.train[i * 100:i * 100 + n].long()[None]
+            with torch.no_grad():
+                _, feats = target.forward_causal(ids, aux_ids=tuple(aux) + (L,))
+            hs = feats[0].view(n, len(aux) + 1, tcfg.hidden_size)        # [T, layers, H]
+            w.submit(f"req{i}", ids[0], hs)
+    files = td.hidden_state_files(str(tmp_path / "hs"))
+    assert len(files) == 2
+    data = td.FileData(target, files, n_aux=len(aux))
+    # the file path recomputes exactly what the target computes (whole files: N > T)
+    b = data.sample(torch.Generator().manual_seed(0), 1, 50)
+    assert 0 < int(b.mask.sum()) < 50 and not b.mask[0, -1]
+    with torch.no_grad():
+        lg, fin = target.forward_causal(b.ids[:, :int(b.mask.sum())], final=True)
+    n = int(b.mask.sum())
+    torch.testing.assert_close(b.logits[:, :n], lg, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b.final[:, :n], fin, rtol=1e-4, atol=1e-5)
+    cfg = td.TrainConfig(method="eagle3", steps=4, batch=2, seq_len=24, eval_every=0,
+                         eval_batches=1, eval_k=2)
+    r = td.train(target, data, cfg, log=lambda s: None)
+    assert len(r.history["loss"]) == 4 and all(x == x for x in r.history["loss"])
+    med = td.train(target, td.FileData(target, files), td.TrainConfig(
+        method="medusa", steps=2, batch=2, seq_len=24, eval_every=0, eval_batches=1, num_heads=2),
+        log=lambda s: None)
+    assert len(med.acceptance) == 2
+    with pytest.raises(ValueError, match="hidden_states has shape"):
+        td.FileData(target, files, n_aux=2)
+
+
+# ---- the command ---------------------------------------------------------------------------------
+def _cli(argv):
+    from npuspec.cli import main
+    return main(["train-draft"] + argv)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_cli_smoke_writes_a_loadable_draft(tiny, tmp_path, method, capsys):
+    tcfg, target = tiny
+    out = tmp_path / method
+    if method == "mtp":  # the MTP layer goes into a copy of the target checkpoint
+        from npuspec.models.loading import TINY_MODEL_DIR
+        import shutil
+        shutil.copytree(TINY_MODEL_DIR, out)
+    rc = _cli(["--method", method, "--out", str(out), "--steps", "3", "--batch", "2",
+               "--seq-len", "16", "--max-files", "8", "--eval-every", "0", "--eval-batches", "1",
+               "--num-heads", "2", "--eval-k", "2"])
+    assert rc == 0, capsys.readouterr().err
+    recipe = json.load(open(out / "train_recipe.json"))
+    assert recipe["steps"] == 3 and recipe["method"] == method and recipe["torch"]
+    assert recipe["load_check"]["max_abs_diff"] == 0.0
+    assert "train-draft" in recipe["command"] and recipe["data"]["source"] == "stdlib"
+    d = load_draft(method, str(out), tcfg, target)
+    assert d.method == method
+    if method == "mtp":
+        cfg = json.load(open(out / "config.json"))
+        assert cfg["num_nextn_predict_layers"] == 1
+        assert os.path.isfile(out / "mtp.safetensors")
+        _, t2 = load_model(str(out))  # the target still loads from the copy, unchanged
+        assert torch.equal(t2.embed.weight, target.embed.weight)
+
+
+def test_cli_errors(tmp_path, capsys):
+    from npuspec.models.loading import TINY_MODEL_DIR
+    assert _cli(["--method", "mtp", "--out", TINY_MODEL_DIR, "--steps", "1"]) == 2
+    assert "refusing" in capsys.readouterr().err
+    assert _cli(["--out", str(tmp_path / "x"), "--data", str(tmp_path / "none")]) == 2
+    assert _cli(["--out", str(tmp_path / "x"), "--aux-layer-ids", "1,9"]) == 2
+    assert _cli(["--out", str(tmp_path / "x"), "--resume", "--steps", "2", "--max-files", "4",
+                 "--seq-len", "8"]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_cli_plot(tmp_path, capsys):
+    png = tmp_path / "curve.png"
+    argv = ["--method", "eagle", "--out", str(tmp_path / "e"), "--steps", "2", "--batch", "2",
+            "--seq-len", "16", "--max-files", "4", "--eval-every", "1", "--eval-batches", "1",
+            "--plot", str(png)]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert _cli(argv) == 2
+        assert "matplotlib" in capsys.readouterr().err and not png.exists()
+        return
+    assert _cli(argv) == 0
+    assert png.stat().st_size > 1000
