@@ -102,8 +102,8 @@ def is_gguf_model(path: str) -> bool:
 def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
     """For draft-model methods: the draft's directory, after checking it shares the target's
     vocabulary (a draft token id must mean the same token to the target)."""
-    if spec is None or not spec.model:
-        return None
+    if spec is None or not spec.model or spec.method != "draft_model":
+        return None  # hidden-state drafters: load_draft checks them against the target
     from npuspec.models.loading import load_tokenizer, read_model_config
 
     draft_dir = model_dir(spec.model, f"{field} model")

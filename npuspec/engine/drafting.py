@@ -6,6 +6,7 @@ budget (dynamic K) may cut.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -55,11 +56,30 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
     return DraftModelProposer(dmodel, max_num_seqs, cache_len, device=device)
 
 
+# heads for the embedded model, trained by `npuspec train-draft` (their train_recipe.json
+# records how), shipped in npuspec/models/tiny_drafts/
+TINY_DRAFTS = {"tiny-eagle": "eagle", "tiny-eagle3": "eagle3", "tiny-medusa": "medusa"}
+
+
+def resolve_draft(name: str) -> str:
+    """speculative_config.model -> a checkpoint directory ("tiny-eagle3" etc. -> the package's)."""
+    if name not in TINY_DRAFTS:
+        return name
+    import npuspec.models
+    d = os.path.join(os.path.dirname(npuspec.models.__file__), "tiny_drafts", TINY_DRAFTS[name])
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        raise FileNotFoundError(f"speculative_config.model={name!r}: the embedded head is missing "
+                                f"from this install ({d}); reinstall npuspec, or train one with "
+                                f"`npuspec train-draft --target tiny --method "
+                                f"{TINY_DRAFTS[name]} --out DIR` and pass model=DIR")
+    return d
+
+
 def _hidden_state_proposer(s: SpeculativeConfig, dtype, device, target, target_path,
                            num_blocks: int, block_size: int):
     from npuspec.models.draft_loading import load_draft
     from npuspec.runtime.eagle import EagleProposer, MedusaProposer
-    path = target_path if s.method == "mtp" else s.model
+    path = target_path if s.method == "mtp" else resolve_draft(s.model)
     module = load_draft(s.method, path, target.config, target, dtype=dtype, device=device,
                         draft_model_config=s.draft_model_config)
     if s.method == "medusa":

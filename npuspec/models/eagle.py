@@ -165,7 +165,7 @@ class PagedDraft(nn.Module):
         # pool with a tensor layer index, so Inductor updates the graph input in place (a
         # write into the view cache.k[i] would be copied in and out of every step).
         B, T, Hq, D = q.shape
-        rows = meta.slot_mapping.reshape(1, B * T)
+        rows = meta.slot_mapping.reshape(1, -1)  # not B * T: see DecoderLM._hidden_pair
         li = self.layers[i].index  # [1, 1]
         cache.k[li, rows] = k.reshape(1, B * T, k.shape[2], D)
         cache.v[li, rows] = v.reshape(1, B * T, v.shape[2], D)

@@ -259,38 +259,47 @@ class EagleProposer(_HiddenStateProposer):
     def _chain_step(self, x, hidden, pos: np.ndarray, reqs, table):
         r = self.runner
         slots = np.stack([r._slots(q.blocks, pos[j:j + 1]) for j, q in enumerate(reqs)])
-        args = [x[:, None].long(), hidden, self._t(pos[:, None]), self._t(slots), table,
-                self._t((pos + 1).astype(np.int32))]
+        args = [x[:, None].long(), hidden, self._t(pos).view(-1, 1),
+                self._t(slots), table, self._t((pos + 1).astype(np.int32))]
         logits, hidden = self._call(("chain",), self.chain, args, self._rows_opts())
         return logits, hidden
 
     def warm_up(self, k_values, top_rows) -> None:
         """Compile and capture the first pass at every K and the chain step before the first
-        request (inputs pointing at the scratch block: no K/V of any request is touched)."""
+        request (inputs pointing at the scratch block: no K/V of any request is touched).
+        Dynamo guards on inference-mode-ness and strides, so each input is made the way the
+        real one is: step metadata outside inference mode, the target's features and all
+        chain inputs inside it."""
         r = self.runner
         F = self._feature_size()
+        dt = r.model.norm.weight.dtype
+
+        def z(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=r.device)
+
+        def feats(*shape):
+            with torch.inference_mode():
+                return z(*shape, dtype=dt)
+
         for k in k_values:
             n = top_rows(k)
-            z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=r.device)  # noqa
             inp = {"positions": z(n, k + 1), "slots": z(n, k + 1),
-                   "block_table": z(n, r.max_blocks, dt=torch.int32),
-                   "seq_lens": z(n, dt=torch.int32)}
-            feats = torch.zeros(n, k + 1, F, dtype=r.model.norm.weight.dtype, device=r.device)
-            self._first_pass(("verify", k), np.zeros((n, k + 1), np.int64), feats, inp,
-                             np.zeros(n), self._opts())
+                   "block_table": z(n, r.max_blocks, dtype=torch.int32),
+                   "seq_lens": z(n, dtype=torch.int32)}
+            self._first_pass(("verify", k), np.zeros((n, k + 1), np.int64), feats(n, k + 1, F),
+                             inp, np.zeros(n), self._opts())
         C, n = r.chunk, r.max_prefill_rows
-        z = lambda *s, dt=torch.int64: torch.zeros(*s, dtype=dt, device=r.device)  # noqa
         pre = {"positions": z(n, C), "slot_mapping": z(n, C),
-               "block_table": z(n, r.max_blocks, dt=torch.int32), "seq_lens": z(n, dt=torch.int32)}
-        feats = torch.zeros(n, C, F, dtype=r.model.norm.weight.dtype, device=r.device)
-        self._first_pass(("prefill",), np.zeros((n, C), np.int64), feats, pre, np.zeros(n),
-                         self._prefill_opts())
+               "block_table": z(n, r.max_blocks, dtype=torch.int32),
+               "seq_lens": z(n, dtype=torch.int32)}
+        self._first_pass(("prefill",), np.zeros((n, C), np.int64), feats(n, C, F), pre,
+                         np.zeros(n), self._prefill_opts())
         if max(k_values) > 1:
             n = r.max_num_seqs
-            H = self.module.config.hidden_size
-            args = [z(n, 1), torch.zeros(n, H, dtype=feats.dtype, device=r.device), z(n, 1),
-                    z(n, 1), z(n, r.max_blocks, dt=torch.int32), z(n, dt=torch.int32)]
             with torch.inference_mode():
+                args = [z(n, 1), z(n, self.module.config.hidden_size, dtype=dt), z(n, 1),
+                        z(n, 1), z(n, r.max_blocks, dtype=torch.int32),
+                        z(n, dtype=torch.int32)]
                 self._call(("chain",), self.chain, args, self._rows_opts())
 
     def _feature_size(self) -> int:
@@ -319,7 +328,7 @@ class MedusaProposer(_HiddenStateProposer):
     def draft_requests(self, reqs, k: int, temps: Optional[np.ndarray], generators,
                        want_probs: bool = True) -> Drafts:
         B = len(reqs)
-        V = self.module.vocab_size
+        V = self.module.config.vocab_size
         toks = np.full((B, k), -1, dtype=np.int64)
         conf = np.full((B, k), CONF_MIN)
         probs = torch.zeros(B, k, V, device=self.runner.device) if want_probs else None
@@ -337,6 +346,7 @@ class MedusaProposer(_HiddenStateProposer):
             probs[sel] = torch.stack(qs, dim=1).float()
         return Drafts(toks, probs, conf)
 
+    @torch.inference_mode()  # its only inputs, the target's features, are inference tensors
     def warm_up(self, k_values, top_rows) -> None:
         r = self.runner
         H = r.model_config.hidden_size
