@@ -98,7 +98,8 @@ def draft(proposer, budget: Optional[dynamic_k.ConfidenceBudget], reqs: list[Req
     if k == 0:
         return np.full((B, 0), -1, dtype=np.int64), None
     ids = [r.req_id for r in reqs]
-    if not hasattr(proposer, "draft"):  # token-only drafters (ngram, suffix)
+    if not hasattr(proposer, "draft") and not hasattr(proposer, "draft_requests"):
+        # token-only drafters (ngram, suffix)
         return fill_drafts(proposer.propose(ids, caps), B, k), None
     # model drafters: tokens [B, K], draft probs and per-position confidences
     temps = np.array([r.params.temperature for r in reqs], dtype=np.float64)
