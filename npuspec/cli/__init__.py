@@ -2,7 +2,7 @@
 
     npuspec demo                       # speculative vs plain decoding on the embedded model
     npuspec generate --prompt "def f(" [--model PATH] [--speculative-config JSON]
-    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf [...]
+    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf|methods [...]
     npuspec plan --speculative-config JSON --max-num-seqs N
     npuspec tune [--max-num-seqs N]
     npuspec cache ls|verify|prune|clear
@@ -31,6 +31,7 @@ BENCHES = {
     "passes": "pattern-matching passes: compile time and matched verify patterns",
     "linear": "one step's projections per weight layout (mm, few-row kernel, packed fp32/bf16/fp16)",
     "hf": "HF generate with a compiled forward: eager vs backend=inductor vs backend=npuspec",
+    "methods": "every speculative method on one target: tokens/s and acceptance vs ngram",
 }
 
 COMMANDS = {

@@ -1,0 +1,112 @@
+"""`npuspec bench methods`: every speculative method on one target, greedy, same prompts.
+
+Rows: no speculation, then each method of `--methods` with its default speculative config on
+the embedded model (`npuspec demo --method M`'s: ngram prompt lookup 1..3, the shipped
+tiny-eagle3 / tiny-eagle / tiny-medusa heads, the tiny model's MTP layer), K = `--k` (Medusa:
+its number of heads). Each row is an `npuspec.LLM` built and warmed up first (compilation and
+graph capture), then the rows are timed round-robin `--repeats` times at each
+`--max-num-seqs` value (1 = one request at a time; N = N requests at once) and each figure is
+the median. Printed per row: tokens/s, mean acceptance length (tokens per verify step,
+including the bonus), both as ratios to ngram's, and whether the output equals the row
+without speculation token for token.
+
+    npuspec bench methods
+    npuspec bench methods --methods ngram,eagle3 --k 4 --max-num-seqs 1,4 --repeats 5
+    npuspec bench methods --model DIR --spec eagle3='{"method": "eagle3", "model": "HEAD"}'
+
+The prompts default to the demo's built-in code prompts, which the tiny heads' training data
+excludes (npuspec/models/train_draft.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from npuspec.bench.e2e import Runner, npuspec_runner, run_interleaved
+
+
+def _spec(method: str, k: int, overrides: dict) -> dict | None:
+    from npuspec.cli.common import DEFAULT_SPEC
+    from npuspec.cli.demo import METHOD_SPECS
+
+    if method == "none":
+        return None
+    if method in overrides:
+        return overrides[method]
+    if method not in METHOD_SPECS:
+        raise SystemExit(f"npuspec bench methods: --methods has {method!r}; choose from "
+                         f"{', '.join(sorted(METHOD_SPECS))} or pass --spec {method}=JSON")
+    s = dict(METHOD_SPECS[method] or DEFAULT_SPEC)
+    if method != "medusa":  # Medusa drafts exactly its number of heads
+        s["num_speculative_tokens"] = k
+    return s
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from npuspec.cli.common import positive
+
+    p = argparse.ArgumentParser(prog="npuspec bench methods", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--methods", default="ngram,eagle3,eagle,medusa,mtp")
+    p.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
+                   help="a row's speculative config (replaces the default of NAME)")
+    p.add_argument("--k", type=positive, default=4)
+    p.add_argument("--max-num-seqs", default="1", help="comma-separated, e.g. 1,4")
+    p.add_argument("--max-tokens", type=positive, default=96)
+    p.add_argument("--prompts", default=None, help="as npuspec demo --prompts")
+    p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--json", default=None, metavar="PATH")
+    from npuspec.cli.common import add_threads_flag
+    add_threads_flag(p)
+    return p
+
+
+def run(args) -> int:
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.prompts import load_prompts
+
+    mdir = common.model_dir(args.model)
+    prompts = load_prompts(args.prompts, model=mdir)
+    threads = common.set_threads(args.threads, mdir)
+    overrides = {}
+    for item in args.spec:
+        name, _, js = item.partition("=")
+        overrides[name] = common.spec_dict(js, "--spec")
+    methods = ["none"] + [m for m in args.methods.split(",") if m]
+    rows, out = [], []
+    for n in [int(x) for x in args.max_num_seqs.split(",")]:
+        runners = [Runner(m, "npuspec", 0, npuspec_runner(mdir, _spec(m, args.k, overrides),
+                                                          prompts, args.max_tokens, n))
+                   for m in methods]
+        with common.Progress(f"npuspec bench methods (max_num_seqs={n})",
+                             len(runners) * (args.repeats + 1)) as bar:
+            run_interleaved(runners, args.repeats, bar)
+        base = runners[0].result["token_ids"]
+        tps = {r.name: r.result["tokens"] / r.seconds for r in runners}
+        al = {r.name: r.result["metrics"]["mean_acceptance_length"] for r in runners}
+        for r in runners:
+            ng = "ngram" in tps
+            row = {"max_num_seqs": n, "method": r.name, "tok/s": tps[r.name],
+                   "× none": tps[r.name] / tps["none"],
+                   "× ngram tok/s": tps[r.name] / tps["ngram"] if ng else "-",
+                   "mean acc len": al[r.name] if r.name != "none" else "-",
+                   "× ngram AL": (al[r.name] / al["ngram"]) if ng and r.name != "none" else "-",
+                   "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
+                   "warm-up s": r.warmup_seconds}
+            rows.append(row)
+            out.append(dict(row, acceptance_by_position=r.result["metrics"].get(
+                "acceptance_by_position"), spec=_spec(r.name, args.k, overrides)))
+    print_table(rows, title=f"npuspec bench methods: {mdir}, {len(prompts)} prompts x "
+                            f"{args.max_tokens} tokens, greedy, K={args.k}, {threads} threads, "
+                            f"median of {args.repeats}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"model": mdir, "prompts": prompts, "rows": out}, f, indent=1)
+    bad = [r for r in rows if r["same as none"] != len(prompts)]
+    return 1 if bad else 0
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
