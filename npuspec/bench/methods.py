@@ -77,27 +77,27 @@ def run(args) -> int:
     methods = ["none"] + [m for m in args.methods.split(",") if m]
     rows, out = [], []
     for n in [int(x) for x in args.max_num_seqs.split(",")]:
-        runners = [Runner(m, "npuspec", 0, npuspec_runner(mdir, _spec(m, args.k, overrides),
+        runners = [Runner(m, m, args.k, npuspec_runner(mdir, _spec(m, args.k, overrides),
                                                           prompts, args.max_tokens, n))
                    for m in methods]
         with common.Progress(f"npuspec bench methods (max_num_seqs={n})",
                              len(runners) * (args.repeats + 1)) as bar:
             run_interleaved(runners, args.repeats, bar)
         base = runners[0].result["token_ids"]
-        tps = {r.name: r.result["tokens"] / r.seconds for r in runners}
-        al = {r.name: r.result["metrics"]["mean_acceptance_length"] for r in runners}
+        tps = {r.system: r.result["tokens"] / r.seconds for r in runners}
+        al = {r.system: r.result["metrics"]["mean_acceptance_length"] for r in runners}
         for r in runners:
             ng = "ngram" in tps
-            row = {"max_num_seqs": n, "method": r.name, "tok/s": tps[r.name],
-                   "× none": tps[r.name] / tps["none"],
-                   "× ngram tok/s": tps[r.name] / tps["ngram"] if ng else "-",
-                   "mean acc len": al[r.name] if r.name != "none" else "-",
-                   "× ngram AL": (al[r.name] / al["ngram"]) if ng and r.name != "none" else "-",
+            row = {"max_num_seqs": n, "method": r.system, "tok/s": tps[r.system],
+                   "× none": tps[r.system] / tps["none"],
+                   "× ngram tok/s": tps[r.system] / tps["ngram"] if ng else "-",
+                   "mean acc len": al[r.system] if r.system != "none" else "-",
+                   "× ngram AL": (al[r.system] / al["ngram"]) if ng and r.system != "none" else "-",
                    "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
                    "warm-up s": r.warmup_seconds}
             rows.append(row)
             out.append(dict(row, acceptance_by_position=r.result["metrics"].get(
-                "acceptance_by_position"), spec=_spec(r.name, args.k, overrides)))
+                "acceptance_by_position"), spec=_spec(r.system, args.k, overrides)))
     print_table(rows, title=f"npuspec bench methods: {mdir}, {len(prompts)} prompts x "
                             f"{args.max_tokens} tokens, greedy, K={args.k}, {threads} threads, "
                             f"median of {args.repeats}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 
 from npuspec.models.decoder import AttnMetadata, PagedKVCache
@@ -54,6 +55,50 @@ class DraftChainStep(_DraftModule):
         lh, nh = self._forward(input_ids, hidden[:, None], positions, slot_mapping,
                                block_table, seq_lens)              # [B, 1, H] each
         return self.draft.logits(lh)[:, 0], nh[:, 0]               # [B, V], [B, H]
+
+
+def sample_drafts(logits, temperature=None, exponentials=None):
+    """logits [B, ..., V] -> (tokens [B, ...], confidence [B, ...], q [B, ..., V] or None).
+
+    Without `temperature`: the argmax, confidence max softmax(logits), no q. With temperature
+    [B] (0 = greedy row) and the row's Exp(1) draws `exponentials` [B, ..., V]: a row with T > 0
+    takes argmax(q / e) with q = softmax(logits / T), i.e. a draw x ~ q (the exponential race),
+    a greedy row the argmax; q is returned for the verify op (greedy rows: softmax(logits))."""
+    p1 = torch.softmax(logits.float(), dim=-1)
+    conf = p1.amax(dim=-1)
+    greedy = logits.argmax(dim=-1)
+    if temperature is None:
+        return greedy, conf, None
+    t = temperature.reshape(-1, *([1] * (logits.dim() - 1)))   # [B, 1.., 1]
+    hot = t > 0
+    q = torch.softmax(logits.float() / torch.where(hot, t, torch.ones_like(t)), dim=-1)
+    x = torch.where(hot[..., 0], (q / exponentials).argmax(dim=-1), greedy)
+    return x, conf, q
+
+
+class DraftLoop(_DraftModule):
+    """Draft tokens 0..K-1 of every request in one graph: token 0 from the pending logits, then
+    K-1 chain steps ([B, 1] forwards on the draft's own hidden state), sampling in the graph
+    (vLLM Ascend merges the K-step loop into one graph the same way)."""
+
+    def forward(self, logits, hidden, positions, slot_mapping, block_table, seq_lens,
+                temperature=None, exponentials=None):
+        # logits [B, V], hidden [B, H]; positions/slot_mapping/seq_lens [B, K-1] (chain
+        # step i at column i); temperature [B], exponentials [B, K, V]
+        toks, confs, qs = [], [], []
+        K = positions.shape[1] + 1
+        for i in range(K):
+            e = None if exponentials is None else exponentials[:, i]
+            x, c, q = sample_drafts(logits, temperature, e)         # [B], [B], [B, V]
+            toks.append(x)
+            confs.append(c)
+            qs.append(q)
+            if i + 1 < K:
+                lh, nh = self._forward(x[:, None], hidden[:, None], positions[:, i:i + 1],
+                                       slot_mapping[:, i:i + 1], block_table, seq_lens[:, i])
+                logits, hidden = self.draft.logits(lh)[:, 0], nh[:, 0]
+        out = (torch.stack(toks, 1), torch.stack(confs, 1))        # [B, K] each
+        return out if temperature is None else out + (torch.stack(qs, 1),)  # q [B, K, V]
 
 
 class MedusaStep(nn.Module):

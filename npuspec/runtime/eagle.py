@@ -11,13 +11,15 @@ They read the target's features, which the target's verify and prefill steps ret
                             (padded mode, vLLM's default: every row runs, rejected rows'
                             draft K/V is overwritten later; `disable_padded_drafter_batch`:
                             only the accepted rows run, ragged, eagerly)
-    at the next step:       draft token 0 from the pending logits, then K-1 chain steps
-                            ([B, 1] forwards on the draft's own hidden state)
+    at the next step:       one call of the draft loop: token 0 from the pending logits,
+                            then K-1 chain steps ([B, 1] forwards on the draft's own hidden
+                            state), sampling inside the graph
 
 The pending row is at position t = len(tokens) - 2, so the chain writes draft K/V at
 positions t+1 .. t+K-1, inside the blocks the scheduler reserved for the next verify step.
-A draft token is sampled from q = softmax(logits / T) with the request's generator (argmax for
-greedy requests), and q is returned, so verification stays lossless; its confidence is the
+A draft token is drawn from q = softmax(logits / T) by an exponential race against Exp(1) draws
+of the request's own generator (argmax for greedy requests), and q is returned, so
+verification stays lossless; its confidence is the
 max of softmax(logits) at T = 1, for the confidence budget.
 
 Medusa has no draft KV: its heads read the target's final hidden state at the pending row, and
@@ -32,7 +34,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from npuspec.engine.draft_step import DraftChainStep, DraftFirstPass, MedusaStep, fresh_fn
+from npuspec.engine.draft_step import DraftFirstPass, DraftLoop, MedusaStep, fresh_fn, sample_drafts
 from npuspec.runtime.draft_model import CONF_MIN, Drafts
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
 
@@ -44,25 +46,6 @@ class _Pending:
     t: int                          # position of the row the draft continues from
     logits: torch.Tensor            # [V] (Medusa: [heads, V]) logits of the next draft token(s)
     hidden: Optional[torch.Tensor]  # [H] the draft hidden state the chain starts from
-
-
-def sample(logits: torch.Tensor, temps: Optional[np.ndarray], generators, want_probs: bool):
-    """-> (tokens [B], confidence [B], q [B, V] or None). Greedy rows take the argmax of the
-    logits; a row with temperature T > 0 races q = softmax(logits / T) against Exp(1) draws of
-    its own generator (so x ~ q exactly)."""
-    p1 = torch.softmax(logits, dim=-1)  # [B, V]
-    conf = p1.max(dim=-1).values
-    rand = [] if temps is None else [b for b in range(len(temps)) if temps[b] > 0]
-    if not rand:
-        return logits.argmax(dim=-1), conf, p1 if want_probs else None
-    t = torch.tensor(np.where(temps > 0, temps, 1.0), dtype=torch.float32,
-                     device=logits.device)[:, None]
-    q = torch.softmax(logits / t, dim=-1)
-    x = logits.argmax(dim=-1)
-    for b in rand:
-        e = torch.empty(q.shape[1], device=q.device).exponential_(generator=generators[b])
-        x[b] = (q[b] / e).argmax()
-    return x, conf, q if want_probs else None
 
 
 class _HiddenStateProposer:
@@ -197,6 +180,15 @@ class _HiddenStateProposer:
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.runner.device)
 
+    def _draws(self, temps: np.ndarray, gens, k: int, V: int) -> list:
+        """temperature [B] and each sampled request's own Exp(1) draws [B, K, V]."""
+        dev = self.runner.device
+        e = torch.ones(len(temps), k, V, device=dev)
+        for j, g in enumerate(gens):
+            if temps[j] > 0:
+                e[j].exponential_(generator=g)
+        return [torch.tensor(temps, dtype=torch.float32, device=dev), e]
+
 
 class EagleProposer(_HiddenStateProposer):
     """EAGLE, EAGLE-3 and MTP: `draft` is an `EagleDraft`, `Eagle3Draft` or `MTPDraft`."""
@@ -206,7 +198,7 @@ class EagleProposer(_HiddenStateProposer):
                          padded=padded)
         self.cache = draft.allocate_paged_cache(num_blocks, block_size)
         self.first = DraftFirstPass(draft, self.cache)
-        self.chain = DraftChainStep(draft, self.cache)
+        self.loop = DraftLoop(draft, self.cache)
 
     def _opts(self) -> dict:
         return self.runner._options
@@ -222,7 +214,8 @@ class EagleProposer(_HiddenStateProposer):
     @torch.inference_mode()
     def draft_requests(self, reqs, k: int, temps: Optional[np.ndarray], generators,
                        want_probs: bool = True) -> Drafts:
-        """K draft tokens per request ([B, K], -1 where a request has nothing pending)."""
+        """K draft tokens per request ([B, K], -1 where a request has nothing pending): one
+        call of the draft loop (token 0 from the pending logits, K-1 chain steps)."""
         B = len(reqs)
         V = self.module.config.vocab_size
         toks = np.full((B, k), -1, dtype=np.int64)
@@ -231,38 +224,33 @@ class EagleProposer(_HiddenStateProposer):
         sel = [b for b, r in enumerate(reqs) if self.reqs.get(r.req_id) is not None]
         if not sel or k == 0:
             return Drafts(toks, probs, conf)
-        pend = [self.reqs[reqs[b].req_id] for b in sel]
-        for b, p in zip(sel, pend):
-            assert p.t == len(reqs[b].tokens) - 2, (reqs[b].req_id, p.t, len(reqs[b].tokens))
-        tm = None if temps is None else np.asarray(temps, dtype=np.float64)[sel]
-        gens = None if generators is None else [generators[b] for b in sel]
-        logits = torch.stack([p.logits for p in pend])   # [B', V]
-        hidden = torch.stack([p.hidden for p in pend])   # [B', H]
-        t0 = np.array([p.t for p in pend], dtype=np.int64)
-        table = self._t(self.runner._table([reqs[b] for b in sel], len(sel)))
-        xs, cs, qs = [], [], []
-        for i in range(k):
-            x, c, q = sample(logits, tm, gens, want_probs)
-            xs.append(x)
-            cs.append(c)
-            qs.append(q)
-            if i + 1 < k:
-                logits, hidden = self._chain_step(x, hidden, t0 + i + 1, [reqs[b] for b in sel],
-                                                  table)
-        host = torch.stack([torch.stack(xs, 1).double(), torch.stack(cs, 1).double()]).cpu()
+        rs = [reqs[b] for b in sel]
+        pend = [self.reqs[r.req_id] for r in rs]
+        for r, p in zip(rs, pend):
+            assert p.t == len(r.tokens) - 2, (r.req_id, p.t, len(r.tokens))
+        args = self._loop_args(rs, pend, k)
+        random = temps is not None
+        if random:
+            args += self._draws(np.asarray(temps, dtype=np.float64)[sel],
+                                [generators[b] for b in sel], k, V)
+        opts = self._rows_opts() if k > 1 else None  # K = 1: no chain, a few ops
+        out = self._call(("loop", k, random), self.loop, args, opts)
+        host = torch.stack([out[0].double(), out[1].double()]).cpu()  # one device->host copy
         toks[sel] = host[0].numpy().astype(np.int64)
         conf[sel] = np.clip(host[1].numpy(), CONF_MIN, 1.0)
         if want_probs:
-            probs[sel] = torch.stack(qs, dim=1).float()
+            probs[sel] = out[2]
         return Drafts(toks, probs, conf)
 
-    def _chain_step(self, x, hidden, pos: np.ndarray, reqs, table):
+    def _loop_args(self, rs, pend, k: int) -> list:
+        """The draft loop's inputs: pending logits and hidden, chain positions t+1..t+K-1 with
+        their slots and lengths, the requests' block tables."""
         r = self.runner
-        slots = np.stack([r._slots(q.blocks, pos[j:j + 1]) for j, q in enumerate(reqs)])
-        args = [x[:, None].long(), hidden, self._t(pos).view(-1, 1),
-                self._t(slots), table, self._t((pos + 1).astype(np.int32))]
-        logits, hidden = self._call(("chain",), self.chain, args, self._rows_opts())
-        return logits, hidden
+        pos = np.array([p.t for p in pend], dtype=np.int64)[:, None] + np.arange(1, k)
+        slots = np.stack([r._slots(q.blocks, pos[j]) for j, q in enumerate(rs)])
+        return [torch.stack([p.logits for p in pend]), torch.stack([p.hidden for p in pend]),
+                self._t(pos), self._t(slots), self._t(r._table(rs, len(rs))),
+                self._t((pos + 1).astype(np.int32))]
 
     def warm_up(self, k_values, top_rows) -> None:
         """Compile and capture the first pass at every K and the chain step before the first
@@ -294,13 +282,16 @@ class EagleProposer(_HiddenStateProposer):
                "seq_lens": z(n, dtype=torch.int32)}
         self._first_pass(("prefill",), np.zeros((n, C), np.int64), feats(n, C, F), pre,
                          np.zeros(n), self._prefill_opts())
-        if max(k_values) > 1:
-            n = r.max_num_seqs
+        n = r.max_num_seqs
+        V, H = self.module.config.vocab_size, self.module.config.hidden_size
+        for k in k_values:
+            if k < 2:
+                continue
             with torch.inference_mode():
-                args = [z(n, 1), z(n, self.module.config.hidden_size, dtype=dt), z(n, 1),
-                        z(n, 1), z(n, r.max_blocks, dtype=torch.int32),
-                        z(n, dtype=torch.int32)]
-                self._call(("chain",), self.chain, args, self._rows_opts())
+                args = [z(n, V, dtype=torch.float32), z(n, H, dtype=dt), z(n, k - 1),
+                        z(n, k - 1), z(n, r.max_blocks, dtype=torch.int32),
+                        z(n, k - 1, dtype=torch.int32)]
+                self._call(("loop", k, False), self.loop, args, self._rows_opts())
 
     def _feature_size(self) -> int:
         aux, final = self.features
@@ -335,15 +326,15 @@ class MedusaProposer(_HiddenStateProposer):
         sel = [b for b, r in enumerate(reqs) if self.reqs.get(r.req_id) is not None]
         if not sel or k == 0:
             return Drafts(toks, probs, conf)
-        tm = None if temps is None else np.asarray(temps, dtype=np.float64)[sel]
-        gens = None if generators is None else [generators[b] for b in sel]
-        logits = torch.stack([self.reqs[reqs[b].req_id].logits for b in sel])  # [B', heads, V]
-        xs, cs, qs = zip(*(sample(logits[:, i], tm, gens, want_probs) for i in range(k)))
-        host = torch.stack([torch.stack(xs, 1).double(), torch.stack(cs, 1).double()]).cpu()
+        logits = torch.stack([self.reqs[reqs[b].req_id].logits for b in sel])[:, :k]  # [B', K, V]
+        draws = [] if temps is None else self._draws(
+            np.asarray(temps, dtype=np.float64)[sel], [generators[b] for b in sel], k, V)
+        x, c, q = sample_drafts(logits, *draws)
+        host = torch.stack([x.double(), c.double()]).cpu()
         toks[sel] = host[0].numpy().astype(np.int64)
         conf[sel] = np.clip(host[1].numpy(), CONF_MIN, 1.0)
         if want_probs:
-            probs[sel] = torch.stack(qs, dim=1).float()
+            probs[sel] = q
         return Drafts(toks, probs, conf)
 
     @torch.inference_mode()  # its only inputs, the target's features, are inference tensors
