@@ -32,10 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "checkpoint, made from --target when OUT has no config.json)")
     p.add_argument("--data", default=None, metavar="DIR", help="extract_hidden_states .safetensors "
                    "files (default: generate data from the stdlib corpus with the target)")
-    p.add_argument("--steps", type=positive, default=600)
+    p.add_argument("--steps", type=positive, default=800)
     p.add_argument("--batch", type=positive, default=16, help="sequences per step")
     p.add_argument("--seq-len", type=positive, default=128, help="training rows per sequence")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (the default suits the "
+                   "embedded model; ~1e-4 for billion-parameter targets)")
     p.add_argument("--warmup", type=int, default=30, help="linear warmup steps, then cosine to 10%%")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttt-steps", type=positive, default=None,
@@ -82,7 +83,8 @@ def _ids(s: str | None, L: int):
 def _command_line(args, parser_defaults: dict) -> str:
     parts = ["npuspec", "train-draft"]
     for k, v in vars(args).items():
-        if k in ("run", "command", "debug") or v == parser_defaults.get(k):
+        if k in ("run", "command", "debug") or (v == parser_defaults.get(k)
+                                                 and k not in ("target", "method")):
             continue
         flag = "--" + k.replace("_", "-")
         parts += [flag] if v is True else [flag, str(v)]

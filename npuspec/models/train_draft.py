@@ -4,7 +4,7 @@
     from npuspec.models.train_draft import TrainConfig, CorpusData, stdlib_corpus, train
 
     tcfg, target = load_model("tiny")
-    cfg = TrainConfig(method="eagle3", steps=600)
+    cfg = TrainConfig(method="eagle3", steps=800)
     corpus = stdlib_corpus(load_tokenizer("tiny"))
     data = CorpusData(target, corpus.train, corpus.val, aux_ids=...)   # or FileData(...)
     result = train(target, data, cfg, state_dir="out/train_state")     # -> TrainResult
@@ -74,10 +74,10 @@ CLS_WEIGHT = 0.1   # EAGLE-1: weight of the classification loss next to the feat
 @dataclasses.dataclass
 class TrainConfig:
     method: str = "eagle3"
-    steps: int = 600
+    steps: int = 800
     batch: int = 16
     seq_len: int = 128             # rows per sequence (the window holds seq_len + 1 tokens)
-    lr: float = 3e-3
+    lr: float = 5e-3                # tuned for the embedded model; ~1e-4 for billion-scale targets
     warmup: int = 30
     weight_decay: float = 0.0
     grad_clip: float = 1.0

@@ -269,9 +269,10 @@ def test_cli_smoke_writes_a_loadable_draft(tiny, tmp_path, method, capsys):
         from npuspec.models.loading import TINY_MODEL_DIR
         import shutil
         shutil.copytree(TINY_MODEL_DIR, out)
+    extra = ["--draft-vocab-size", "512"] if method == "eagle3" else []
     rc = _cli(["--method", method, "--out", str(out), "--steps", "3", "--batch", "2",
                "--seq-len", "16", "--max-files", "8", "--eval-every", "0", "--eval-batches", "1",
-               "--num-heads", "2", "--eval-k", "2"])
+               "--num-heads", "2", "--eval-k", "2"] + extra)
     assert rc == 0, capsys.readouterr().err
     recipe = json.load(open(out / "train_recipe.json"))
     assert recipe["steps"] == 3 and recipe["method"] == method and recipe["torch"]
@@ -279,6 +280,9 @@ def test_cli_smoke_writes_a_loadable_draft(tiny, tmp_path, method, capsys):
     assert "train-draft" in recipe["command"] and recipe["data"]["source"] == "stdlib"
     d = load_draft(method, str(out), tcfg, target)
     assert d.method == method
+    if method == "eagle3":  # the top-512 vocabulary map survives the round trip
+        assert d.config.draft_vocab_size == 512 and d.vocab_index is not None
+        assert d.vocab_index.unique().numel() == 512
     if method == "mtp":
         cfg = json.load(open(out / "config.json"))
         assert cfg["num_nextn_predict_layers"] == 1
