@@ -78,10 +78,12 @@ def resolve_draft(name: str) -> str:
 def _hidden_state_proposer(s: SpeculativeConfig, dtype, device, target, target_path,
                            num_blocks: int, block_size: int):
     from npuspec.models.draft_loading import load_draft
+    from npuspec.models.packing import pack_draft
     from npuspec.runtime.eagle import EagleProposer, MedusaProposer
     path = target_path if s.method == "mtp" else resolve_draft(s.model)
     module = load_draft(s.method, path, target.config, target, dtype=dtype, device=device,
                         draft_model_config=s.draft_model_config)
+    pack_draft(module)  # CPU: fused, packed projections (one kernel call each for q|k|v, gate|up)
     if s.method == "medusa":
         module.check_k(s.num_speculative_tokens)
         return MedusaProposer(module)

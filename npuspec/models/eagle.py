@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npuspec.kernels.paged_attention import paged_attention
+from npuspec.kernels.linear_packed_cpu import linear_packed
 from npuspec.models.decoder import (AttnMetadata, PagedKVCache, RMSNorm, _linear, _rotate_half,
                                     rope_inv_freq)
 
@@ -53,9 +54,14 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attend):
         B, T, _ = x.shape
         Hq, Hkv, D = self.shape
-        q = _linear(x, self.q_proj).view(B, T, Hq, D)
-        k = _linear(x, self.k_proj).view(B, T, Hkv, D)
-        v = _linear(x, self.v_proj).view(B, T, Hkv, D)
+        if getattr(self, "qkv_packed", None) is not None:  # npuspec.models.packing.pack_draft
+            qkv = linear_packed(x, self.qkv_packed, self.qkv_bias, (Hq + 2 * Hkv) * D)
+            q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = q.view(B, T, Hq, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        else:
+            q = _linear(x, self.q_proj).view(B, T, Hq, D)
+            k = _linear(x, self.k_proj).view(B, T, Hkv, D)
+            v = _linear(x, self.v_proj).view(B, T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
@@ -72,7 +78,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        return _linear(F.silu(_linear(x, self.gate_proj)) * _linear(x, self.up_proj), self.down_proj)
+        if getattr(self, "gate_up_packed", None) is not None:  # packing.pack_draft
+            gate, up = linear_packed(x, self.gate_up_packed, self.gate_up_bias,
+                                     2 * self.down_proj.in_features).chunk(2, dim=-1)
+        else:
+            gate, up = _linear(x, self.gate_proj), _linear(x, self.up_proj)
+        return _linear(F.silu(gate) * up, self.down_proj)
 
 
 class DraftLayer(nn.Module):

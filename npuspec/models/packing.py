@@ -58,3 +58,36 @@ def pack_model(model: nn.Module) -> bool:
             model.lm_head = None
     model.fused_norm = lp.can_pack()  # same toolchain; the op falls back the same way
     return True
+
+
+def _pack_fused(owner: nn.Module, names: tuple, attr: str) -> None:
+    """Pack the concatenation of owner's projections `names` (same input) as one weight
+    `owner.<attr>_packed` (+ `<attr>_bias`): one kernel call instead of len(names)."""
+    layers = [getattr(owner, n) for n in names]
+    w = torch.cat([layer.weight.detach() for layer in layers])
+    b = None if layers[0].bias is None else torch.cat([layer.bias.detach() for layer in layers])
+    owner.register_buffer(f"{attr}_packed", lp.pack_weight(w), persistent=False)
+    owner.register_buffer(f"{attr}_bias", b, persistent=False)
+    for layer in layers:
+        del layer.weight
+        layer.register_parameter("weight", None)
+
+
+def pack_draft(module: nn.Module) -> bool:
+    """Pack a drafter (npuspec.models.eagle / mtp / medusa) for inference, as pack_model does a
+    target: q|k|v and gate|up fused into one packed weight each, every other projection packed.
+    Returns whether it is packed (a CPU model in a kernel dtype with a C++ toolchain)."""
+    from npuspec.models.eagle import MLP, Attention
+    w = next(module.parameters())
+    if not (w.device.type == "cpu" and w.dtype in lp.WEIGHT_DTYPES and lp.can_pack()):
+        return False
+    with torch.no_grad():
+        for m in list(module.modules()):
+            if isinstance(m, Attention):
+                _pack_fused(m, ("q_proj", "k_proj", "v_proj"), "qkv")
+            elif isinstance(m, MLP):
+                _pack_fused(m, ("gate_proj", "up_proj"), "gate_up")
+        for m in list(module.modules()):
+            if isinstance(m, nn.Linear) and m.weight is not None:
+                _pack_linear(m)
+    return True
