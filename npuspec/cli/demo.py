@@ -7,6 +7,7 @@ the acceptance by position of the speculative run. Exit status 1 if the outputs 
 
     npuspec demo
     npuspec demo --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
+    npuspec demo --method eagle3        (eagle, eagle3, medusa, mtp: the embedded heads)
     npuspec demo --model ~/models/Qwen3-0.6B --prompts prompts.txt --max-tokens 64
     npuspec demo --model SmolLM2-135M-Instruct.Q4_1.gguf --prompts code-edit
 """
@@ -15,6 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+
+# `--method M`: the embedded model's default speculative config per method (K = 4; the
+# tiny heads are trained by `npuspec train-draft`, see npuspec/models/tiny_drafts)
+METHOD_SPECS = {
+    "ngram": None,  # common.DEFAULT_SPEC
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "eagle": {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 4},
+    "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4},
+    "medusa": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 4},
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help=f"vllm serve --speculative-config schema, inline JSON or a .json file "
                         f"(default: {json.dumps(DEFAULT_SPEC)})")
+    p.add_argument("--method", default=None, choices=sorted(METHOD_SPECS),
+                   help="run this method with its default settings on the embedded model "
+                        "(its draft heads ship with npuspec); --speculative-config overrides")
     p.add_argument("--max-tokens", type=positive, default=96, help="new tokens per prompt (default 96)")
     p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl), or "
                                                    "'code-edit' (6 built-in code-editing chat requests); "
@@ -61,7 +77,8 @@ def run(args) -> int:
     from npuspec.cli.prompts import load_prompts
 
     t_start = time.perf_counter()
-    spec = common.spec_dict(args.speculative_config) or dict(common.DEFAULT_SPEC)
+    spec = common.spec_dict(args.speculative_config) or dict(
+        METHOD_SPECS.get(args.method) or common.DEFAULT_SPEC)
     cfg = common.spec_config(spec)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)

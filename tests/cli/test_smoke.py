@@ -74,6 +74,18 @@ def test_demo_embedded_model(tiny_available, capsys):
     assert "outputs identical: yes (4/4 prompts)" in text
 
 
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "medusa", "mtp"])
+def test_demo_method_shipped_heads(method, tiny_available, capsys):
+    """`npuspec demo --method M` runs the heads shipped for the embedded model, and they draft
+    tokens the target accepts (trained heads: acceptance well above a random draft's ~0)."""
+    rc = main(["demo", "--method", method, "--max-tokens", "24", "--no-text", "--enforce-eager"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "outputs identical: yes (4/4 prompts)" in text
+    first = float(text.split("acceptance by position: 1: ")[1].split()[0])
+    assert first > 0.2, text
+
+
 @pytest.mark.slow
 def test_demo_embedded_model_compiled(tiny_available, capsys):
     """`npuspec demo` exactly as the README runs it: compiled, captured, default settings."""
