@@ -177,6 +177,23 @@ class _HiddenStateProposer:
                 "block_table": inp["block_table"], "seq_lens": self._t(u_lens)}
         return self._first_pass(("unpadded",), u_ids, f, meta, np.full(rows, T - 1), None)
 
+    def _no_drafts(self, reqs, k: int, want_probs: bool):
+        """-> (Drafts of all -1, the rows of requests with something pending)."""
+        B, V = len(reqs), self.module.config.vocab_size
+        probs = torch.zeros(B, k, V, device=self.runner.device) if want_probs else None
+        d = Drafts(np.full((B, k), -1, dtype=np.int64), probs, np.full((B, k), CONF_MIN))
+        return d, [b for b, r in enumerate(reqs) if self.reqs.get(r.req_id) is not None]
+
+    @staticmethod
+    def _fill(d: Drafts, sel: list, x, c, q=None) -> Drafts:
+        """Rows `sel` of d from tokens x [B', K], confidences c and q [B', K, V]."""
+        host = torch.stack([x.double(), c.double()]).cpu()  # one device->host copy
+        d.tokens[sel] = host[0].numpy().astype(np.int64)
+        d.conf[sel] = np.clip(host[1].numpy(), CONF_MIN, 1.0)
+        if d.probs is not None:
+            d.probs[sel] = q
+        return d
+
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.runner.device)
 
@@ -216,14 +233,10 @@ class EagleProposer(_HiddenStateProposer):
                        want_probs: bool = True) -> Drafts:
         """K draft tokens per request ([B, K], -1 where a request has nothing pending): one
         call of the draft loop (token 0 from the pending logits, K-1 chain steps)."""
-        B = len(reqs)
-        V = self.module.config.vocab_size
-        toks = np.full((B, k), -1, dtype=np.int64)
-        conf = np.full((B, k), CONF_MIN)
-        probs = torch.zeros(B, k, V, device=self.runner.device) if want_probs else None
-        sel = [b for b, r in enumerate(reqs) if self.reqs.get(r.req_id) is not None]
+        d, sel = self._no_drafts(reqs, k, want_probs)
         if not sel or k == 0:
-            return Drafts(toks, probs, conf)
+            return d
+        V = self.module.config.vocab_size
         rs = [reqs[b] for b in sel]
         pend = [self.reqs[r.req_id] for r in rs]
         for r, p in zip(rs, pend):
@@ -235,12 +248,7 @@ class EagleProposer(_HiddenStateProposer):
                                 [generators[b] for b in sel], k, V)
         opts = self._rows_opts() if k > 1 else None  # K = 1: no chain, a few ops
         out = self._call(("loop", k, random), self.loop, args, opts)
-        host = torch.stack([out[0].double(), out[1].double()]).cpu()  # one device->host copy
-        toks[sel] = host[0].numpy().astype(np.int64)
-        conf[sel] = np.clip(host[1].numpy(), CONF_MIN, 1.0)
-        if want_probs:
-            probs[sel] = out[2]
-        return Drafts(toks, probs, conf)
+        return self._fill(d, sel, *out)
 
     def _loop_args(self, rs, pend, k: int) -> list:
         """The draft loop's inputs: pending logits and hidden, chain positions t+1..t+K-1 with
@@ -318,24 +326,14 @@ class MedusaProposer(_HiddenStateProposer):
     @torch.inference_mode()
     def draft_requests(self, reqs, k: int, temps: Optional[np.ndarray], generators,
                        want_probs: bool = True) -> Drafts:
-        B = len(reqs)
-        V = self.module.config.vocab_size
-        toks = np.full((B, k), -1, dtype=np.int64)
-        conf = np.full((B, k), CONF_MIN)
-        probs = torch.zeros(B, k, V, device=self.runner.device) if want_probs else None
-        sel = [b for b, r in enumerate(reqs) if self.reqs.get(r.req_id) is not None]
+        d, sel = self._no_drafts(reqs, k, want_probs)
         if not sel or k == 0:
-            return Drafts(toks, probs, conf)
+            return d
+        V = self.module.config.vocab_size
         logits = torch.stack([self.reqs[reqs[b].req_id].logits for b in sel])[:, :k]  # [B', K, V]
         draws = [] if temps is None else self._draws(
             np.asarray(temps, dtype=np.float64)[sel], [generators[b] for b in sel], k, V)
-        x, c, q = sample_drafts(logits, *draws)
-        host = torch.stack([x.double(), c.double()]).cpu()
-        toks[sel] = host[0].numpy().astype(np.int64)
-        conf[sel] = np.clip(host[1].numpy(), CONF_MIN, 1.0)
-        if want_probs:
-            probs[sel] = q
-        return Drafts(toks, probs, conf)
+        return self._fill(d, sel, *sample_drafts(logits, *draws))
 
     @torch.inference_mode()  # its only inputs, the target's features, are inference tensors
     def warm_up(self, k_values, top_rows) -> None:
