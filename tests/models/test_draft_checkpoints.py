@@ -475,10 +475,24 @@ def _head_of(target):
     return target.embed.weight if target.lm_head is None else target.lm_head.weight
 
 
-def test_mtp_needs_next_n_layers(tiny):
+def test_mtp_needs_next_n_layers(tiny, tmp_path):
+    # the embedded model ships an MTP layer: a copy of it without one
+    import json
+    import shutil
+    from npuspec.models import TINY_MODEL_DIR
+    d = tmp_path / "plain"
+    shutil.copytree(TINY_MODEL_DIR, d)
+    (d / "mtp.safetensors").unlink()
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["num_nextn_predict_layers"]
+    (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_nextn_predict_layers") as e:
-        load_draft("mtp", "tiny", *tiny)
+        load_draft("mtp", str(d), *tiny)
     assert "eagle3" in str(e.value)
+
+
+def test_embedded_model_has_its_mtp_layer(tiny):
+    assert load_draft("mtp", "tiny", *tiny).method == "mtp"
 
 
 # ---- errors ----------------------------------------------------------------------------------------
