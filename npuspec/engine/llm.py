@@ -187,21 +187,17 @@ class LLM:
         if rows:
             pre = self.runner.prefill(rows)
             m.num_prefill_steps += 1
+        reqs = list({id(row.req): row.req for row in rows}.values())
+        done = sched.prefilled(rows)
         if self.proposer is not None:
-            for r in {id(row.req): row.req for row in rows}.values():
+            # requests with rows this step, and one-token prompts (no rows, done at once)
+            for r in reqs + done:
                 if not r.started:
                     self.proposer.start_request(r.req_id, r.prompt_ids)
                     r.started = True
             if pre is not None:  # hidden-state drafters: their pass over the chunks
                 self.proposer.on_prefill(rows, pre)
-        done = sched.prefilled(rows)
-        if self.proposer is not None:
-            for r in done:
-                if not r.started:
-                    self.proposer.start_request(r.req_id, r.prompt_ids)
-                    r.started = True
-        record_prefill(m, list({id(r.req): r.req for r in rows}.values()),
-                       time.perf_counter() - t0)
+        record_prefill(m, reqs, time.perf_counter() - t0)
 
     def _decode_step(self, reqs: list[Request], m: EngineMetrics) -> None:
         t0 = time.perf_counter()

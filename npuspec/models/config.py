@@ -140,14 +140,19 @@ def _rope_theta(d: dict[str, Any], source: str) -> float:
     return 10000.0 if theta is None else theta
 
 
-def read_config(model_dir: str) -> ModelConfig:
+def read_config_json(model_dir: str, missing: str) -> dict:
+    """`model_dir`/config.json as a dict; `missing` ends the error when there is none."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: a model directory needs an HF config.json "
-                                "(save one with model.save_pretrained(dir) or copy it from the hub snapshot).")
+        raise FileNotFoundError(f"{path} does not exist: {missing}")
     with open(path) as f:
         try:
-            d = json.load(f)
+            return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e}); fix or re-download it.") from None
-    return ModelConfig.from_hf_dict(d, source=path)
+
+
+def read_config(model_dir: str) -> ModelConfig:
+    d = read_config_json(model_dir, "a model directory needs an HF config.json (save one with "
+                                    "model.save_pretrained(dir) or copy it from the hub snapshot).")
+    return ModelConfig.from_hf_dict(d, source=os.path.join(model_dir, "config.json"))

@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from npuspec.models.config import ModelConfig
+from npuspec.models.config import ModelConfig, read_config_json
 from npuspec.models.eagle import Eagle3Draft, EagleDraft
 from npuspec.models.medusa import MedusaHeads
 from npuspec.models.mtp import MTPDraft
@@ -151,15 +151,8 @@ def default_aux_layer_ids(num_layers: int) -> tuple:
 
 # ---- reading ---------------------------------------------------------------------------------
 def _read_config(model_dir: str, draft_model_config: Optional[dict]) -> dict:
-    path = os.path.join(model_dir, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} does not exist: a draft checkpoint directory needs its "
-                                "config.json (copy it from the hub snapshot).")
-    with open(path) as f:
-        try:
-            d = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); fix or re-download it.") from None
+    d = read_config_json(model_dir, "a draft checkpoint directory needs its config.json (copy "
+                                    "it from the hub snapshot).")
     hf = (draft_model_config or {}).get("hf_config") or {}
     return {**d, **hf}
 

@@ -28,7 +28,6 @@ head k drafts token k.
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Optional, Sequence
 
 import numpy as np
@@ -37,8 +36,6 @@ import torch
 from npuspec.engine.draft_step import DraftFirstPass, DraftLoop, MedusaStep, fresh_fn, sample_drafts
 from npuspec.runtime.draft_model import CONF_MIN, Drafts
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
-
-log = logging.getLogger("npuspec.engine")
 
 
 @dataclasses.dataclass

@@ -83,7 +83,7 @@ class ExtractHiddenStatesProposer:
     # -- what the engine hands over -----------------------------------------------------------
     def on_prefill(self, rows, pre: dict) -> None:
         C = pre["input_ids"].shape[1]
-        feats = pre["features"]  # [n, C, layers * hidden]
+        feats = pre["features"][:len(rows)].cpu()  # [n, C, layers * hidden], one copy
         for i, row in enumerate(rows):
             m = row.end - row.start
             self._keep(row.req, row.start, feats[i, C - m:])
@@ -92,6 +92,7 @@ class ExtractHiddenStatesProposer:
         # row j of request b sits at position start_b + j; rows up to the last accepted one
         # (num_emitted of them) ran on the sequence's own tokens
         start = inp["positions"][:len(reqs), 0].cpu().tolist()
+        feats = feats[:len(reqs)].cpu()  # one device->host copy for the batch
         for b, r in enumerate(reqs):
             self._keep(r, int(start[b]), feats[b, :int(res[b, k + 1])])
 
@@ -104,7 +105,7 @@ class ExtractHiddenStatesProposer:
         if rows is None:
             return
         limit = len(r.tokens) - 1 if self._include_output(r) else len(r.prompt_ids)
-        f = f.reshape(f.shape[0], len(self.ids), self.hidden).to("cpu", copy=True)
+        f = f.reshape(f.shape[0], len(self.ids), self.hidden).clone()  # host rows, kept
         for j in range(min(f.shape[0], limit - start)):
             rows[start + j] = f[j]
 
