@@ -52,6 +52,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, attend):
+        q, k, v = self.project(x, cos, sin)
+        return _linear(attend(q, k, v), self.o_proj)  # [B, T, H]
+
+    def project(self, x, cos, sin):
+        """x [B, T, in_dim] -> q [B, T, Hq, D], k/v [B, T, Hkv, D], normed and rotated."""
         B, T, _ = x.shape
         Hq, Hkv, D = self.shape
         if getattr(self, "qkv_packed", None) is not None:  # npuspec.models.packing.pack_draft
@@ -66,7 +71,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        return _linear(attend(q, k, v), self.o_proj)  # [B, T, H]
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -253,12 +258,8 @@ class Eagle3Draft(PagedDraft):
 
     def init_buffers(self, device=None) -> None:
         super().init_buffers(device)
-        d2t = self.d2t
-        if d2t.is_meta:
-            return
         # precomputed once, so logits() scatters with no host sync; None = identity map
-        ident = d2t.numel() == self.config.vocab_size and not bool(d2t.any())
-        self.vocab_index = None if ident else torch.arange(d2t.numel(), device=d2t.device) + d2t
+        self.vocab_index = vocab_index(self.d2t, self.config.vocab_size)
 
     def first_hidden(self, feats):
         # feats [B, T, n_aux*Ht] -> [B, T, H]
@@ -282,7 +283,20 @@ class Eagle3Draft(PagedDraft):
 
     def logits(self, logit_h):
         ld = _linear(logit_h, self.lm_head).float()  # [.., Vd]
-        if self.vocab_index is None:
-            return ld
-        out = ld.new_full((*ld.shape[:-1], self.config.vocab_size), float("-inf"))
-        return out.index_copy(-1, self.vocab_index, ld)  # [.., V]
+        return to_target_vocab(ld, self.vocab_index, self.config.vocab_size)
+
+
+def vocab_index(d2t: torch.Tensor, V: int):
+    """Draft id d -> target id d + d2t[d] as a [Vd] tensor; None for the identity map."""
+    if d2t.is_meta or (d2t.numel() == V and not bool(d2t.any())):
+        return None
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
+def to_target_vocab(ld: torch.Tensor, index, V: int) -> torch.Tensor:
+    """Draft-vocabulary logits [.., Vd] -> target-vocabulary logits [.., V]: each draft id's
+    logit lands on its target id, every other target id gets -inf (so q is 0 there)."""
+    if index is None:
+        return ld
+    out = ld.new_full((*ld.shape[:-1], V), float("-inf"))
+    return out.index_copy(-1, index, ld)  # [.., V]
