@@ -115,11 +115,14 @@ _BUDGET_PARAMS = ("initial_verify_budget_per_req", "budget_update_interval", "bu
 
 @dataclasses.dataclass(frozen=True)
 class DynamicSpecConfig:
-    """Confidence-budget dynamic K (DESIGN.md §4); `method` names the drafting method."""
+    """Confidence-budget dynamic K (DESIGN.md §4); `method` names the drafting method.
+
+    Defaults are vLLM Ascend's `DynamicSpecScheduler` ones (5, 16, 0.3, 1); the guide's
+    example sets 50 and 0.7 explicitly."""
     method: str
-    initial_verify_budget_per_req: int
-    budget_update_interval: int = 50
-    budget_threshold: float = 0.7
+    initial_verify_budget_per_req: int = 5
+    budget_update_interval: int = 16
+    budget_threshold: float = 0.3
     min_verify_tokens: int = 1
 
     @classmethod
@@ -144,10 +147,10 @@ class DynamicSpecConfig:
         out = cls(
             method=method,
             initial_verify_budget_per_req=_int(f"{kp}.initial_verify_budget_per_req",
-                                               p.get("initial_verify_budget_per_req", k), lo=1),
+                                               p.get("initial_verify_budget_per_req", 5), lo=1),
             budget_update_interval=_int(f"{kp}.budget_update_interval",
-                                        p.get("budget_update_interval", 50), lo=1),
-            budget_threshold=_num(f"{kp}.budget_threshold", p.get("budget_threshold", 0.7)),
+                                        p.get("budget_update_interval", 16), lo=1),
+            budget_threshold=_num(f"{kp}.budget_threshold", p.get("budget_threshold", 0.3)),
             min_verify_tokens=_int(f"{kp}.min_verify_tokens", p.get("min_verify_tokens", 1),
                                    lo=0, hi=k),
         )

@@ -12,7 +12,7 @@ from npuspec.config import SpeculativeConfig, merge_additional_config
 log = logging.getLogger("npuspec.engine")
 
 ENGINE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
-                  "extract_hidden_states")
+                  "dflash", "dspark", "extract_hidden_states")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 COMPILATION_KEYS = ("cudagraph_capture_sizes", "cudagraph_mode", "backend")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -131,3 +131,18 @@ def parse_batched_tokens(n: Optional[int], max_num_seqs: int, k_max: int) -> int
     if n is None:
         return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_num_seqs * (k_max + 1))
     return pos_int("max_num_batched_tokens", n)
+
+
+def confidence_budget_config(spec: Optional[SpeculativeConfig]):
+    """additional_config.dynamic_spec_config, or, for `enable_adaptive_verification: true`
+    without one, the confidence budget at vLLM Ascend's defaults. (Upstream vLLM's adaptive
+    verification also weighs the engine's load; npuspec's budget reads confidences only.)"""
+    from npuspec.config import DynamicSpecConfig
+    if spec is None:
+        return None
+    if spec.dynamic_spec_config is None and spec.enable_adaptive_verification:
+        log.info("enable_adaptive_verification: verify lengths from the %s drafter's "
+                 "confidences with the default budget (set additional_config."
+                 "dynamic_spec_config to tune it)", spec.method)
+        return DynamicSpecConfig(spec.method)
+    return spec.dynamic_spec_config

@@ -18,7 +18,7 @@ from npuspec.engine.scheduler import fill_drafts
 from npuspec.runtime import dynamic_k
 
 
-HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "medusa")
+HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "dflash", "dspark")
 
 
 def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device, vocab_size: int,
@@ -58,7 +58,8 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
 
 # heads for the embedded model, trained by `npuspec train-draft` (their train_recipe.json
 # records how), shipped in npuspec/models/tiny_drafts/
-TINY_DRAFTS = {"tiny-eagle": "eagle", "tiny-eagle3": "eagle3", "tiny-medusa": "medusa"}
+TINY_DRAFTS = {"tiny-eagle": "eagle", "tiny-eagle3": "eagle3", "tiny-medusa": "medusa",
+               "tiny-dflash": "dflash", "tiny-dspark": "dspark"}
 
 
 def resolve_draft(name: str) -> str:
@@ -87,6 +88,12 @@ def _hidden_state_proposer(s: SpeculativeConfig, dtype, device, target, target_p
     if s.method == "medusa":
         module.check_k(s.num_speculative_tokens)
         return MedusaProposer(module)
+    if s.method in ("dflash", "dspark"):
+        from npuspec.runtime.dflash import BlockDraftProposer
+        p = BlockDraftProposer(module, num_blocks, block_size,
+                               padded=not s.disable_padded_drafter_batch)
+        p.check_k(s.num_speculative_tokens)
+        return p
     return EagleProposer(module, num_blocks, block_size,
                          padded=not s.disable_padded_drafter_batch)
 

@@ -94,7 +94,7 @@ class LLM:
                                       block_size=self.block_size,
                                       kv_transfer_config=kv_transfer_config)
         pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
-        dsc = self.spec.dynamic_spec_config if self.spec else None
+        dsc = args.confidence_budget_config(self.spec)
         self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
         self.runner = ModelRunner(
             self.model, cfg, self.spec, max_num_seqs=self.max_num_seqs,
