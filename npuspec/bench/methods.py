@@ -2,13 +2,15 @@
 
 Rows: no speculation, then each method of `--methods` with its default speculative config on
 the embedded model (`npuspec demo --method M`'s: ngram prompt lookup 1..3, the shipped
-tiny-eagle3 / tiny-eagle / tiny-medusa heads, the tiny model's MTP layer), K = `--k` (Medusa:
-its number of heads). Each row is an `npuspec.LLM` built and warmed up first (compilation and
+tiny-eagle3 / tiny-eagle / tiny-medusa / tiny-dflash / tiny-dspark heads, the tiny model's MTP
+layer), K = `--k` (Medusa: its number of heads). `--spec NAME=JSON` adds or replaces a row, e.g.
+a confidence budget (`"dynamic_spec_config": {...}` inside the JSON). Each row is an `npuspec.LLM` built and warmed up first (compilation and
 graph capture), then the rows are timed round-robin `--repeats` times at each
 `--max-num-seqs` value (1 = one request at a time; N = N requests at once) and each figure is
 the median. Printed per row: tokens/s, mean acceptance length (tokens per verify step,
-including the bonus), both as ratios to ngram's, and whether the output equals the row
-without speculation token for token.
+including the bonus), both as ratios to ngram's, the drafts verified and accepted per
+request-step (a confidence budget's verify tokens saved against acceptance lost), and whether
+the output equals the row without speculation token for token.
 
     npuspec bench methods
     npuspec bench methods --methods ngram,eagle3 --k 4 --max-num-seqs 1,4 --repeats 5
@@ -88,11 +90,14 @@ def run(args) -> int:
         al = {r.system: r.result["metrics"]["mean_acceptance_length"] for r in runners}
         for r in runners:
             ng = "ngram" in tps
+            mt = r.result["metrics"]
+            per = (lambda x: x / mt["request_steps"]) if mt["request_steps"] else (lambda x: "-")
             row = {"max_num_seqs": n, "method": r.system, "tok/s": tps[r.system],
                    "× none": tps[r.system] / tps["none"],
                    "× ngram tok/s": tps[r.system] / tps["ngram"] if ng else "-",
                    "mean acc len": al[r.system] if r.system != "none" else "-",
                    "× ngram AL": (al[r.system] / al["ngram"]) if ng and r.system != "none" else "-",
+                   "verified/step": per(mt["drafted"]), "accepted/step": per(mt["accepted"]),
                    "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
                    "warm-up s": r.warmup_seconds}
             rows.append(row)

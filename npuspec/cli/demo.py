@@ -27,6 +27,8 @@ METHOD_SPECS = {
     "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4},
     "medusa": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
     "mtp": {"method": "mtp", "num_speculative_tokens": 4},
+    "dflash": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 7},
+    "dspark": {"method": "dspark", "model": "tiny-dspark", "num_speculative_tokens": 7},
 }
 
 

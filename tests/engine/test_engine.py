@@ -229,8 +229,6 @@ def test_string_prompt_without_tokenizer(draft_ckpt):
 
 @pytest.mark.parametrize("kw,exc,match", [
     ({"tensor_parallel_size": 2}, NotImplementedError, "tensor_parallel_size=2 is not supported yet"),
-    ({"speculative_config": {"method": "dflash", "num_speculative_tokens": 2, "model": "x"}},
-     NotImplementedError, "method='dflash' is not implemented yet"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, ValueError,
      "num_speculative_tokens"),
     ({"compilation_config": {"cudagraph_capture_size": [4]}}, ValueError,
