@@ -1,6 +1,8 @@
-"""Sampling with an EAGLE-3 head stays lossless: chi-square of the engine's sampled tokens
-against exact target sampling, on a 16-token vocabulary (the head's draft probabilities are
-real: softmax of a real Eagle3Draft's logits at T = 1)."""
+"""Sampling with a hidden-state drafter stays lossless: chi-square of the engine's sampled
+tokens against exact target sampling, on a 16-token vocabulary. The draft probabilities are
+real: softmax of a real drafter's logits at T = 1 (EAGLE-3; DFlash; DSpark, whose Markov walk
+makes each slot's q depend on the slot drafted before it, with the confidence budget cutting
+drafts)."""
 import itertools
 import os
 import sys
@@ -22,7 +24,11 @@ V, PROMPT, N = 16, [3, 1, 4, 1, 5], 4000
 ALPHA = 1e-3
 
 
-def _target(tmp_path):
+HEADS = {"eagle3": {}, "dflash": {"block_size": 3, "aux_layer_ids": (1, 3)},
+         "dspark": {"block_size": 2, "aux_layer_ids": (1, 3), "markov_rank": 8}}
+
+
+def _target(tmp_path, method="eagle3"):
     cfg = ModelConfig(vocab_size=V, hidden_size=32, num_layers=4, num_heads=2, num_kv_heads=1,
                       head_dim=16, intermediate_size=64, max_position_embeddings=64,
                       tie_word_embeddings=True, eos_token_id=None, bos_token_id=None)
@@ -34,7 +40,7 @@ def _target(tmp_path):
                 p.normal_(0, 0.3)  # peaked enough that drafts are sometimes right
     d = tmp_path / "target"
     save_model(model, str(d))
-    head = _CLASSES["eagle3"](DraftConfig.from_target("eagle3", cfg))
+    head = _CLASSES[method](DraftConfig.from_target(method, cfg, **HEADS[method]))
     with torch.no_grad():  # a flat-ish q: drafts are accepted often, and rejected often
         for p in head.parameters():
             if p.dim() == 2:
@@ -56,11 +62,20 @@ def _exact(model):
     return joint.reshape(-1), p3
 
 
-def test_eagle3_sampling_is_lossless(tmp_path, monkeypatch):
+# min 0 and a budget of 1 of K = 2: the B verify slots go to the highest survival values over
+# all rows, so rows keep 0, 1 or 2 drafts, each a prefix
+BUDGET = {"dynamic_spec_config": {"method": "dspark", "method_params": {
+    "initial_verify_budget_per_req": 1, "budget_update_interval": 1, "budget_threshold": 0.4,
+    "min_verify_tokens": 0}}}
+
+
+@pytest.mark.parametrize("method", list(HEADS))
+def test_sampling_is_lossless(method, tmp_path, monkeypatch):
     monkeypatch.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")
-    target_dir, head_dir, model = _target(tmp_path)
-    llm = LLM(target_dir, speculative_config={"method": "eagle3", "model": head_dir,
+    target_dir, head_dir, model = _target(tmp_path, method)
+    llm = LLM(target_dir, speculative_config={"method": method, "model": head_dir,
                                               "num_speculative_tokens": 2},
+              additional_config=BUDGET if method == "dspark" else None,
               enforce_eager=True, max_model_len=16, max_num_seqs=16, seed=1)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * N,
                         SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
