@@ -1,4 +1,5 @@
-"""Load and save drafter checkpoints: EAGLE, EAGLE-3, Medusa, MTP (drafters.md §2, §3, §5, §6).
+"""Load and save drafter checkpoints: EAGLE, EAGLE-3, Medusa, MTP, DFlash, DSpark (drafters.md
+§2, §3, §5-8).
 
     draft = load_draft(method, path, target_config, target, dtype=..., device=...)
     save_draft(draft, out_dir, fmt=...)      # an HF-format directory load_draft reads back
@@ -23,6 +24,16 @@ Formats read unchanged (config.json + *.safetensors; pickles only as described b
                            `medusa_heads.` prefix
     mtp     "deepseek"     `path` is the TARGET checkpoint: num_nextn_predict_layers, tensors
                            model.layers.{L+i}.{enorm,hnorm,eh_proj,shared_head.norm,...}
+    dflash  "zlab"         DFlashDraftModel: block_size, num_target_layers, dflash_config
+                           {mask_token_id, target_layer_ids (HF ids, aux = id + 1), causal};
+                           layers.{i}.* | midlayer.*, fc, hidden_norm, norm, optional lm_head +
+                           d2t, embed_tokens; mask_embedding.pt or a mask_embedding tensor
+            "speculators"  speculators_model_type "dflash", transformer_layer_config{...},
+                           aux_hidden_state_layer_ids (vLLM ids), mask_token_id, block_size
+    dspark  "deepspec"     Qwen3DSparkModel | SpecForge DSparkDraftModel: the DFlash keys and
+                           tensors + markov_rank, markov_head_type "vanilla", confidence head
+                           (markov_head.markov_w{1,2}, confidence_head.proj.*, kept fp32)
+    (details: npuspec.models.dflash_loading)
 
 A tensor equal to the target's (embed_tokens, an MTP shared_head.head) is dropped and the
 target's is used; a different one is kept as the draft's own. Pickles (pytorch_model.bin,
@@ -44,6 +55,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from npuspec.models.config import ModelConfig, read_config_json
+from npuspec.models.dflash import DFlashDraft, DSparkDraft
 from npuspec.models.eagle import Eagle3Draft, EagleDraft
 from npuspec.models.medusa import MedusaHeads
 from npuspec.models.mtp import MTPDraft
@@ -55,8 +67,11 @@ FORMATS = {
     "eagle3": ("specforge", "yuhuili", "speculators"),
     "medusa": ("vllm", "fasterdecoding"),
     "mtp": ("deepseek",),
+    "dflash": ("zlab", "speculators"),
+    "dspark": ("deepspec",),
 }
-_CLASSES = {"eagle": EagleDraft, "eagle3": Eagle3Draft, "medusa": MedusaHeads, "mtp": MTPDraft}
+_CLASSES = {"eagle": EagleDraft, "eagle3": Eagle3Draft, "medusa": MedusaHeads, "mtp": MTPDraft,
+            "dflash": DFlashDraft, "dspark": DSparkDraft}
 _FORMAT_HELP = {
     "eagle": "EAGLE-LLaMA3.1 style (Llama config.json, tensors fc.weight [H, 2H], layers.0.*) or "
              "speculators (speculators_model_type 'eagle', fusion_fc.*, transformer.*)",
@@ -65,6 +80,14 @@ _FORMAT_HELP = {
               "(speculators_model_type 'eagle3', transformer_layer_config, layers.0.*)",
     "medusa": "FasterDecoding (medusa_num_heads, tensors {h}.{l}.linear.weight) or vLLM "
               "MedusaConfig (num_heads, tensors blocks.{h}.layers.{l}.weight, lm_heads.{h}.weight)",
+    "dflash": "z-lab DFlash (architectures DFlashDraftModel, dflash_config {mask_token_id, "
+              "target_layer_ids}, tensors fc.weight, hidden_norm.weight, layers.{i}.*, "
+              "norm.weight) or speculators (speculators_model_type 'dflash', "
+              "transformer_layer_config, aux_hidden_state_layer_ids, mask_token_id)",
+    "dspark": "DeepSpec DSpark (architectures Qwen3DSparkModel or SpecForge DSparkDraftModel, "
+              "target_layer_ids, mask_token_id, markov_rank; tensors fc.weight, "
+              "hidden_norm.weight, layers.{i}.*, norm.weight, markov_head.markov_w{1,2}.weight, "
+              "confidence_head.proj.{weight,bias})",
 }
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _MTP_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -102,6 +125,14 @@ class DraftConfig:
     model_type: str = "llama"
     max_position_embeddings: int = 2048
     format: str = ""                 # the checkpoint format it was read from
+    # DFlash / DSpark (drafters.md §7-8)
+    block_size: int = 0              # query slots of one block ("-b16" = 16)
+    mask_token_id: int = -1          # the input id of the block's MASK slots
+    sample_from_anchor: bool = False  # DSpark: slot j predicts anchor+j+1 (K = block_size drafts)
+    draft_causal: bool = False       # dflash_config.causal: a causal query block
+    own_mask_embedding: bool = False  # a trained MASK embedding [H] instead of embed(mask id)
+    markov_rank: int = 0             # DSpark Markov head rank r (0 = none)
+    confidence_with_markov: bool = True  # DSpark confidence head input: [h; W1[prev]] or h
 
     @classmethod
     def from_target(cls, method: str, target: ModelConfig, **overrides) -> "DraftConfig":
@@ -123,6 +154,14 @@ class DraftConfig:
                      mlp_bias=target.mlp_bias)
         elif method == "medusa":
             d.update(medusa_num_heads=3, fc_bias=True, own_lm_head=True)
+        elif method in ("dflash", "dspark"):
+            d.update(aux_layer_ids=default_block_aux_ids(target.num_layers, 1),
+                     model_type=target.model_type, qk_norm=target.qk_norm,
+                     block_size=16 if method == "dflash" else 7,
+                     sample_from_anchor=method == "dspark",
+                     mask_token_id=target.vocab_size - 1, own_mask_embedding=True)
+            if method == "dspark":
+                d.update(markov_rank=min(256, target.hidden_size))
         d.update(overrides)
         if "aux_layer_ids" in overrides:
             d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
@@ -144,6 +183,18 @@ def default_format(method: str) -> str:
     return FORMATS[method][0]
 
 
+def default_block_aux_ids(num_layers: int, num_draft_layers: int) -> tuple:
+    """z-lab's `build_target_layer_ids` as vLLM aux ids (+1): HF layer ids evenly spaced over
+    [1, L-3] for n draft layers, [L//2] for one."""
+    L, n = num_layers, num_draft_layers
+    if n == 1:
+        hf = [L // 2]
+    else:
+        lo, hi = 1, L - 3
+        hf = [round(lo + i * (hi - lo) / (n - 1)) for i in range(n)]
+    return tuple(i + 1 for i in hf)
+
+
 def default_aux_layer_ids(num_layers: int) -> tuple:
     """vLLM's default EAGLE-3 aux layers when a checkpoint names none: (2, L//2, L-3)."""
     return (2, num_layers // 2, num_layers - 3)
@@ -157,8 +208,9 @@ def _read_config(model_dir: str, draft_model_config: Optional[dict]) -> dict:
     return {**d, **hf}
 
 
-def _load_pickle(path: str) -> dict:
-    """torch.load(weights_only=True), refused when another user could have written the file."""
+def _load_pickle(path: str, flat: bool = True):
+    """torch.load(weights_only=True), refused when another user could have written the file.
+    flat: the result must be a dict of tensors (else whatever weights_only allows)."""
     for p in (path, os.path.dirname(os.path.abspath(path))):
         mode = os.stat(p).st_mode
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -170,6 +222,8 @@ def _load_pickle(path: str) -> dict:
                 f"'{os.path.basename(path)}', weights_only=True), 'model.safetensors')\", or "
                 "remove group/other write permission (chmod go-w) if you trust it.")
     sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not flat:
+        return sd
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"{path}: expected a flat state dict of tensors; convert it to safetensors.")
     return sd
@@ -276,9 +330,10 @@ def _shared(ts: list, ref: Optional[torch.Tensor]) -> bool:
 
 # ---- building ---------------------------------------------------------------------------------
 def _materialize(cfg: DraftConfig, sd: dict, to_ckpt: Callable[[str], str], source: str,
-                 target, dtype, device, orig: Optional[dict] = None):
+                 target, dtype, device, orig: Optional[dict] = None, fp32: tuple = ()):
     """The module of cfg.method holding `sd` (our names), after checking names and shapes.
-    `to_ckpt` maps our names back to the checkpoint's for messages; `orig` our -> read name."""
+    `to_ckpt` maps our names back to the checkpoint's for messages; `orig` our -> read name;
+    tensors whose names start with one of `fp32` stay float32 whatever `dtype` is."""
     orig = orig or {}
     with torch.device("meta"):
         module = _CLASSES[cfg.method](cfg)
@@ -296,7 +351,8 @@ def _materialize(cfg: DraftConfig, sd: dict, to_ckpt: Callable[[str], str], sour
                 f"{source}: tensor {orig.get(k, to_ckpt(k))!r} has shape {list(t.shape)}, expected "
                 f"{list(want[k].shape)} (from config.json: {cfg.summary()}); the config does not "
                 "describe these weights.")
-    sd = {k: (t.to(dtype) if t.is_floating_point() else t.long()) for k, t in sd.items()}
+    sd = {k: (t.to(torch.float32 if k.startswith(fp32) else dtype) if t.is_floating_point()
+              else t.long()) for k, t in sd.items()}
     module.load_state_dict(sd, strict=True, assign=True)
     module.init_buffers()  # they were built on the meta device
     module.to(device=device)
@@ -311,7 +367,8 @@ def load_draft(method: str, path: str, target_config: ModelConfig, target=None, 
     """Load the drafter of `method` from the checkpoint directory `path` (for "mtp", the
     target's own checkpoint directory) for the target `target` (a DecoderLM with config
     `target_config`; its embedding / LM head are shared, not copied). -> EagleDraft |
-    Eagle3Draft | MedusaHeads | MTPDraft, on `device` in `dtype`, in eval mode."""
+    Eagle3Draft | MedusaHeads | MTPDraft | DFlashDraft | DSparkDraft, on `device` in `dtype`
+    (a DSpark confidence head in fp32), in eval mode."""
     if method not in _CLASSES:
         raise ValueError(f"load_draft: method={method!r} has no checkpoint loader; model-based "
                          f"drafters are {', '.join(_CLASSES)}.")
@@ -327,6 +384,10 @@ def load_draft(method: str, path: str, target_config: ModelConfig, target=None, 
     if method == "mtp":
         return _load_mtp(d, model_dir, target_config, **kw)
     tensors = _read_tensors(model_dir)
+    if method in ("dflash", "dspark"):
+        from npuspec.models import dflash_loading
+
+        return dflash_loading.load(method, d, model_dir, tensors, target_config, **kw)
     return {"eagle": _load_eagle, "eagle3": _load_eagle3, "medusa": _load_medusa}[method](
         d, tensors, target_config, source, **kw)
 
@@ -625,7 +686,8 @@ def save_draft(module, out_dir: str, fmt: Optional[str] = None, *,
     `load_draft` reads back: eagle3 -> fmt "specforge" (default), "yuhuili", "speculators";
     eagle -> "eagle" (default), "speculators"; medusa -> "vllm" (default), "fasterdecoding";
     mtp -> "deepseek": `out_dir` is an existing TARGET checkpoint directory, the layers go to an
-    extra shard mtp.safetensors and config.json gets num_nextn_predict_layers. `extra_config`
+    extra shard mtp.safetensors and config.json gets num_nextn_predict_layers; dflash -> "zlab"
+    (default), "speculators"; dspark -> "deepspec". `extra_config`
     is merged into config.json (e.g. base_model_name_or_path). Files are world-readable."""
     cfg: DraftConfig = module.config
     method = module.method
@@ -633,6 +695,10 @@ def save_draft(module, out_dir: str, fmt: Optional[str] = None, *,
     if fmt not in FORMATS[method]:
         raise ValueError(f"save_draft: fmt={fmt!r} is not a {method} format; choose one of "
                          f"{', '.join(FORMATS[method])}.")
+    if method in ("dflash", "dspark"):
+        from npuspec.models import dflash_loading
+
+        return _write(out_dir, *dflash_loading.export(module, fmt, dtype, extra_config or {}))
     sd = {k: v.detach().to(dtype if dtype and v.is_floating_point() else v.dtype).contiguous().cpu()
           for k, v in module.state_dict().items()}
     extra = extra_config or {}
