@@ -188,6 +188,14 @@ class DSparkDraft(DFlashDraft):
         conf_in = cfg.hidden_size + (r if cfg.confidence_with_markov and r > 0 else 0)
         self.confidence_head = ConfidenceHead(conf_in)
 
+    def _apply(self, fn, recurse=True):
+        # `.to(bfloat16)` must not round the confidence head: vLLM keeps it fp32, and the
+        # budget compares its survival products against thresholds
+        super()._apply(fn, recurse)
+        p = self.confidence_head.proj
+        p.weight.data, p.bias.data = p.weight.data.float(), p.bias.data.float()
+        return self
+
     def slot_logits(self, h, prev):
         """fp32 target-vocabulary logits of slots h [.., H] whose previous tokens are prev [..]."""
         ld = self.draft_logits(h)
