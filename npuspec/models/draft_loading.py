@@ -97,7 +97,7 @@ _MTP_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 class DraftConfig:
     """Everything a drafter module is built from. Attention fields follow HF Llama names;
     `vocab_size` is always the TARGET vocabulary."""
-    method: str                      # "eagle" | "eagle3" | "medusa" | "mtp"
+    method: str                      # "eagle" | "eagle3" | "medusa" | "mtp" | "dflash" | "dspark"
     hidden_size: int
     num_heads: int = 1
     num_kv_heads: int = 1
@@ -173,9 +173,13 @@ class DraftConfig:
             return s + f", heads={self.medusa_num_heads}, truncated_vocab_size={self.draft_vocab_size}"
         s += (f", num_attention_heads={self.num_heads}, num_key_value_heads={self.num_kv_heads}, "
               f"head_dim={self.head_dim}, intermediate_size={self.intermediate_size}")
-        if self.method == "eagle3":
+        if self.method in ("eagle3", "dflash", "dspark"):
             s += (f", draft_vocab_size={self.draft_vocab_size}, target_hidden_size="
                   f"{self.target_hidden_size}, aux layers {list(self.aux_layer_ids)}")
+        if self.method in ("dflash", "dspark"):
+            s += f", block_size={self.block_size}, num_hidden_layers={self.num_layers}"
+        if self.method == "dspark":
+            s += f", markov_rank={self.markov_rank}"
         return s
 
 
