@@ -22,6 +22,23 @@ from npuspec.platform import Platform, current_platform
 
 log = logging.getLogger("npuspec.backend")
 
+try:  # Dynamo re-raises a ShortenTraceback from a backend as is, where it wraps any other
+    # exception in BackendCompilerFailed (torch/_dynamo/output_graph.py, _call_user_compiler)
+    from torch._dynamo.exc import ShortenTraceback as _Unwrapped
+except ImportError:  # a torch without it: the message still reaches the user, inside the wrapper
+    _Unwrapped = ValueError
+
+
+class BackendUserError(_Unwrapped, ValueError):
+    """A bad option or NPUSPEC_* value found at the backend's entry: the user's to fix, so it
+    reaches torch.compile's caller as itself (a ValueError), not as BackendCompilerFailed."""
+
+    def __init__(self, message: str):
+        if _Unwrapped is ValueError:
+            super().__init__(message)
+        else:  # no frame to cut the traceback at: Dynamo keeps ours
+            super().__init__(message, first_useful_frame=None)
+
 LOWERINGS = ("inductor", "eager", "torchair")
 CAPTURE_MODES = (True, False, "lazy")
 DEFAULT_MAX_NUM_SEQS = 256
@@ -45,8 +62,14 @@ class BackendOptions:
     def from_dict(cls, options: Optional[dict], mode: Optional[str] = None,
                   platform: Optional[Platform] = None) -> "BackendOptions":
         plat = platform or current_platform()
+        if options is not None and not isinstance(options, dict):
+            raise ValueError(f"npuspec backend: options={options!r} must be a dict such as "
+                             f"{{'lowering': 'eager', 'max_num_seqs': 8}} (or None)")
         o = dict(options or {})
         for k in o:
+            if k == "mode":
+                raise ValueError("npuspec backend: options['mode'] is not an option; pass "
+                                 "torch.compile(..., mode=...) instead")
             if k not in cls.keys():
                 near = difflib.get_close_matches(str(k), cls.keys(), n=1, cutoff=0.5)
                 hint = f"did you mean {near[0]!r}?" if near else f"valid options: {', '.join(cls.keys())}"
@@ -69,6 +92,9 @@ class BackendOptions:
         if cache_dir is not None and (not isinstance(cache_dir, str) or not cache_dir):
             raise ValueError(f"npuspec backend: options['cache_dir']={cache_dir!r} must be a "
                              f"directory path (or leave it out for no persistent cache)")
+        if "cache_dir" in o and cache_dir is not None:  # the env value was checked by envs
+            cache_dir = envs.parse_dir("npuspec backend: options['cache_dir']", cache_dir,
+                                       "or leave it out for no persistent cache")
         lowering = o.get("lowering", default_lowering(plat))
         if lowering not in LOWERINGS:
             raise ValueError(f"npuspec backend: options['lowering']={lowering!r} must be one of "
@@ -80,11 +106,20 @@ class BackendOptions:
         if not (capture is True or capture is False or capture == "lazy"):
             raise ValueError(f"npuspec backend: options['capture']={capture!r} must be True, "
                              f"False or 'lazy'")
+        modes = _inductor_modes()
+        if mode is not None and mode not in modes:
+            raise ValueError(f"npuspec backend: mode={mode!r} is not a torch.compile mode; use "
+                             f"one of {', '.join(map(repr, modes))}, or drop mode=")
         if mode not in (None, "default") and lowering != "inductor":
             raise ValueError(f"npuspec backend: mode={mode!r} applies to the Inductor lowering "
                              f"only; drop mode= or use options['lowering']='inductor'")
         return cls(spec, sizes, mns, cache_dir, lowering, capture,
                    None if mode == "default" else mode)
+
+
+def _inductor_modes() -> tuple[str, ...]:
+    from torch._inductor import list_mode_options
+    return tuple(list_mode_options())
 
 
 def default_lowering(plat: Platform) -> str:
@@ -99,8 +134,12 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     note_graph_break(gm)  # a graph Dynamo ended at a break: say where, once per line
 
-    plat = current_platform()
-    opts = BackendOptions.from_dict(options, mode=mode, platform=plat)
+    try:  # every check before any work (issue 16): bad env values and options
+        envs.check_all()
+        plat = current_platform()
+        opts = BackendOptions.from_dict(options, mode=mode, platform=plat)
+    except ValueError as e:
+        raise BackendUserError(str(e)) from e
     log.info("npuspec: compiling a graph of %d nodes on %s with lowering=%s capture=%s",
              len(gm.graph.nodes), plat.device, opts.lowering, opts.capture)
     # Graph cache (npuspec.graphs.cache, docs/cache.md): load the lowered graph from

@@ -1,12 +1,19 @@
 """The one place that reads the environment (DESIGN.md §3.2).
 
 Every NPUSPEC_* variable is declared here with a typed parser. Call the accessor each time you
-need the value (they are cheap); nothing caches os.environ, so tests can monkeypatch it.
-A bad value raises EnvError (a ValueError) quoting the variable and its value.
+need the value (they are cheap); nothing caches os.environ, so tests can monkeypatch it. What is
+cached is the parse of each (variable, raw value), so a value is validated once, at its first
+use, and the checks that touch the system (a group lookup, the path's parents) run once.
+A bad value raises EnvError (a ValueError) quoting the variable, its value and the fix.
+`check_all()` parses every variable: the public entry points (the backend, `LLM`) call it before
+any work, so a bad value fails there rather than deep inside a compile.
 """
 from __future__ import annotations
 
+import math
 import os
+import stat
+import threading
 from typing import Callable, Optional
 
 DEVICES = ("npu", "cuda", "cpu")
@@ -19,6 +26,21 @@ class EnvError(ValueError):
 def _raw(name: str) -> Optional[str]:
     v = os.environ.get(name)
     return None if v is None else v
+
+
+_parsed: dict[tuple[str, str], object] = {}
+
+
+def _once(name: str, parse: Callable[[str, str], object]) -> Optional[object]:
+    """parse(name, raw) for the variable's current value, memoised per raw value (a bad value
+    raises every time: exceptions are not stored); None when the variable is unset."""
+    v = _raw(name)
+    if v is None:
+        return None
+    key = (name, v)
+    if key not in _parsed:
+        _parsed[key] = parse(name, v)
+    return _parsed[key]
 
 
 def _parse_sizes(name: str, value: str) -> list[int]:
@@ -43,79 +65,121 @@ def _parse_sizes(name: str, value: str) -> list[int]:
 
 def capture_sizes() -> Optional[list[int]]:
     """NPUSPEC_CAPTURE_SIZES as given (rounding to multiples of K+1 is the planner's job)."""
-    v = _raw("NPUSPEC_CAPTURE_SIZES")
-    return None if v is None else _parse_sizes("NPUSPEC_CAPTURE_SIZES", v)
+    sizes = _once("NPUSPEC_CAPTURE_SIZES", _parse_sizes)
+    return None if sizes is None else list(sizes)
 
 
-def _path(name: str) -> Optional[str]:
-    v = _raw(name)
-    if v is None:
-        return None
+def parse_dir(name: str, v: str, drop: str = "or unset it") -> str:
+    """A directory path that is, or can become, a directory: empty values and paths at or under
+    an existing non-directory are refused here (they would otherwise surface as an OSError from
+    the first mkdir, mid-compile, or as a warning that the cache is not used)."""
     if v.strip() == "":
-        raise EnvError(f"{name}={v!r}: empty path; set it to a directory or unset it")
-    return os.path.abspath(os.path.expanduser(v))
+        raise EnvError(f"{name}={v!r}: empty path; set it to a directory, {drop}")
+    p = os.path.abspath(os.path.expanduser(v))
+    probe = p
+    while True:  # the nearest existing path at or above p must be a directory
+        try:
+            st = os.stat(probe)
+        except (FileNotFoundError, NotADirectoryError):  # look further up for the culprit
+            parent = os.path.dirname(probe)
+            if parent == probe:
+                break
+            probe = parent
+            continue
+        except OSError as e:  # ENAMETOOLONG, ELOOP, EACCES on a parent, ...
+            raise EnvError(f"{name}={v!r}: cannot use {probe} ({e.strerror}); set it to a "
+                           f"directory you can create and write, {drop}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            what = "is" if probe == p else f"lies under {probe}, which is"
+            raise EnvError(f"{name}={v!r}: {p} {what} not a directory; set it to a directory "
+                           f"path (it is created if missing), {drop}")
+        break
+    return p
 
 
 def cache_dir() -> Optional[str]:
     """NPUSPEC_CACHE_DIR: the shared graph cache directory (None: no persistent cache)."""
-    return _path("NPUSPEC_CACHE_DIR")
+    return _once("NPUSPEC_CACHE_DIR", parse_dir)
 
 
 def debug_dump() -> Optional[str]:
     """NPUSPEC_DEBUG_DUMP: a directory for numbered before/after graph dumps."""
-    return _path("NPUSPEC_DEBUG_DUMP")
+    return _once("NPUSPEC_DEBUG_DUMP", parse_dir)
 
 
 def device() -> Optional[str]:
     """NPUSPEC_DEVICE: force 'npu', 'cuda' or 'cpu' (None: detect)."""
-    v = _raw("NPUSPEC_DEVICE")
-    if v is None:
-        return None
+    return _once("NPUSPEC_DEVICE", _parse_device)
+
+
+def _parse_device(name: str, v: str) -> str:
     d = v.strip().lower()
     if d not in DEVICES:
-        raise EnvError(f"NPUSPEC_DEVICE={v!r}: must be one of {', '.join(DEVICES)}, "
+        raise EnvError(f"{name}={v!r}: must be one of {', '.join(DEVICES)}, "
                        f"or unset it to detect the device")
     return d
 
 
+MAX_GID = 2**32 - 2  # gid_t is 32 bits and (gid_t)-1 means "no group"
+
+
+def _parse_group(name: str, v: str) -> str:
+    g = v.strip()
+    if g == "":
+        raise EnvError(f"{name}={v!r}: set a group name or numeric gid, or unset it")
+    if g.lstrip("+-").isdigit():
+        if not 0 <= int(g) <= MAX_GID:
+            raise EnvError(f"{name}={v!r}: a gid must be an integer in [0, {MAX_GID}]; use an "
+                           f"existing group's name or gid (see `getent group`), or unset it")
+        return str(int(g))
+    import grp
+    try:
+        grp.getgrnam(g)
+    except KeyError:
+        raise EnvError(f"{name}={v!r}: no such group; set it to an existing group name or "
+                       f"numeric gid (see `getent group`), or unset it") from None
+    return g
+
+
 def cache_trusted_group() -> Optional[str]:
-    """NPUSPEC_CACHE_TRUSTED_GROUP: a group name or gid whose write access to the cache is trusted."""
-    v = _raw("NPUSPEC_CACHE_TRUSTED_GROUP")
-    if v is None:
-        return None
-    if v.strip() == "":
-        raise EnvError("NPUSPEC_CACHE_TRUSTED_GROUP='': set a group name or numeric gid, or unset it")
-    return v.strip()
+    """NPUSPEC_CACHE_TRUSTED_GROUP: a group name or gid whose write access to the cache is
+    trusted (a name is checked to exist)."""
+    return _once("NPUSPEC_CACHE_TRUSTED_GROUP", _parse_group)
 
 
-def _float(name: str, default: float, lo: float = 0.0) -> float:
-    v = _raw(name)
-    if v is None:
-        return default
+def _seconds(name: str, v: str) -> float:
+    example = "such as '600'"
     try:
         x = float(v)
     except ValueError:
-        raise EnvError(f"{name}={v!r}: expected a number of seconds such as '600'") from None
-    if not x >= lo:
-        raise EnvError(f"{name}={v!r}: must be >= {lo}")
+        raise EnvError(f"{name}={v!r}: expected a number of seconds {example}, or unset it "
+                       f"for the default") from None
+    # inf and huge values would overflow the lock's deadline (time_t); nan compares false
+    if not math.isfinite(x) or not 0 <= x <= threading.TIMEOUT_MAX:
+        raise EnvError(f"{name}={v!r}: must be a finite number of seconds in [0, "
+                       f"{threading.TIMEOUT_MAX:.0f}] {example}; to wait a long time use a "
+                       f"large finite value such as '86400'")
     return x
 
 
 def cache_lock_timeout() -> float:
     """NPUSPEC_CACHE_LOCK_TIMEOUT: seconds to wait for another process compiling the same key."""
-    return _float("NPUSPEC_CACHE_LOCK_TIMEOUT", 600.0)
+    x = _once("NPUSPEC_CACHE_LOCK_TIMEOUT", _seconds)
+    return 600.0 if x is None else x
 
 
-def _bool(name: str, default: bool) -> bool:
-    v = _raw(name)
-    if v is None:
-        return default
+def _parse_bool(name: str, v: str) -> bool:
     s = v.strip().lower()
     if s in ("1", "true", "yes", "on"):
         return True
     if s in ("0", "false", "no", "off", ""):
         return False
-    raise EnvError(f"{name}={v!r}: expected 1/0, true/false, yes/no or on/off")
+    raise EnvError(f"{name}={v!r}: expected 1/0, true/false, yes/no or on/off; or unset it")
+
+
+def _bool(name: str, default: bool) -> bool:
+    b = _once(name, _parse_bool)
+    return default if b is None else b
 
 
 def debug() -> bool:
@@ -149,3 +213,10 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_CACHE_LOCK_TIMEOUT": cache_lock_timeout,
     "NPUSPEC_DEBUG": debug,
 }
+
+
+def check_all() -> None:
+    """Parse every NPUSPEC_* variable now, raising EnvError for the first bad one (the public
+    entry points call this before any work: see the module docstring)."""
+    for accessor in VARIABLES.values():
+        accessor()

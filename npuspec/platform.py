@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 NPU_MAX_TOKENS_PER_REQUEST = 16
 
 
+class DeviceUnavailable(envs.EnvError, RuntimeError):
+    """NPUSPEC_DEVICE names a device that is not here: a RuntimeError (what callers have always
+    caught), and an EnvError (a ValueError) so the CLI reports it as the user's to fix (exit 2)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Platform:
     device: str  # "npu" | "cuda" | "cpu"
@@ -88,18 +93,97 @@ def detect(device: Optional[str] = None) -> Platform:
     dev = device or envs.device()
     if dev is None:
         dev = "npu" if _npu_available() else "cuda" if _cuda_available() else "cpu"
-    elif dev == "npu" and not _npu_available():
-        raise RuntimeError("NPUSPEC_DEVICE=npu but torch_npu cannot be imported or sees no NPU; "
-                           "install npuspec[npu] with CANN, or unset NPUSPEC_DEVICE")
-    elif dev == "cuda" and not _cuda_available():
-        raise RuntimeError("NPUSPEC_DEVICE=cuda but torch.cuda.is_available() is False; "
-                           "unset NPUSPEC_DEVICE or set it to cpu")
+    else:  # a configuration mistake, not a bug: EnvError (a ValueError) with the fix
+        check_available(dev, f"NPUSPEC_DEVICE={dev}", "unset NPUSPEC_DEVICE to detect the "
+                        "device", error=DeviceUnavailable)
     runner = {"npu": "acl", "cuda": "cuda", "cpu": "cpu"}[dev]
     limit = NPU_MAX_TOKENS_PER_REQUEST if dev == "npu" else math.inf
     return Platform(dev, runner, triton_available(dev), limit, _device_name(dev))
 
 
 DEVICES = ("npu", "cuda", "cpu")
+
+
+def check_available(dev: str, what: str, alt: str, error: type = ValueError) -> None:
+    """Raise `error` quoting `what` (key=value) unless a device of type `dev` is present
+    (`alt`: the other fix)."""
+    if dev == "npu" and not _npu_available():
+        raise error(f"{what}: torch_npu cannot be imported or sees no NPU; install "
+                    f"npuspec[npu] with CANN, or {alt}")
+    if dev == "cuda" and not _cuda_available():
+        import torch
+        why = ("this torch build has no CUDA" if torch.version.cuda is None
+               else "torch.cuda.is_available() is False (no GPU visible)")
+        raise error(f"{what}: {why}; install a CUDA build of torch on a GPU machine, or "
+                    f"{alt}")
+
+
+def parse_device(device, key: str = "device"):
+    """`LLM(device=...)`: None (the current platform's), a string such as 'cuda:1', or a
+    torch.device -> a torch.device of a type npuspec runs on that is present here."""
+    import torch
+    if device is None:
+        return torch.device(current_platform().device)
+    fix = f"use one of {', '.join(map(repr, DEVICES))} (optionally with an index, e.g. 'cuda:1')"
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"{key}={device!r}: must be a string or torch.device; {fix}")
+    alt = "pass device='cpu' (or None to detect)"
+    if isinstance(device, str) and device.split(":")[0] == "npu":
+        # importing torch_npu (in the check) registers the 'npu' device type with torch
+        check_available("npu", f"{key}={device!r}", alt)
+    try:
+        d = torch.device(device)
+    except RuntimeError:  # torch's 'Invalid device string' / 'Expected one of cpu, cuda, ...'
+        d = None
+    if d is None or d.type not in DEVICES:
+        raise ValueError(f"{key}={device!r}: not a device npuspec runs on; {fix}, or None to "
+                         f"detect")
+    check_available(d.type, f"{key}={device!r}", alt)
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"{key}={device!r}: only {torch.cuda.device_count()} CUDA device(s) "
+                         f"are visible; use an index below that, or 'cuda' for the current one")
+    return d
+
+
+def free_memory(device) -> tuple[int, str]:
+    """(bytes free for new allocations on `device`, where that number comes from)."""
+    import torch
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.cuda.mem_get_info(d)[0], "torch.cuda.mem_get_info"
+    if d.type == "npu":
+        return torch.npu.mem_get_info(d)[0], "torch.npu.mem_get_info"
+    free, source = _meminfo_available()
+    limit = _cgroup_headroom()  # a container's limit is lower than the host's MemAvailable
+    if limit is not None and limit < free:
+        return limit, "the cgroup memory limit less its usage"
+    return free, source
+
+
+def _meminfo_available() -> tuple[int, str]:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    import os  # not Linux: free physical pages
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "sysconf(SC_AVPHYS_PAGES)"
+
+
+def _cgroup_headroom() -> Optional[int]:
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                lim, used = f.read().strip(), g.read().strip()
+        except OSError:
+            continue
+        if lim.isdigit() and used.isdigit():  # "max": no limit
+            return max(0, int(lim) - int(used))
+    return None
 
 
 def named(device: str) -> Platform:

@@ -45,8 +45,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             sp.add_argument("--quarantine", action="store_true",
                             help="move entries that fail to quarantine/")
         if name == "prune":
-            sp.add_argument("--older-than", type=float, required=True, metavar="DAYS",
+            sp.add_argument("--older-than", type=days, required=True, metavar="DAYS",
                             help="delete entries neither created nor hit within DAYS days")
+
+
+def days(s: str) -> float:
+    """argparse type of --older-than: a finite number >= 0 (float() also takes nan, whose
+    comparisons are all false, so `prune --older-than nan` pruned nothing and succeeded)."""
+    import math
+    try:
+        v = float(s)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number of days >= 0, e.g. 7 "
+                                          f"(0 prunes every entry)")
+    return v
 
 
 def _root(args) -> str:
@@ -210,6 +224,7 @@ def run(args) -> int:
         print("npuspec cache: choose an action: ls, verify, prune --older-than DAYS, clear",
               file=sys.stderr)
         return EXIT_USAGE
+    envs.cache_lock_timeout()  # a bad value fails now, not at the first lock mid-prune
     cache = CacheDir(_root(args), trust.trusted_gid())
     if action == "ls":
         return cmd_ls(cache)

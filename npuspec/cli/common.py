@@ -170,6 +170,29 @@ def positive(s: str) -> int:
     return v
 
 
+def finite(s: str) -> float:
+    """argparse type: a finite number (float() also takes 'nan' and 'inf')."""
+    import math
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number")
+    return v
+
+
+def out_file(path: str | None, field: str) -> str | None:
+    """An output file path whose directory exists, checked before the work that fills it."""
+    if path is None:
+        return None
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(d):
+        what = "is a directory" if os.path.isdir(path) else f"has no directory {d}"
+        raise UsageError(f"{path!r} {what}; pass a file path in an existing directory", field)
+    return path
+
+
 def int_list(s: str) -> list[int]:
     """argparse type: comma-separated ints >= 1, e.g. 1,2,4,8."""
     try:

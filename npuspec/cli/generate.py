@@ -16,7 +16,7 @@ import time
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli.common import positive
+    from npuspec.cli.common import finite, positive
 
     p.add_argument("--model", default="tiny",
                    help="HF checkpoint directory, or a llama.cpp .gguf file (or a directory holding one) "
@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vllm serve --speculative-config schema, inline JSON or a .json file (default: none)")
     p.add_argument("--max-tokens", type=positive, default=64, help="new tokens per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--temperature", type=finite, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=finite, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None, help="per-request seed for sampling")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
@@ -60,11 +60,17 @@ def run(args) -> int:
     for key in ("top_p", "top_k", "seed"):
         if getattr(args, key) is not None:
             sp_kw[key] = getattr(args, key)
+    try:  # before the model loads: a bad --seed / --top-p fails at once, naming its flag
+        sp = SamplingParams(**sp_kw)
+    except ValueError as e:
+        flag = next((f"--{k.replace('_', '-')}" for k in sp_kw if f": {k}=" in str(e)), "sampling")
+        raise common.with_field(e, flag) from None
+    common.out_file(args.json, "--json")
     max_len = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
     llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
               max_num_seqs=args.max_num_seqs, max_model_len=max_len, enforce_eager=args.enforce_eager)
     t0 = time.perf_counter()
-    res = llm.generate(prompts, SamplingParams(**sp_kw))
+    res = llm.generate(prompts, sp)
     secs = time.perf_counter() - t0
     for i, r in enumerate(res):
         if len(res) > 1:

@@ -18,16 +18,32 @@ import warnings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli.common import int_list, positive
+    from npuspec.cli.common import int_list
 
     p.add_argument("--speculative-config", required=True, metavar="JSON",
                    help="speculative config (vllm serve --speculative-config schema), inline JSON or a .json file")
-    p.add_argument("--max-num-seqs", type=positive, default=64, help="most concurrent requests (default 64)")
+    p.add_argument("--max-num-seqs", type=_max_num_seqs, default=64,
+                   help=f"most concurrent requests (default 64, at most {MAX_PLANNED_SEQS})")
     p.add_argument("--capture-sizes", type=int_list, default=None, metavar="N,N,...",
                    help="token counts to capture (default: NPUSPEC_CAPTURE_SIZES, else the default ladder)")
     p.add_argument("--device", choices=("npu", "cuda", "cpu"), default=None,
                    help="plan for this device (default: the one detected); npu enforces K+1 <= 16")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+
+
+# build_plan walks every batch size; beyond this the walk takes minutes, and batches that large
+# exceed the largest capture size (4096 tokens) whatever K is
+MAX_PLANNED_SEQS = 65536
+
+
+def _max_num_seqs(s: str) -> int:
+    from npuspec.cli.common import positive
+    v = positive(s)
+    if v > MAX_PLANNED_SEQS:
+        raise argparse.ArgumentTypeError(f"{v} is more than {MAX_PLANNED_SEQS}, the most this plan "
+                                         f"covers (larger batches are never captured); use a "
+                                         f"smaller value")
+    return v
 
 
 def _platform(device: str | None):

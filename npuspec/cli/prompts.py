@@ -136,8 +136,12 @@ def load_prompts(path: str | None, field: str = "--prompts", model: str | None =
         raise UsageError(f"{path!r} is not a file or a built-in set ({', '.join(BUILTIN_SETS)}); "
                          f"pass a .txt (one prompt per line), .json "
                          f"(a list of strings) or .jsonl ({{\"prompt\": ...}} per line) file", field)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path!r} is not UTF-8 text ({e.reason} at byte {e.start}); save the "
+                         f"prompts as UTF-8", field) from None
     try:
         if path.endswith(".json"):
             prompts = json.loads(text)

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from typing import Any, Optional
 
 import torch
 
-from npuspec.config import SpeculativeConfig, merge_additional_config
+from npuspec.config import ADDITIONAL_KEYS, SpeculativeConfig, merge_additional_config
+from npuspec.engine.sampling import ArgTypeError, a_type
 
 log = logging.getLogger("npuspec.engine")
 
@@ -31,8 +33,47 @@ def pos_int(key: str, v: Any, lo: int = 1) -> int:
     return v
 
 
+def parse_seed(seed: Any) -> int:
+    # it seeds numpy's generator (the unseeded requests' seeds), which takes any int >= 0
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise arg_error("seed", seed, "must be an integer >= 0")
+    return seed
+
+
+def parse_model(model: Any) -> str:
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if model is None:
+        return "tiny"
+    if not isinstance(model, str) or not model:
+        raise ArgTypeError(f"LLM: model={model!r}: must be a path (an HF checkpoint directory "
+                           f"or a .gguf file) or 'tiny' for the embedded model")
+    return model
+
+
+def parse_tp(tp: Any) -> int:
+    pos_int("tensor_parallel_size", tp)
+    if tp != 1:
+        raise NotImplementedError(
+            f"LLM: tensor_parallel_size={tp!r} is not supported yet; npuspec's engine runs on "
+            f"one device: use tensor_parallel_size=1")
+    return tp
+
+
+def parse_max_model_len(v: Any, cfg) -> int:
+    if v is None:
+        return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    pos_int("max_model_len", v, lo=2)
+    if v > cfg.max_position_embeddings:
+        raise arg_error("max_model_len", v, f"exceeds the model's max_position_embeddings "
+                                            f"({cfg.max_position_embeddings}); use a value <= that")
+    return v
+
+
 def parse_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():  # the weights and the KV cache hold this type
+            raise arg_error("dtype", dtype, f"use one of {', '.join(DTYPES)} or 'auto'")
         return dtype
     if dtype in (None, "auto"):
         return torch.float32
@@ -84,10 +125,25 @@ def parse_compilation(cc: Any, enforce_eager: bool) -> tuple[Any, Optional[list]
 
 
 def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfig]:
+    if spec is not None and not isinstance(spec, (dict, str, SpeculativeConfig)):
+        raise ArgTypeError(
+            f"LLM: speculative_config={spec!r} is {a_type(spec)}; pass a dict such as "
+            f"{{'method': 'ngram', 'num_speculative_tokens': 4}}, its JSON string, or a "
+            f"npuspec.SpeculativeConfig")
+    if additional is not None and not isinstance(additional, dict):
+        raise ArgTypeError(f"LLM: additional_config={additional!r} is "
+                           f"{a_type(additional)}; pass a dict with keys among "
+                           f"{', '.join(ADDITIONAL_KEYS)}, or None")
     if spec is None:
         if additional:
+            for k in additional:
+                if k not in ADDITIONAL_KEYS:
+                    near = difflib.get_close_matches(str(k), ADDITIONAL_KEYS, n=1, cutoff=0.5)
+                    hint = f"did you mean {near[0]!r}?" if near else \
+                        f"valid keys: {', '.join(ADDITIONAL_KEYS)}"
+                    raise ValueError(f"LLM: additional_config has unknown key {k!r}; {hint}")
             keys = [k for k in ("rejection_sampler_config", "dynamic_spec_config")
-                    if isinstance(additional, dict) and k in additional]
+                    if k in additional]
             if keys:
                 raise ValueError(f"LLM: additional_config.{keys[0]} needs a speculative_config; "
                                  f"pass speculative_config={{'method': ..., ...}} or drop it")
@@ -146,3 +202,77 @@ def confidence_budget_config(spec: Optional[SpeculativeConfig]):
                  "dynamic_spec_config to tune it)", spec.method)
         return DynamicSpecConfig(spec.method)
     return spec.dynamic_spec_config
+
+
+# -- memory: the KV pools against what the device has free, before anything is allocated ------
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def draft_kv_bytes(spec: Optional[SpeculativeConfig], target_cfg, target_path: str, *,
+                   num_blocks: int, block_size: int, max_num_seqs: int, cache_len: int,
+                   esize: int) -> int:
+    """Bytes of the drafter's own K/V: a draft model's contiguous cache (one slot per seat and
+    a scratch one), or a hidden-state head's paged pool in the target pool's geometry. The
+    head's layer count and head shape come from its config.json where given, else the
+    target's; an unreadable config is its loader's to report, so it counts as none here."""
+    if spec is None or spec.method not in ("draft_model", "mtp", "eagle", "eagle3", "dflash",
+                                           "dspark"):
+        return 0  # ngram, suffix, medusa, extract_hidden_states keep no K/V
+    if spec.method == "draft_model":
+        from npuspec.models.loading import read_model_config
+        try:
+            d = read_model_config(spec.model)
+        except (OSError, ValueError):
+            return 0
+        slots = max_num_seqs + 1
+        return 2 * d.num_layers * slots * d.num_kv_heads * cache_len * d.head_dim * esize
+    from npuspec.engine.drafting import resolve_draft
+    from npuspec.models.config import read_config_json
+    try:
+        d = read_config_json(target_path if spec.method == "mtp" else resolve_draft(spec.model), "")
+    except (OSError, ValueError):
+        return 0
+    c, mtp = target_cfg, spec.method == "mtp"
+    layers = d.get("num_nextn_predict_layers" if mtp else "num_hidden_layers")
+    heads = None if mtp else d.get("num_key_value_heads")  # MTP layers are the target's shape
+    dim = None if mtp else d.get("head_dim")
+    layers, heads, dim = (x if isinstance(x, int) and x > 0 else dflt for x, dflt in
+                          ((layers, 1), (heads, c.num_kv_heads), (dim, c.head_dim)))
+    return 2 * layers * num_blocks * block_size * heads * dim * esize
+
+
+def check_kv_memory(cfg, spec: Optional[SpeculativeConfig], model_path: str, *,
+                    num_blocks: int, block_size: int, max_num_seqs: int, max_model_len: int,
+                    k_max: int, dtype: torch.dtype, device: torch.device,
+                    num_kv_blocks: Optional[int]) -> int:
+    """Raise a ValueError naming the bytes and the arguments to change when the KV pools
+    cannot fit in the device's free memory (rather than a raw allocator error, or on Linux an
+    out-of-memory kill when the pages are first touched). Returns the bytes needed."""
+    from npuspec.platform import free_memory
+    esize = torch.empty((), dtype=dtype).element_size()
+    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * esize
+    target = num_blocks * per_block
+    draft = draft_kv_bytes(spec, cfg, model_path, num_blocks=num_blocks, block_size=block_size,
+                           max_num_seqs=max_num_seqs, cache_len=max_model_len + k_max + 1,
+                           esize=esize)
+    free, source = free_memory(device)
+    if target + draft <= free:
+        return target + draft
+    what = (f"{num_blocks} blocks x {block_size} tokens x {cfg.num_layers} layers x 2 (K, V) x "
+            f"{cfg.num_kv_heads} KV heads x {cfg.head_dim} dims x {esize} bytes ({dtype})")
+    if draft:
+        what += f", plus {_gib(draft)} for the {spec.method} drafter's K/V"
+    fits = max(0, (num_blocks - 1) * free // (target + draft))  # blocks that fit, pro rata
+    if num_kv_blocks is None:
+        seats = fits // max(1, (num_blocks - 1) // max_num_seqs)
+        fix = (f"lower max_num_seqs (={max_num_seqs}; about {seats} fit), max_model_len "
+               f"(={max_model_len}) or block_size (={block_size}), or set num_kv_blocks to "
+               f"size the pool directly")
+    else:
+        fix = (f"lower num_kv_blocks (={num_kv_blocks}; about {fits + 1} fit), block_size "
+               f"(={block_size}) or max_num_seqs (={max_num_seqs})")
+    raise ValueError(f"LLM: the KV cache needs {_gib(target + draft)} ({what}) but only "
+                     f"{_gib(free)} is free on {device} ({source}); {fix}; or use a smaller "
+                     f"dtype")

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from npuspec.engine.metrics import RequestMetrics
-from npuspec.engine.sampling import SamplingParams
+from npuspec.engine.sampling import ArgTypeError, SamplingParams, a_type
 
 
 @dataclasses.dataclass
@@ -88,20 +88,23 @@ class RequestOutput:
     kv_transfer_params: Optional[dict] = None
 
 
+PROMPTS_FIX = ("pass a string, a {'prompt_token_ids': [...]} dict, or a list of them")
+PROMPT_KEYS = ("prompt_token_ids", "prompt")  # vLLM's TokensPrompt / TextPrompt keys we read
+
+
 def parse_requests(prompts, params, call: int, *, vocab_size: int, max_model_len: int,
                    tokenizer, model_path: str, eos_ids: frozenset, rng: np.random.Generator,
                    device) -> list[Request]:
     """generate()'s prompts and sampling params -> requests, every check before any work."""
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    prompts = list(prompts)
-    if not prompts:
-        raise ValueError("LLM.generate: prompts is empty; pass a string, a "
-                         "{'prompt_token_ids': [...]} dict, or a list of them")
+    prompts = _prompt_list(prompts)
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
+    if not isinstance(params, (list, tuple)):
+        raise ArgTypeError(f"LLM.generate: sampling_params={params!r} is a "
+                           f"{type(params).__name__}; pass npuspec.SamplingParams(...), a list "
+                           f"of them (one per prompt), or None for the defaults")
     params = list(params)
     if len(params) != len(prompts):
         raise ValueError(f"LLM.generate: {len(params)} sampling_params for {len(prompts)} "
@@ -110,13 +113,14 @@ def parse_requests(prompts, params, call: int, *, vocab_size: int, max_model_len
     reqs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         if not isinstance(sp, SamplingParams):
-            raise ValueError(f"LLM.generate: sampling_params[{i}] is a {type(sp).__name__}; "
+            raise ValueError(f"LLM.generate: sampling_params[{i}] is {a_type(sp)}; "
                              f"pass npuspec.SamplingParams(...)")
+        sp.check()  # its fields may have been reassigned since construction
         text, ids = prompt_ids(i, p, tokenizer, model_path)
         if not ids:
             raise ValueError(f"LLM.generate: prompt {i} is empty; give at least one token")
         for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < V:
+            if not 0 <= t < V:
                 raise ValueError(f"LLM.generate: prompt {i} has token id {t!r} at index {j}, "
                                  f"outside the model's vocabulary [0, {V}); use ids from this "
                                  f"model's tokenizer")
@@ -124,32 +128,90 @@ def parse_requests(prompts, params, call: int, *, vocab_size: int, max_model_len
             raise ValueError(f"LLM.generate: prompt {i} has {len(ids)} tokens but "
                              f"max_model_len={max_model_len} leaves no room to generate; "
                              f"shorten the prompt or raise max_model_len")
-        reqs.append(new_request(call, i, text, [int(t) for t in ids], sp, eos_ids=eos_ids,
+        reqs.append(new_request(call, i, text, ids, sp, eos_ids=eos_ids,
                                 max_model_len=max_model_len, rng=rng, device=device))
     return reqs
 
 
-def prompt_ids(i: int, p, tokenizer, model_path: str) -> tuple[Optional[str], list]:
-    """One prompt (a string or {'prompt_token_ids': [...]}) -> (its text or None, its ids)."""
+def _prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)):
+        raise ArgTypeError(f"LLM.generate: prompts={prompts[:40]!r} is bytes; decode it to a "
+                           f"string first (prompts.decode('utf-8'))")
+    if prompts is None or isinstance(prompts, (int, float)) or not hasattr(prompts, "__iter__"):
+        raise ArgTypeError(f"LLM.generate: prompts={prompts!r} is {a_type(prompts)}; "
+                           f"{PROMPTS_FIX}")
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError(f"LLM.generate: prompts is empty; {PROMPTS_FIX}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        raise ArgTypeError(f"LLM.generate: prompts={_short(prompts)} is a list of ints; token "
+                           f"ids go in a dict: {{'prompt_token_ids': {_short(prompts)}}}")
+    return prompts
+
+
+def _short(xs: list) -> str:
+    return repr(xs) if len(xs) <= 8 else repr(xs[:8])[:-1] + ", ...]"
+
+
+def prompt_ids(i: int, p, tokenizer, model_path: str) -> tuple[Optional[str], list[int]]:
+    """One prompt (a string, {'prompt_token_ids': [...]} or {'prompt': text}) -> (its text or
+    None, its ids as Python ints)."""
     if isinstance(p, str):
-        if tokenizer is None:
-            raise ValueError(f"LLM.generate: prompt {i} is a string but the checkpoint "
-                             f"{model_path!r} has no tokenizer.json; pass "
-                             f"{{'prompt_token_ids': [...]}} instead")
-        return p, (tokenizer.encode(p).ids if p else [])
+        return p, _encode(i, p, tokenizer, model_path)
     if isinstance(p, dict):
+        extra = sorted(str(k) for k in p if k not in PROMPT_KEYS)
+        if extra:  # e.g. vLLM's multi_modal_data: refused, not ignored
+            raise ValueError(f"LLM.generate: prompt {i} has keys {extra} npuspec does not read; "
+                             f"use {{'prompt_token_ids': [...]}} or {{'prompt': text}}")
+        text = p.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ArgTypeError(f"LLM.generate: prompt {i}: 'prompt'={text!r} is a "
+                               f"{type(text).__name__}; it must be the prompt's text (a string)")
         if "prompt_token_ids" not in p:
-            raise ValueError(f"LLM.generate: prompt {i} is a dict without 'prompt_token_ids' "
-                             f"(keys: {sorted(p)}); use {{'prompt_token_ids': [...]}}")
-        ids = p["prompt_token_ids"]
-        if not isinstance(ids, (list, tuple)):
-            ids = list(ids) if hasattr(ids, "__iter__") else ids
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"LLM.generate: prompt {i}: prompt_token_ids={ids!r} must be a "
-                             f"list of token ids")
-        return p.get("prompt"), list(ids)
-    raise ValueError(f"LLM.generate: prompt {i} is a {type(p).__name__}; pass a string or "
-                     f"{{'prompt_token_ids': [...]}}")
+            if text is None:
+                raise ValueError(f"LLM.generate: prompt {i} is a dict without "
+                                 f"'prompt_token_ids' or 'prompt'; use "
+                                 f"{{'prompt_token_ids': [...]}} or {{'prompt': text}}")
+            return text, _encode(i, text, tokenizer, model_path)
+        return text, token_ids(f"prompt {i}: prompt_token_ids", p["prompt_token_ids"])
+    if isinstance(p, (list, tuple)) or hasattr(p, "tolist"):
+        raise ArgTypeError(f"LLM.generate: prompt {i} is {a_type(p)}; token ids go "
+                           f"in a dict: {{'prompt_token_ids': [...]}}")
+    raise ArgTypeError(f"LLM.generate: prompt {i} is {a_type(p)}; pass a string or "
+                       f"{{'prompt_token_ids': [...]}}")
+
+
+def _encode(i: int, text: str, tokenizer, model_path: str) -> list[int]:
+    if tokenizer is None:
+        raise ValueError(f"LLM.generate: prompt {i} is text but the checkpoint {model_path!r} "
+                         f"has no tokenizer.json; pass {{'prompt_token_ids': [...]}} instead")
+    return tokenizer.encode(text).ids if text else []
+
+
+def token_ids(key: str, ids) -> list[int]:
+    """A list/tuple of ints, or a 1-D integer tensor / ndarray -> a list of Python ints."""
+    fix = "pass a list of integer token ids, e.g. [1, 2, 3]"
+    if hasattr(ids, "tolist") and hasattr(ids, "dtype"):  # torch.Tensor, np.ndarray
+        kind = str(ids.dtype)
+        if "int" not in kind or kind.startswith("torch.q"):  # float, bool, complex, quantised
+            raise ArgTypeError(f"LLM.generate: {key} is {a_type(ids)} of dtype "
+                               f"{kind}; token ids are integers: convert it (.long()) or {fix}")
+        if len(ids.shape) != 1:
+            raise ArgTypeError(f"LLM.generate: {key} has shape {tuple(ids.shape)}; one prompt's "
+                               f"ids are 1-D: pass one prompt per dict (ids[0] for a batch of "
+                               f"one) or {fix}")
+        return ids.tolist()
+    if not isinstance(ids, (list, tuple)):
+        raise ArgTypeError(f"LLM.generate: {key}={ids!r} is {a_type(ids)}; {fix}"
+                           + (" (text goes in a string prompt)" if isinstance(ids, str) else ""))
+    out = []
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            raise ArgTypeError(f"LLM.generate: {key}[{j}]={t!r} is {a_type(t)}; {fix}")
+        out.append(int(t))
+    return out
 
 
 def new_request(call: int, i: int, text, ids: list[int], sp: SamplingParams, *,

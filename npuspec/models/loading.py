@@ -138,8 +138,6 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
         return _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file, "the GGUF metadata",
                             dtype, device)
 
-    from safetensors.torch import load_file
-
     model_dir = resolve_model_dir(path)
     cfg = read_config(model_dir)
     shards = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -148,11 +146,34 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
                                 "(convert with model.save_pretrained(dir, safe_serialization=True)).")
     hf = {}
     for shard in shards:
-        hf.update(load_file(shard))
+        hf.update(read_safetensors(shard))
     if _num_nextn_layers(model_dir):
         # next-n (MTP) layers model.layers.{L+i}.* are a drafter's: npuspec.models.draft_loading
         hf = {k: v for k, v in hf.items() if not _is_extra_layer(k, cfg.num_layers)}
     return _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json", dtype, device)
+
+
+REFETCH = "re-download it (or re-convert the checkpoint)"
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """safetensors' load_file, with its errors (which name no file) turned into ValueErrors
+    naming the file, what is wrong with it and the fix."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file; {REFETCH}")
+    size = os.path.getsize(path)
+    if size == 0:
+        raise ValueError(f"{path} is empty (0 bytes): an interrupted download or copy; {REFETCH}")
+    try:
+        return load_file(path)
+    except SafetensorError as e:  # a truncated file or a damaged header
+        raise ValueError(f"{path} ({size} bytes) is not a valid safetensors file ({e}): it is "
+                         f"truncated or corrupt; {REFETCH}") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e}); check the file, or {REFETCH}") from None
 
 
 def _num_nextn_layers(model_dir: str) -> int:
@@ -218,4 +239,9 @@ def load_tokenizer(path: str = "tiny"):
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(tok_path)
+    try:
+        return Tokenizer.from_file(tok_path)
+    except Exception as e:  # tokenizers raises a bare Exception ('EOF while parsing a value')
+        raise ValueError(f"{tok_path} cannot be read by the tokenizers library ({e}): it is "
+                         f"truncated, corrupt or not a tokenizers JSON file; re-download it from "
+                         f"the model's repository (or delete it and pass token ids)") from None
