@@ -41,19 +41,19 @@ class LLM:
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None,
                  kv_transfer_config: Union[dict, str, None] = None):
-        from npuspec.models import load_model, load_tokenizer
+        from npuspec import envs
+        from npuspec.models import load_model, load_tokenizer, read_model_config
         from npuspec.models.packing import pack_model
-        from npuspec.platform import current_platform
+        from npuspec.platform import parse_device
 
-        if tensor_parallel_size != 1:
-            raise NotImplementedError(
-                f"LLM: tensor_parallel_size={tensor_parallel_size!r} is not supported yet; "
-                f"npuspec's engine runs on one device: use tensor_parallel_size=1")
+        # every argument is checked before any work (issue 16): bad NPUSPEC_* values first,
+        # so they fail here rather than inside a compile
+        envs.check_all()
+        args.parse_tp(tensor_parallel_size)
         self.max_num_seqs = pos_int("max_num_seqs", max_num_seqs)
         if not isinstance(enforce_eager, bool):
             raise arg_error("enforce_eager", enforce_eager, "must be True or False")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise arg_error("seed", seed, "must be an integer")
+        args.parse_seed(seed)
         self.spec = args.parse_spec(speculative_config, additional_config, tensor_parallel_size)
         from npuspec.engine import hidden_states
         hidden_states.check_with_spec(hidden_states.parse_kv_transfer_config(kv_transfer_config),
@@ -61,26 +61,11 @@ class LLM:
         self.capture, self.capture_sizes, lowering = args.parse_compilation(compilation_config,
                                                                             enforce_eager)
         self.enforce_eager = enforce_eager
-        self.device = torch.device(device or current_platform().device)
+        self.device = parse_device(device)
         torch_dtype = args.parse_dtype(dtype)
-
-        self.model_path = model
-        if self.device.type == "cpu":
-            from npuspec.kernels import prebuild_cpu_kernels
-            prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
-        self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
-        self.tokenizer = load_tokenizer(model)
-        cfg = self.model_config
-        limit = min(cfg.max_position_embeddings, args.DEFAULT_MAX_MODEL_LEN)
-        if max_model_len is None:
-            max_model_len = limit
-        self.max_model_len = pos_int("max_model_len", max_model_len, lo=2)
-        if max_model_len > cfg.max_position_embeddings:
-            raise arg_error("max_model_len", max_model_len,
-                            f"exceeds the model's max_position_embeddings "
-                            f"({cfg.max_position_embeddings}); use a value <= that")
-        self.eos_ids = frozenset(cfg.eos_token_ids)
-
+        self.model_path = model = args.parse_model(model)
+        cfg = read_model_config(model)  # config.json only: the pool is sized before any load
+        self.max_model_len = args.parse_max_model_len(max_model_len, cfg)
         self.k_max = self.spec.num_speculative_tokens if self.spec else 0
         cache_len = self.max_model_len + self.k_max + 1  # draft positions run K past the end
         self.block_size, num_blocks = args.parse_kv_pool(
@@ -88,6 +73,18 @@ class LLM:
             self.device.type)
         self.max_num_batched_tokens = args.parse_batched_tokens(
             max_num_batched_tokens, self.max_num_seqs, self.k_max)
+        args.check_kv_memory(cfg, self.spec, model, num_blocks=num_blocks,
+                             block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                             max_model_len=self.max_model_len, k_max=self.k_max,
+                             dtype=torch_dtype, device=self.device, num_kv_blocks=num_kv_blocks)
+
+        self.tokenizer = load_tokenizer(model)  # a corrupt tokenizer.json: before the weights
+        if self.device.type == "cpu":
+            from npuspec.kernels import prebuild_cpu_kernels
+            prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
+        self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
+        cfg = self.model_config
+        self.eos_ids = frozenset(cfg.eos_token_ids)
         self.proposer = make_proposer(self.spec, torch_dtype, self.device, cfg.vocab_size,
                                       self.max_num_seqs, cache_len, target=self.model,
                                       target_path=model, num_blocks=num_blocks,
