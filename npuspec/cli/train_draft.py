@@ -1,8 +1,10 @@
-"""Train a drafter for a target model: EAGLE-3 (default), EAGLE, Medusa or MTP (docs/train_draft.md).
+"""Train a drafter for a target model: EAGLE-3 (default), EAGLE, Medusa, MTP, DFlash or DSpark
+(docs/train_draft.md).
 
     npuspec train-draft --target tiny --method eagle3 --out drafts/eagle3
     npuspec train-draft --target ~/models/Qwen3-0.6B --data /dev/shm/hs --out drafts/q3-eagle3
     npuspec train-draft --target tiny --method mtp --out /tmp/tiny-mtp   # a copy of the target + MTP layer
+    npuspec train-draft --target tiny --method dflash --block-size 8 --out drafts/dflash
 
 Without --data it makes its own data: the Python standard library's sources (the embedded
 model's corpus, the same files held out), tokenized with the target's tokenizer and run through
@@ -27,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--target", default="tiny", help="target model: HF checkpoint directory, a .gguf "
                    "file, or 'tiny' (the embedded model)")
-    p.add_argument("--method", default="eagle3", choices=("eagle3", "eagle", "medusa", "mtp"))
+    p.add_argument("--method", default="eagle3",
+                   choices=("eagle3", "eagle", "medusa", "mtp", "dflash", "dspark"))
     p.add_argument("--out", required=True, help="output directory (for mtp: a copy of the target "
                    "checkpoint, made from --target when OUT has no config.json)")
     p.add_argument("--data", default=None, metavar="DIR", help="extract_hidden_states .safetensors "
@@ -45,12 +48,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="eagle3 draft vocabulary Vd: the Vd most frequent training tokens "
                         "(default: the target's vocab_size)")
     p.add_argument("--aux-layer-ids", default=None, metavar="I,J,K",
-                   help="eagle3 aux layers (default: vLLM's 2,L//2,L-3)")
+                   help="the target layers the draft reads (vLLM aux ids: the residual entering "
+                        "layer i, L = the last one before the norm); eagle3 default 2,L//2,L-3; "
+                        "dflash/dspark default z-lab's build_target_layer_ids + 1 for "
+                        "--draft-layers")
     p.add_argument("--num-heads", type=positive, default=4, help="medusa heads")
+    p.add_argument("--block-size", type=positive, default=None,
+                   help="dflash/dspark query slots per block: dflash drafts block_size-1 tokens "
+                        "per round, dspark block_size (default 16 for dflash, 7 for dspark)")
+    p.add_argument("--draft-layers", type=positive, default=None,
+                   help="dflash/dspark decoder layers (default 1)")
+    p.add_argument("--num-anchors", type=positive, default=None,
+                   help="dflash/dspark random blocks per training sequence (default 16)")
+    p.add_argument("--gamma", type=float, default=None,
+                   help="dflash/dspark position weights exp(-k/gamma) (default 4.0)")
+    p.add_argument("--eval-anchors", type=positive, default=None,
+                   help="dflash/dspark held-out blocks per eval sequence (default 8)")
     p.add_argument("--eval-every", type=int, default=100, help="held-out acceptance every N steps "
                    "(and at the end)")
     p.add_argument("--eval-k", type=positive, default=4, help="draft positions scored (medusa: "
-                   "--num-heads)")
+                   "--num-heads; dflash/dspark: the whole block)")
     p.add_argument("--eval-batches", type=positive, default=4)
     p.add_argument("--save-every", type=int, default=100, help="checkpoint OUT/train_state every N steps")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state")
@@ -64,20 +81,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_threads_flag(p)
 
 
-def _ids(s: str | None, L: int):
+def _ids(s: str | None, L: int, default: tuple):
     from npuspec.cli.errors import UsageError
-    from npuspec.models.draft_loading import default_aux_layer_ids
 
     if s is None:
-        return default_aux_layer_ids(L)
+        return default
     try:
         ids = tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
         ids = ()
     if not ids or not all(0 <= i <= L for i in ids):
         raise UsageError(f"{s!r} must be comma-separated layer ids in 0..{L}, e.g. "
-                         f"{','.join(map(str, default_aux_layer_ids(L)))}", "--aux-layer-ids")
+                         f"{','.join(map(str, default))}", "--aux-layer-ids")
     return ids
+
+
+def _aux_ids(args, L: int) -> tuple:
+    """The aux layers the method reads: none for eagle, medusa, mtp (the final hidden)."""
+    from npuspec.cli.errors import UsageError
+    from npuspec.models.draft_loading import default_aux_layer_ids, default_block_aux_ids
+
+    if args.method == "eagle3":
+        return _ids(args.aux_layer_ids, L, default_aux_layer_ids(L))
+    if args.method in ("dflash", "dspark"):
+        return _ids(args.aux_layer_ids, L, default_block_aux_ids(L, args.draft_layers or 1))
+    if args.aux_layer_ids is not None:
+        raise UsageError(f"{args.method} reads the target's final hidden state, not aux layers; "
+                         "drop --aux-layer-ids (it applies to eagle3, dflash, dspark)",
+                         "--aux-layer-ids")
+    return ()
+
+
+def repo_relative(path: str) -> str:
+    """`path` relative to the npuspec checkout when it lies inside it (recipes shipped in the
+    package must not name the machine they were made on), else unchanged."""
+    import npuspec
+    root = os.path.dirname(os.path.dirname(os.path.abspath(npuspec.__file__)))
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.commonpath([root, full]) == root:
+        return os.path.relpath(full, root)
+    return path
 
 
 def _command_line(args, parser_defaults: dict) -> str:
@@ -151,14 +194,23 @@ def run(args) -> int:
     tcfg, target = load_model(target_path)
     if args.method == "mtp":
         _check_mtp_out(out, target_path, tcfg)
-    aux = _ids(args.aux_layer_ids, tcfg.num_layers) if args.method == "eagle3" else ()
+    aux = _aux_ids(args, tcfg.num_layers)
+    block = {k: getattr(args, k) for k in ("block_size", "num_anchors", "draft_layers", "gamma",
+                                           "eval_anchors")}
+    if args.method not in ("dflash", "dspark"):
+        given = [k for k, v in block.items() if v is not None]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(f"{block[given[0]]} was given, but it applies to --method dflash "
+                             f"or dspark only; drop it for {args.method}", flag)
+        block = {}
     try:
         cfg = td.TrainConfig(method=args.method, steps=args.steps, batch=args.batch,
                              seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, seed=args.seed,
                              ttt_steps=args.ttt_steps, draft_vocab_size=args.draft_vocab_size,
                              num_heads=args.num_heads, eval_every=args.eval_every,
                              eval_k=args.eval_k, eval_batches=args.eval_batches,
-                             save_every=args.save_every)
+                             save_every=args.save_every, **block)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if cfg.draft_vocab_size and cfg.draft_vocab_size > tcfg.vocab_size:
@@ -199,22 +251,36 @@ def run(args) -> int:
     td.save_trained(res.module, out, dtype=dtype,
                     target_dir=target_path if os.path.isdir(target_path) else None)
     loaded = _check_load(args.method, out, tcfg, target, res.module)
+    block = args.method in ("dflash", "dspark")
+    if block:
+        definition = ("as serving verifies: each held-out anchor's block drafted greedily, the "
+                      "target's greedy tokens after [prefix, drafts]; a_k = P(drafts 1..k all "
+                      "accepted); 1 + sum_k a_k")
+    else:
+        definition = ("teacher-forced top-1 agreement with the target's argmax per draft "
+                      "position; 1 + sum_k prod_{i<=k} a_i")
+    heldout = {"per_position": [round(a, 4) for a in res.acceptance],
+               "expected_acceptance_length": round(res.acceptance_length, 4),
+               "definition": definition}
+    if block and res.history["eval"]:
+        last = res.history["eval"][-1]
+        heldout.update({k: last[k] for k in ("anchors", "conditional_acceptance",
+                                             "mean_confidence") if k in last})
     recipe = {
-        "command": _command_line(args, _defaults()), "argv": sys.argv,
+        "command": _command_line(args, _defaults()),
+        "argv": [os.path.basename(sys.argv[0])] + [repo_relative(a) if os.path.exists(a) else a
+                                                  for a in sys.argv[1:]],
         "args": {k: v for k, v in vars(args).items() if k not in ("run",)},
-        "method": args.method, "target": target_path, "seed": cfg.seed,
+        "method": args.method, "target": repo_relative(target_path), "seed": cfg.seed,
         "train_config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "aux_layer_ids": list(aux), "data": data.info, "steps": res.steps,
         "train_seconds": round(res.train_seconds, 1), "wall_seconds": round(time.time() - t_wall, 1),
         "final_loss": round(res.final_loss, 5),
-        "heldout_acceptance": {"per_position": [round(a, 4) for a in res.acceptance],
-                               "expected_acceptance_length": round(res.acceptance_length, 4),
-                               "definition": "teacher-forced top-1 agreement with the target's "
-                                             "argmax per draft position; 1 + sum_k prod_{i<=k} a_i"},
+        "heldout_acceptance": heldout,
         "saved_dtype": args.save_dtype, "load_check": loaded,
-        "speculative_config": {"method": args.method, "model": out,
+        "speculative_config": {"method": args.method, "model": repo_relative(out),
                                "num_speculative_tokens": cfg.num_heads if args.method == "medusa"
-                               else cfg.eval_k},
+                               else cfg.positions if block else cfg.eval_k},
         "torch": torch.__version__, "python": sys.version.split()[0], "threads": threads,
     }
     path = os.path.join(out, "train_recipe.json")

@@ -1,4 +1,5 @@
-"""Train a hidden-state drafter (EAGLE-3, EAGLE, Medusa, MTP) for a target model on one machine.
+"""Train a hidden-state drafter (EAGLE-3, EAGLE, Medusa, MTP, DFlash, DSpark) for a target model
+on one machine.
 
     from npuspec.models import load_model, load_tokenizer
     from npuspec.models.train_draft import TrainConfig, CorpusData, stdlib_corpus, train
@@ -13,10 +14,11 @@
 `npuspec train-draft` (npuspec/cli/train_draft.py, docs/train_draft.md) is the command line.
 
 The module trained is exactly the serving module (`EagleDraft`, `Eagle3Draft`, `MedusaHeads`,
-`MTPDraft`): its own parameters are the ones optimized, and `save_draft` writes them. Their
-serving forward is paged (a KV pool and `paged_attention`, which has no autograd), so this file
-has a dense causal forward over the same submodules (`dense_chain`, `dense_medusa`); tests
-check it equals the paged forward. What the draft shares with the target (its embedding, its
+`MTPDraft`, `DFlashDraft`, `DSparkDraft`): its own parameters are the ones optimized, and
+`save_draft` writes them. Their serving forward is paged (a KV pool and `paged_attention`,
+which has no autograd), so this file has a dense causal forward over the same submodules
+(`dense_chain`, `dense_medusa`; `train_block.dense_block`); tests check it equals the paged
+forward. What the draft shares with the target (its embedding, its
 LM head) is the target's own tensor and stays frozen.
 
 Data rows (drafters.md §1.5, §9.4). A sequence of N tokens x_0..x_{N-1} with target features
@@ -37,9 +39,12 @@ Losses, all soft cross-entropies against the target's own distributions (soft la
             recycle the MTP's own post-norm output, for K > 1 reuse); ttt_steps=1 default
     medusa  sum_k 0.8^k CE(head k at row j, softmax(z_{j+1+k})) (head k drafts x_{j+2+k})
 
-Held-out acceptance: teacher-forced top-1 agreement a_k of the draft's argmax with the target's
-argmax at draft position k (k = 1..K), and the implied expected acceptance length
-1 + sum_k prod_{i<=k} a_i (tokens per target step of a K-token chain).
+DFlash and DSpark (block drafters) have their own dense forward, losses and held-out metric
+(serving's verification of greedy blocks) in `npuspec.models.train_block`.
+
+Held-out acceptance (the chain and Medusa methods): teacher-forced top-1 agreement a_k of the
+draft's argmax with the target's argmax at draft position k (k = 1..K), and the implied expected
+acceptance length 1 + sum_k prod_{i<=k} a_i (tokens per target step of a K-token chain).
 
 Checkpoints (`state_dir`): weights, AdamW state and both RNG states in one safetensors file
 plus a JSON; no pickles. Resuming reproduces the uninterrupted run bit for bit.
@@ -59,9 +64,11 @@ import torch
 import torch.nn.functional as F
 
 from npuspec.models.config import ModelConfig
-from npuspec.models.draft_loading import DraftConfig, default_aux_layer_ids, save_draft
+from npuspec.models.draft_loading import (DraftConfig, default_aux_layer_ids,
+                                          default_block_aux_ids, save_draft)
+from npuspec.models.train_block import BLOCK_METHODS, BlockObjective, check_block_config
 
-METHODS = ("eagle3", "eagle", "medusa", "mtp")
+METHODS = ("eagle3", "eagle", "medusa", "mtp") + BLOCK_METHODS
 STATE_FORMAT = 1
 EVAL_SEED = 1234
 CLS_WEIGHT = 0.1   # EAGLE-1: weight of the classification loss next to the feature regression
@@ -90,10 +97,17 @@ class TrainConfig:
     eval_k: int = 4                  # draft positions scored (medusa: num_heads)
     eval_batches: int = 4
     save_every: int = 100
+    # dflash / dspark (train_block.py; None = the method's default, and unset for the others)
+    block_size: Optional[int] = None    # query slots per block: 16 (dflash), 7 (dspark)
+    num_anchors: Optional[int] = None   # random anchors (blocks) per training sequence: 16
+    draft_layers: Optional[int] = None  # decoder layers of the draft: 1
+    gamma: Optional[float] = None       # position weights exp(-k/gamma): 4.0
+    eval_anchors: Optional[int] = None  # held-out anchors per eval sequence: 8
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"method={self.method!r}: choose one of {', '.join(METHODS)}")
+        check_block_config(self)
         if self.ttt_steps is None:
             self.ttt_steps = 3 if self.method == "eagle3" else 1
         for name in ("steps", "batch", "seq_len", "ttt_steps", "num_heads", "eval_k",
@@ -111,11 +125,15 @@ class TrainConfig:
         """Draft positions scored at eval (and the most steps any loss runs)."""
         if self.method == "medusa":
             return self.num_heads
+        if self.method in BLOCK_METHODS:  # the whole block: serving's K at this block size
+            return self.block_size - (1 if self.method == "dflash" else 0)
         return max(self.eval_k, self.ttt_steps)
 
-    # fields that change the trajectory: a resumed run must agree on all of them
+    # fields that change the trajectory: a resumed run must agree on all of them (a field a
+    # checkpoint predates reads as None, which is what the methods that lack it hold)
     TRAJECTORY = ("method", "steps", "batch", "seq_len", "lr", "warmup", "weight_decay",
-                  "grad_clip", "seed", "ttt_steps", "decay", "draft_vocab_size", "num_heads")
+                  "grad_clip", "seed", "ttt_steps", "decay", "draft_vocab_size", "num_heads",
+                  "block_size", "num_anchors", "draft_layers", "gamma")
 
 
 @dataclasses.dataclass
@@ -482,9 +500,21 @@ def build_draft(method: str, tcfg: ModelConfig, target, cfg: TrainConfig,
                     aux_layer_ids=tuple(aux_ids or default_aux_layer_ids(tcfg.num_layers)))
     elif method == "medusa":
         over = dict(medusa_num_heads=cfg.num_heads)
+    elif method in BLOCK_METHODS:
+        over = dict(num_layers=cfg.draft_layers, block_size=cfg.block_size,
+                    aux_layer_ids=tuple(aux_ids or default_block_aux_ids(tcfg.num_layers,
+                                                                         cfg.draft_layers)))
     dcfg = DraftConfig.from_target(method, tcfg, **over)
     module = _CLASSES[method](dcfg)
     with torch.no_grad():
+        if getattr(module, "mask_embedding", None) is not None:
+            # start MASK where the target embeds the mask id: a zero vector would meet the
+            # first RMSNorm at its eps, with a ~1/sqrt(eps) gradient
+            module.mask_embedding.copy_(target.embed_tokens(
+                torch.tensor([dcfg.mask_token_id]))[0].float())
+        if getattr(module, "markov_head", None) is not None:
+            # the Markov bias starts at 0: the first blocks are the backbone's alone
+            module.markov_head.markov_w2.weight.zero_()
         if method == "eagle3":
             module.d2t.copy_(used - torch.arange(used.numel()))
             module.lm_head.weight.copy_(W[used])
@@ -719,6 +749,8 @@ class TrainResult:
 
 
 def evaluate(obj: _Objective, eval_set: list[Batch], K: int) -> tuple[list, float]:
+    if isinstance(obj, BlockObjective):  # serving's verify, not teacher-forced agreement
+        return obj.evaluate(eval_set)
     hits, counts = [0] * K, [0] * K
     was = obj.m.training
     obj.m.eval()
@@ -757,7 +789,8 @@ def train(target, data, cfg: TrainConfig, state_dir: Optional[str] = None, *,
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
-    obj = _Objective(module, target, cfg)
+    obj = (BlockObjective(module, target, cfg, gen) if cfg.method in BLOCK_METHODS
+           else _Objective(module, target, cfg))
     N = cfg.seq_len + 1
     K = cfg.positions
     eval_set = data.eval_set(cfg.eval_batches, cfg.batch, N)
@@ -790,8 +823,10 @@ def train(target, data, cfg: TrainConfig, state_dir: Optional[str] = None, *,
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == last:
             acc, al = evaluate(obj, eval_set, K)
             history["eval"].append({"step": done, "acceptance": [round(a, 4) for a in acc],
-                                    "acceptance_length": round(al, 4), "loss": round(loss_v, 5)})
-            log(f"step {done}/{cfg.steps} loss {loss_v:.4f} (per step "
+                                    "acceptance_length": round(al, 4), "loss": round(loss_v, 5),
+                                    **getattr(obj, "eval_info", {})})
+            label = getattr(obj, "parts_label", "per step")
+            log(f"step {done}/{cfg.steps} loss {loss_v:.4f} ({label} "
                 f"{', '.join(f'{p:.3f}' for p in parts)}) held-out acceptance "
                 f"{' '.join(f'{a:.3f}' for a in acc)} -> expected acceptance length {al:.3f} "
                 f"(K={K}) {time.perf_counter() - t0:.0f}s")
