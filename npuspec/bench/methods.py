@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npuspec bench methods", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--methods", default="ngram,eagle3,eagle,medusa,mtp")
+    p.add_argument("--methods", default="ngram,eagle3,eagle,medusa,mtp,dflash,dspark")
     p.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
                    help="a row's speculative config (replaces the default of NAME)")
     p.add_argument("--k", type=positive, default=4)

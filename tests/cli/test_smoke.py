@@ -74,7 +74,7 @@ def test_demo_embedded_model(tiny_available, capsys):
     assert "outputs identical: yes (4/4 prompts)" in text
 
 
-@pytest.mark.parametrize("method", ["eagle3", "eagle", "medusa", "mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "medusa", "mtp", "dflash", "dspark"])
 def test_demo_method_shipped_heads(method, tiny_available, capsys):
     """`npuspec demo --method M` runs the heads shipped for the embedded model, and they draft
     tokens the target accepts (trained heads: acceptance well above a random draft's ~0)."""
