@@ -3,9 +3,11 @@
     fn = cached_lower(gm, example_inputs, opts, lowering.lower)   # the backend's hook
     record_artifact("capture_plan", {...}); load_artifact("capture_plan")  # JSON artifacts
 
-Modules: keys (key derivation, platform fingerprint), store (atomic entries, manifests, locks,
-quarantine), trust (ownership/permission rules), inductor (pointing Inductor at an entry),
-core (load-or-compile).
+Modules: keys (key derivation, platform fingerprint), store (writing entries, locks, hit
+counts), entries (reading and verifying them), layout (opening and checking the root and its
+directories, quarantine), fsafe (dir-fd operations that never follow a link), trust
+(ownership/permission rules, resolving the way to the root), inductor and torchair (pointing
+the lowering at an entry), core (load-or-compile).
 """
 from npuspec.graphs.cache.core import (EXEC_LOWERINGS, Session, cached_lower, current,
                                        load_artifact, record_artifact)

@@ -12,8 +12,11 @@
    private dir, then stages and publishes the entry atomically. GE compiles at the graph's first
    call, so a torchair entry is published after that call, and the lock is held until then.
    Waiters that time out (NPUSPEC_CACHE_LOCK_TIMEOUT) compile privately and write nothing.
-Every fault (bad entry, untrusted path, read-only or full directory, lock timeout) is logged
-once, counted, and followed by a correct compile; none raises.
+Every fault (bad or wrong-typed entry, lock or hit file, untrusted path anywhere on the way to
+or inside the cache, read-only or full directory, lock timeout) is logged once, counted, and
+followed by a correct compile; none raises. An untrusted cache is read for JSON only and never
+written; the CacheDir's descriptors are closed when the backend call returns (and reopened,
+re-checked, by a later write).
 """
 from __future__ import annotations
 
@@ -21,10 +24,8 @@ import atexit
 import contextlib
 import dataclasses
 import errno
-import functools
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -121,6 +122,8 @@ def record_artifact(name: str, obj: Any) -> None:
         except (OSError, CacheCorrupt) as e:
             _once(logging.WARNING, f"addjson:{s.key}", "npuspec cache: could not add %s to entry "
                   "%s (%s); it stays in memory", name, s.key[:12], e)
+        finally:
+            s.cache.close()
 
 
 def load_artifact(name: str, default: Any = None) -> Any:
@@ -145,25 +148,40 @@ def cached_lower(gm: Any, example_inputs: Sequence[Any], opts: Any,
     sess = Session(cache, key, parts)
     _local.session = sess
     executable = getattr(opts, "lowering", None) in EXEC_LOWERINGS
+
+    def repaired(tag: str, msg: str) -> None:  # something of the wrong type was quarantined
+        sess.rejected = True
+        _once(logging.WARNING, f"repair:{tag}", "%s", msg)
+
+    cache.on_repair = repaired
+    try:
+        return _load_or_compile(sess, lower, gm, example_inputs, opts, executable)
+    finally:
+        cache.close()  # later writes (record_artifact, torchair's publish) open it again
+
+
+def _load_or_compile(sess: Session, lower, gm, example_inputs, opts, executable: bool) -> Callable:
+    cache, key = sess.cache, sess.key
     try:
         sess.writable = cache.open()
     except OSError as e:
         _once(logging.WARNING, f"open:{cache.root}", "npuspec cache: cannot use %s (%s); "
               "running without a persistent cache", cache.root, e)
         return _finish_miss(sess, lower, gm, example_inputs, opts, executable, publish=False)
-    if not sess.writable:
-        _once(logging.WARNING, f"ro:{cache.root}", "npuspec cache: %s is not writable (read-only "
+    # An untrusted path anywhere (the way to the root, the root, a layout directory) is refused
+    # for every lowering: nothing executable is loaded and nothing is written, since others
+    # could redirect the writes; npuspec's JSON artifacts are still read.
+    trusted = cache.untrusted is None
+    if not trusted:
+        sess.rejected = True
+        # The fix ends the first line, so that it can be copied as it is.
+        _once(logging.ERROR, f"trust:{cache.real}", "%s\nUntil then npuspec compiles without "
+              "the cache's executable artifacts and writes nothing to it (npuspec's JSON "
+              "artifacts are still read).", cache.untrusted)
+    elif not sess.writable:
+        _once(logging.WARNING, f"ro:{cache.real}", "npuspec cache: %s is not writable (read-only "
               "or full); existing entries are still used, new compilations stay in memory",
-              cache.root)
-    trusted = True
-    if executable:
-        try:
-            _trust.check_root(cache.root)
-        except _trust.CacheTrustError as e:
-            trusted = False
-            sess.rejected = True
-            _once(logging.ERROR, f"trust:{cache.root}", "%s. Compiling without the cache's "
-                  "executable artifacts (npuspec's JSON artifacts are still read).", e)
+              cache.real)
     fn = _try_hit(sess, lower, gm, example_inputs, opts, executable, trusted, locked=False)
     if fn is not None:
         return fn
@@ -196,30 +214,34 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     cache, key = sess.cache, sess.key
     top = cache.entry(key)
     try:
-        st = os.lstat(top)
-    except FileNotFoundError:
-        return None
+        st = cache.entry_stat(key)
     except OSError as e:
         _once(logging.WARNING, f"stat:{key}", "npuspec cache: cannot read %s (%s)", top, e)
+        return None
+    if st is None:
         return None
     load_exec = executable and trusted
     priv = _private_dir(opts.lowering) if load_exec else None
     try:
-        res = cache.verify(key, executable=load_exec, copy_exec_to=priv,
-                           trust_check=functools.partial(_check_entry_path, gid=cache.gid))
+        res = cache.verify(key, executable=load_exec, copy_exec_to=priv, trust_check=True)
     except CacheCorrupt as e:
         # Logged once when the call settles (_finish_miss), with where the entry went.
         sess.rejected = True
         sess.fault = f"npuspec cache: entry {key[:12]} failed verification: {e}; recompiling"
         if locked and sess.writable:
-            where = cache.quarantine(key, (st.st_dev, st.st_ino))
-            if where:
-                sess.fault += f" (the entry was moved to {where})"
+            try:
+                where = cache.quarantine(key, (st.st_dev, st.st_ino))
+            except OSError as qe:  # e.g. quarantine/ gone meanwhile: publishing then fails too
+                sess.fault += f" (it could not be moved to quarantine/: {qe})"
+            else:
+                if where:
+                    sess.fault += f" (the entry was moved to {where})"
         return None
     except _trust.CacheTrustError as e:
         sess.rejected = True
         sess.entry_refused = True
-        _once(logging.ERROR, f"trust:{key}", "%s. Compiling without this entry.", e)
+        _once(logging.ERROR, f"trust:{key}", "%s\nUntil then npuspec compiles without this "
+              "entry.", e)
         return None
     except OSError as e:
         _once(logging.WARNING, f"read:{key}", "npuspec cache: cannot read entry %s (%s); "
@@ -250,16 +272,16 @@ def _try_hit(sess: Session, lower, gm, example_inputs, opts, executable: bool,
     else:
         fn = lower(gm, list(example_inputs), opts)
     sess.state = "loaded"
+    if sess.writable:
+        try:
+            cache.bump_hits(key)  # first: a wrong-typed hit file it repairs counts as rejected
+        except OSError:
+            pass
     counters.bump("cache_hits")
     if sess.rejected:
         counters.bump("cache_rejected")
     if sess.fault:
         _once(logging.WARNING, f"corrupt:{key}", "%s", sess.fault)
-    if sess.writable:
-        try:
-            cache.bump_hits(key)
-        except OSError:
-            pass
     return fn
 
 
@@ -280,10 +302,6 @@ def _check_ge_loaded(key: str, fn: Callable, priv: str, entry: str) -> Callable:
               "the entry (rm -r %s) and the next start recompiles it", entry, e, entry)
 
     return _torchair.after_first_call(fn, after, failed)
-
-
-def _check_entry_path(path: str, recursive: bool, gid) -> None:
-    _trust.check_path(path, gid=gid, recursive_fix=recursive)
 
 
 def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: bool,
@@ -333,6 +351,7 @@ def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: boo
                 _publish(sess, staging, "torchair")
             finally:
                 release()
+                cache.close()
 
         def failed(e: BaseException) -> None:
             sess.loaded_json = {**sess.loaded_json, **sess.pending_json}

@@ -65,6 +65,43 @@ def eager_lower(gm, example_inputs, o):
     return gm.forward
 
 
+def run_cached(cache_dir, lower=eager_lower, lowering="eager", shape=(2, 4, 8)):
+    """One start, in process: compile the tiny graph through the cache, check that the result
+    equals eager, return the key."""
+    gm, inputs = tiny_graph(shape)
+    want = gm(*inputs)
+    fn = core.cached_lower(gm, inputs, opts(cache_dir, lowering), lower)
+    assert torch.equal(fn(*inputs), want)
+    return core.current().key
+
+
+def key_of(shape=(2, 4, 8), lowering="eager"):
+    """The key `run_cached` will use for `shape`, without compiling (to plant things under
+    names the next start will touch)."""
+    from npuspec.graphs.cache import keys
+    gm, inputs = tiny_graph(shape)
+    return keys.cache_key(keys.key_parts(gm, inputs, opts("unused", lowering)))
+
+
+def snapshot(top):
+    """Everything below `top`, links not followed: {relative path: (type and mode, owner,
+    content or link target)}, to show that nothing outside a cache was written or created."""
+    out = {}
+    for d, dirs, files in os.walk(top):
+        for n in dirs + files:
+            p = os.path.join(d, n)
+            st = os.lstat(p)
+            if os.path.islink(p):
+                body = ("link", os.readlink(p))
+            elif os.path.isdir(p):
+                body = ("dir",)
+            else:
+                with open(p, "rb") as f:
+                    body = ("file", f.read(), st.st_nlink)
+            out[os.path.relpath(p, top)] = (st.st_mode, st.st_uid, body)
+    return out
+
+
 def run_worker(out, cache_dir, lowering, *extra, env=None):
     import json
     from npuspec.graphs.cache import keys
