@@ -44,10 +44,11 @@ class DFlashBlock(_DraftModule):
         if d.method == "dflash":
             return _out(*sample_drafts(d.logits(h), temperature, exponentials))
         prev = input_ids[:, 0]                                      # the anchor seeds the walk
+        ld = d.draft_logits(h)                  # [B, K, Vd]: the LM head read once per block
         toks, confs, qs = [], [], []
         for j in range(K):
             e = None if exponentials is None else exponentials[:, j]
-            x, _, q = sample_drafts(d.slot_logits(h[:, j], prev), temperature, e)  # [B], [B, V]
+            x, _, q = sample_drafts(d.biased_logits(ld[:, j], prev), temperature, e)  # [B], [B, V]
             confs.append(d.confidence(h[:, j], prev))               # [B] fp32
             toks.append(x)
             qs.append(q)

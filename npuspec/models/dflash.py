@@ -198,7 +198,11 @@ class DSparkDraft(DFlashDraft):
 
     def slot_logits(self, h, prev):
         """fp32 target-vocabulary logits of slots h [.., H] whose previous tokens are prev [..]."""
-        ld = self.draft_logits(h)
+        return self.biased_logits(self.draft_logits(h), prev)
+
+    def biased_logits(self, ld, prev):
+        """Draft-vocabulary logits ld [.., Vd] plus the Markov bias of prev [..] -> fp32 [.., V].
+        (The walk computes ld for every slot in one head call, then biases slot by slot.)"""
         if self.markov_head is not None:
             ld = ld + self.markov_head(prev)
         return self.to_target(ld)
