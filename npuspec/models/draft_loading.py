@@ -234,20 +234,22 @@ def _load_pickle(path: str, flat: bool = True):
 
 
 def _read_tensors(model_dir: str, keep: Callable[[str], bool] = lambda n: True) -> dict:
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     out: dict[str, torch.Tensor] = {}
     where: dict[str, str] = {}
     shards = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     for shard in shards:
-        with safe_open(shard, framework="pt") as f:
-            for name in f.keys():
-                if not keep(name):
-                    continue
-                if name in out:
-                    raise ValueError(f"tensor {name!r} is in both {where[name]} and {shard}; "
-                                     "remove one of the copies.")
-                out[name], where[name] = f.get_tensor(name), shard
+        try:
+            tensors = _read_shard(shard, keep)
+        except (SafetensorError, OSError) as e:  # truncated, damaged header, unreadable
+            from npuspec.models.loading import safetensors_error
+            raise safetensors_error(shard, e) from None
+        for name, t in tensors.items():
+            if name in out:
+                raise ValueError(f"tensor {name!r} is in both {where[name]} and {shard}; "
+                                 "remove one of the copies.")
+            out[name], where[name] = t, shard
     if shards:
         return out
     pickles = sorted(glob.glob(os.path.join(model_dir, "pytorch_model*.bin"))
@@ -258,6 +260,13 @@ def _read_tensors(model_dir: str, keep: Callable[[str], bool] = lambda n: True) 
     for p in pickles:
         out.update({k: v for k, v in _load_pickle(p).items() if keep(k)})
     return out
+
+
+def _read_shard(shard: str, keep: Callable[[str], bool]) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(shard, framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys() if keep(name)}
 
 
 def _rename(name: str, pairs) -> str:

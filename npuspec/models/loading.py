@@ -169,11 +169,17 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
         raise ValueError(f"{path} is empty (0 bytes): an interrupted download or copy; {REFETCH}")
     try:
         return load_file(path)
-    except SafetensorError as e:  # a truncated file or a damaged header
-        raise ValueError(f"{path} ({size} bytes) is not a valid safetensors file ({e}): it is "
-                         f"truncated or corrupt; {REFETCH}") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be read ({e}); check the file, or {REFETCH}") from None
+    except (SafetensorError, OSError) as e:  # a truncated file or a damaged header
+        raise safetensors_error(path, e) from None
+
+
+def safetensors_error(path: str, e: Exception) -> ValueError:
+    """The error for a safetensors file that safetensors could not read (`e`)."""
+    if isinstance(e, OSError):
+        return ValueError(f"{path}: cannot be read ({e}); check the file, or {REFETCH}")
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    what = "empty (0 bytes)" if size == 0 else f"not a valid safetensors file ({e})"
+    return ValueError(f"{path} ({size} bytes) is {what}: it is truncated or corrupt; {REFETCH}")
 
 
 def _num_nextn_layers(model_dir: str) -> int:

@@ -121,14 +121,7 @@ class BlockDraftProposer(_HiddenStateProposer):
         inputs inside it."""
         r = self.runner
         F = len(self.module.aux_layer_ids) * r.model_config.hidden_size
-        dt = r.model.norm.weight.dtype
-
-        def z(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=r.device)
-
-        def feats(*shape):
-            with torch.inference_mode():
-                return z(*shape, dtype=dt)
+        z, feats = self._zeros, self._features
 
         for k in k_values:
             n = top_rows(k)

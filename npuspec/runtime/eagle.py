@@ -194,6 +194,14 @@ class _HiddenStateProposer:
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(self.runner.device)
 
+    # warm-up inputs (step metadata is made outside inference mode, features inside it)
+    def _zeros(self, *shape, dtype=torch.int64) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=self.runner.device)
+
+    def _features(self, *shape) -> torch.Tensor:
+        with torch.inference_mode():
+            return self._zeros(*shape, dtype=self.runner.model.norm.weight.dtype)
+
     def _draws(self, temps: np.ndarray, gens, k: int, V: int) -> list:
         """temperature [B] and each sampled request's own Exp(1) draws [B, K, V]."""
         dev = self.runner.device
@@ -266,13 +274,7 @@ class EagleProposer(_HiddenStateProposer):
         r = self.runner
         F = self._feature_size()
         dt = r.model.norm.weight.dtype
-
-        def z(*shape, dtype=torch.int64):
-            return torch.zeros(*shape, dtype=dtype, device=r.device)
-
-        def feats(*shape):
-            with torch.inference_mode():
-                return z(*shape, dtype=dt)
+        z, feats = self._zeros, self._features
 
         for k in k_values:
             n = top_rows(k)

@@ -478,7 +478,6 @@ def _head_of(target):
 def test_mtp_needs_next_n_layers(tiny, tmp_path):
     # the embedded model ships an MTP layer: a copy of it without one
     import json
-    import shutil
     from npuspec.models import TINY_MODEL_DIR
     d = tmp_path / "plain"
     shutil.copytree(TINY_MODEL_DIR, d)
@@ -620,3 +619,16 @@ def test_compiles_with_dynamic_batch_without_graph_breaks(tiny, method):
         for x, y in zip(got, want):
             torch.testing.assert_close(x, y)
     assert counter.frame_count == 1  # one graph for both batch sizes
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_damaged_draft_weights_name_the_file(damage, tmp_path):
+    from npuspec.engine.drafting import resolve_draft
+    cfg, target = load_model("tiny")
+    d = tmp_path / "head"
+    shutil.copytree(resolve_draft("tiny-eagle3"), d)
+    p = d / "model.safetensors"
+    b = p.read_bytes()
+    p.write_bytes(b[:len(b) // 2] if damage == "truncated" else b"")
+    with pytest.raises(ValueError, match=rf"{p}.*(truncated or corrupt).*re-download it"):
+        load_draft("eagle3", str(d), cfg, target)
