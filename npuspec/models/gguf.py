@@ -109,8 +109,11 @@ class _GGUF:
         try:
             self.reader = gguf.GGUFReader(path, "r")
         except (ValueError, OSError, IndexError) as e:
-            raise ValueError(f"{path} is not a readable GGUF file ({e}); pass a GGUF v2/v3 file written "
-                             "by llama.cpp's converter or gguf.GGUFWriter.") from None
+            size = os.path.getsize(path) if os.path.isfile(path) else 0
+            raise ValueError(f"{path} ({size} bytes) is not a readable GGUF file ({e}): a "
+                             "truncated or corrupt download, or not GGUF v2/v3; re-download it, or "
+                             "pass a GGUF v2/v3 file written by llama.cpp's converter or "
+                             "gguf.GGUFWriter.") from None
         self.fields = self.reader.fields
         arch = self.get("general.architecture")
         if arch not in SUPPORTED_ARCHITECTURES:

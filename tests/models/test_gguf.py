@@ -226,8 +226,13 @@ def test_find_gguf_and_directories(tmp_path, tiny_gguf):
         resolve_model_dir(str(tiny_gguf))  # directory-only entry points (the CLI) say so
     not_gguf = tmp_path / "junk.gguf"
     not_gguf.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ValueError, match="junk.gguf is not a readable GGUF file"):
+    with pytest.raises(ValueError, match=r"junk.gguf \(22 bytes\) is not a readable GGUF file"):
         load_model(str(not_gguf))
+    cut = tmp_path / "cut.gguf"  # an interrupted download
+    data = tiny_gguf.read_bytes()
+    cut.write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"cut.gguf .*truncated or corrupt download.*re-download"):
+        load_model(str(cut))
 
 
 def test_unsupported_architecture(tmp_path):
