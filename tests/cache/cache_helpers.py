@@ -6,12 +6,10 @@ and writes a file under TORCHINDUCTOR_CACHE_DIR exactly as Inductor's caches wou
 where the cache pointed Inductor (a private copy of the entry, never the shared directory).
 """
 import dataclasses
-import logging
 import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 from npuspec.backend import BackendOptions

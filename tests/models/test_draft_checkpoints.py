@@ -538,7 +538,7 @@ def test_target_mismatch_names_key_and_values(tiny, tmp_path, over, key, found):
     with pytest.raises(ValueError, match=f"{key}={found}") as e:
         load_draft(method, path, *tiny)
     target_value = {"rope_theta": "10000.0", "vocab_size": "1024"}.get(key, "128")
-    assert f"target's" in str(e.value) and target_value in str(e.value)
+    assert "target's" in str(e.value) and target_value in str(e.value)
 
 
 def test_unknown_format_and_wrong_method(tiny, tmp_path):

@@ -1,7 +1,6 @@
 """GGUF loading (npuspec.models.gguf) against HF transformers' own GGUF loader, on a tiny random
 Llama written here with gguf.GGUFWriter (F32, F16, Q8_0 and Q4_1 tensors, GQA, llama.cpp's q/k
 row permutation, a byte-level BPE vocabulary with merges, control and user-defined tokens)."""
-import os
 import shutil
 import sys
 
