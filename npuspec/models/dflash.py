@@ -85,12 +85,8 @@ class DFlashDraft(PagedDraft):
     def write_context(self, c, positions, meta: AttnMetadata, cache: PagedKVCache) -> None:
         """Every layer's context K/V at meta.slot_mapping (c [R, T, H], positions [R, T])."""
         cos, sin = self._rope(positions, c.dtype)
-        rows = meta.slot_mapping.reshape(1, -1)
-        for i, layer in enumerate(self.layers):
-            k, v = self.context_kv(i, c, cos, sin)
-            R, T, Hkv, D = k.shape
-            cache.k[layer.index, rows] = k.reshape(1, R * T, Hkv, D)
-            cache.v[layer.index, rows] = v.reshape(1, R * T, Hkv, D)
+        for i in range(len(self.layers)):
+            self._write_kv(meta.slot_mapping, cache, i, *self.context_kv(i, c, cos, sin))
 
     # -- the block -------------------------------------------------------------------------------
     def embed_block(self, input_ids, dtype):
@@ -115,10 +111,7 @@ class DFlashDraft(PagedDraft):
         if self.config.draft_causal:
             return self._attend(meta, cache, i, q, k, v)
         B, S, Hq, D = q.shape
-        rows = meta.slot_mapping.reshape(1, -1)
-        li = self.layers[i].index
-        cache.k[li, rows] = k.reshape(1, B * S, k.shape[2], D)
-        cache.v[li, rows] = v.reshape(1, B * S, v.shape[2], D)
+        self._write_kv(meta.slot_mapping, cache, i, k, v)
         # non-causal: every slot sees the whole sequence up to the block's end. As B*S rows of
         # one query at that end, the causal paged op computes exactly that, with every
         # implementation (CPU, Triton, NPU) and no separate kernel.

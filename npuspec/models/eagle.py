@@ -176,15 +176,20 @@ class PagedDraft(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def _attend(self, meta: AttnMetadata, cache: PagedKVCache, i: int, q, k, v):
-        # q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq*D]. The write goes through the base
-        # pool with a tensor layer index, so Inductor updates the graph input in place (a
-        # write into the view cache.k[i] would be copied in and out of every step).
-        B, T, Hq, D = q.shape
-        rows = meta.slot_mapping.reshape(1, -1)  # not B * T: see DecoderLM._hidden_pair
+    def _write_kv(self, slot_mapping, cache: PagedKVCache, i: int, k, v) -> None:
+        """Layer i's K/V [B, T, Hkv, D] into the pool at slot_mapping [B, T]. The write goes
+        through the base pool with a tensor layer index, so Inductor updates the graph input
+        in place (a write into the view cache.k[i] would be copied in and out of every step)."""
+        B, T, Hkv, D = k.shape
+        rows = slot_mapping.reshape(1, -1)  # not B * T: see DecoderLM._hidden_pair
         li = self.layers[i].index  # [1, 1]
-        cache.k[li, rows] = k.reshape(1, B * T, k.shape[2], D)
-        cache.v[li, rows] = v.reshape(1, B * T, v.shape[2], D)
+        cache.k[li, rows] = k.reshape(1, B * T, Hkv, D)
+        cache.v[li, rows] = v.reshape(1, B * T, Hkv, D)
+
+    def _attend(self, meta: AttnMetadata, cache: PagedKVCache, i: int, q, k, v):
+        # q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq*D]
+        B, T, Hq, D = q.shape
+        self._write_kv(meta.slot_mapping, cache, i, k, v)
         o = paged_attention(q, cache.k, cache.v, i, meta.block_table, meta.seq_lens,
                             cache.block_size)  # [B, T, Hq, D]
         return o.reshape(B, T, Hq * D)
