@@ -2,6 +2,7 @@
 
     npuspec demo                       # speculative vs plain decoding on the embedded model
     npuspec generate --prompt "def f(" [--model PATH] [--speculative-config JSON]
+    npuspec serve MODEL [--speculative-config JSON] [--port P]   # OpenAI-compatible server
     npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf|methods [...]
     npuspec plan --speculative-config JSON --max-num-seqs N
     npuspec tune [--max-num-seqs N]
@@ -32,11 +33,13 @@ BENCHES = {
     "linear": "one step's projections per weight layout (mm, few-row kernel, packed fp32/bf16/fp16)",
     "hf": "HF generate with a compiled forward: eager vs backend=inductor vs backend=npuspec",
     "methods": "every speculative method on one target: tokens/s and acceptance vs ngram",
+    "serve": "npuspec serve under N concurrent streaming clients: TTFT, TPOT, throughput, with and without speculation",
 }
 
 COMMANDS = {
     "demo": ("npuspec.cli.demo", "speculative vs plain decoding on the embedded model: text, identity, speedup"),
     "generate": ("npuspec.cli.generate", "generate text from prompts with an HF checkpoint"),
+    "serve": ("npuspec.cli.serve", "an OpenAI-compatible server with continuous batching and speculative decoding"),
     "plan": ("npuspec.cli.plan", "print the graph capture plan per K and warn about uncaptured batches"),
     "tune": ("npuspec.bench.tune", "measure latency and acceptance, write the K-per-batch-size table"),
     "train-draft": ("npuspec.cli.train_draft", "train an EAGLE-3 / EAGLE / Medusa / MTP drafter for a target"),

@@ -26,7 +26,8 @@ from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS, arg_error, pos_int
 from npuspec.engine.drafting import draft, make_proposer
 from npuspec.engine.metrics import EngineMetrics, record_prefill, record_step
 from npuspec.engine.model_runner import ModelRunner
-from npuspec.engine.request import Request, RequestOutput, parse_requests, request_output
+from npuspec.engine.request import (Request, RequestOutput, StepOutput, parse_requests,
+                                    request_output)
 from npuspec.engine.sampling import SamplingParams
 from npuspec.engine.scheduler import Scheduler
 from npuspec.runtime import dynamic_k
@@ -105,6 +106,11 @@ class LLM:
         self._rng = np.random.default_rng(seed)
         self._calls = itertools.count()
         self.metrics: Optional[EngineMetrics] = None   # of the last generate() call
+        self.totals = EngineMetrics()   # of step() calls made without their own metrics
+        self._sched = Scheduler(self.max_num_seqs, self.runner.blocks, lookahead=self.k_max,
+                                chunk=self.runner.chunk,
+                                max_num_batched_tokens=self.max_num_batched_tokens)
+        self._live: dict[str, Request] = {}  # request id -> added and not finished
         if self.capture:
             self.runner.warm_up()
             if hasattr(self.proposer, "warm_up"):
@@ -136,42 +142,115 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in prompt order. (`use_tqdm` is
         accepted for vLLM compatibility and ignored.)"""
+        if self._live:
+            raise RuntimeError(f"LLM.generate: {len(self._live)} request(s) added with "
+                               f"add_request() are still running; finish them with step() "
+                               f"or abort_request() first")
         reqs = parse_requests(  # all checks first
             prompts, sampling_params, next(self._calls), vocab_size=self.model_config.vocab_size,
             max_model_len=self.max_model_len, tokenizer=self.tokenizer,
             model_path=self.model_path, eos_ids=self.eos_ids, rng=self._rng, device=self.device)
-        sched = Scheduler(self.max_num_seqs, self.runner.blocks, lookahead=self.k_max,
-                          chunk=self.runner.chunk,
-                          max_num_batched_tokens=self.max_num_batched_tokens)
-        for r in reqs:
-            sched.add(r)
         m = EngineMetrics(num_requests=len(reqs), num_prompt_tokens=sum(len(r.prompt_ids) for r in reqs))
-        self.runner.start_call(reqs)
+        preempted = self._sched.num_preemptions
         t_start = time.perf_counter()
+        for r in reqs:
+            self.add_request(r, arrival_time=t_start)
         try:
-            while sched.has_work():
-                sched.admit()
-                k = dynamic_k.k_for_step(self.spec, len(sched.running))
-                self._prefill(sched, len(sched.running) * (k + 1), m)
-                if sched.running:
-                    sched.reserve(self.k_max)
-                    self._decode_step(sched.running, m)
-                for r in sched.retire():
-                    r.stats.total_s = time.perf_counter() - t_start
-                    if self.proposer is not None:
-                        self.proposer.stop_request(r.req_id)
+            while self._sched.has_work():
+                self.step(m)
         finally:  # an error mid-call must not leave proposer state or blocks behind
-            for r in sched.running + sched.prefilling + list(sched.waiting):
-                self.runner.blocks.release(r.blocks)
-                if self.proposer is not None and r.started:
-                    self.proposer.stop_request(r.req_id)
+            for rid in list(self._live):
+                self.abort_request(rid)
         m.total_s = time.perf_counter() - t_start
         m.num_output_tokens = sum(len(r.output) for r in reqs)
-        m.num_preemptions = sched.num_preemptions
+        m.num_preemptions = self._sched.num_preemptions - preempted
         self.metrics = m
         outs = [request_output(r, self.tokenizer) for r in reqs]
-        if hasattr(self.proposer, "finish_call"):  # extract_hidden_states: the files' paths
+        if hasattr(self.proposer, "finish_call"):  # extract_hidden_states: wait for the files
             self.proposer.finish_call(outs)
+        return outs
+
+    # -- the step API: npuspec serve's engine loop drives it; generate() runs on it ------------
+    def new_request(self, prompt, params: Optional[SamplingParams] = None,
+                    request_id: Optional[str] = None) -> Request:
+        """A checked request for add_request(): `prompt` as generate() takes one. Touches no
+        engine state but the seed generator, so a server thread may build requests while
+        another runs step()."""
+        r, = parse_requests(
+            [prompt], params, next(self._calls), vocab_size=self.model_config.vocab_size,
+            max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+            model_path=self.model_path, eos_ids=self.eos_ids, rng=self._rng, device=self.device)
+        if request_id is not None:
+            r.req_id = str(request_id)
+        return r
+
+    def add_request(self, req: Request, arrival_time: Optional[float] = None) -> None:
+        """Queue a request from new_request(); the next step() may admit it."""
+        if req.req_id in self._live:
+            raise ValueError(f"LLM.add_request: request_id {req.req_id!r} is already running; "
+                             f"give each request a unique id")
+        assert not req.output and not req.blocks, req.req_id
+        req.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self._live[req.req_id] = req
+        self._sched.add(req)
+        # the optional step inputs (temperature, top-k, top-p) the live batch needs
+        self.runner.start_call(list(self._live.values()))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop an unfinished request: its blocks and proposer state are freed at once.
+        False when no such request is live (finished, aborted or unknown)."""
+        r = self._live.pop(request_id, None)
+        if r is None:
+            return False
+        self._sched.remove(r)
+        if self.proposer is not None and r.started:
+            self.proposer.stop_request(r.req_id)
+        r.finish_reason = r.finish_reason or "abort"
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted (recomputed) for lack of KV blocks since construction."""
+        return self._sched.num_preemptions
+
+    def num_requests(self) -> tuple[int, int]:
+        """(running, waiting): running counts prefilling requests too."""
+        s = self._sched
+        return len(s.running) + len(s.prefilling), len(s.waiting)
+
+    def step(self, m: Optional[EngineMetrics] = None) -> list[StepOutput]:
+        """One engine iteration: admit, prefill within the token budget, one verify step of
+        the running batch, retire. Returns the requests that got tokens or finished. Charges
+        `m` (default: `self.totals`, the step API's running totals)."""
+        m = self.totals if m is None else m
+        sched = self._sched
+        sched.admit()
+        k = dynamic_k.k_for_step(self.spec, len(sched.running))
+        self._prefill(sched, len(sched.running) * (k + 1), m)
+        outs = []
+        if sched.running:
+            sched.reserve(self.k_max)
+            batch = list(sched.running)
+            before = [len(r.output) for r in batch]
+            self._decode_step(batch, m)
+            now = time.perf_counter()
+            for r, n in zip(batch, before):
+                if n == 0 and r.output:
+                    r.stats.first_token_s = now - r.arrival_time
+                outs.append(StepOutput(r, r.output[n:], r.finished))
+        for r in sched.retire():
+            r.stats.total_s = time.perf_counter() - r.arrival_time
+            r.stats.num_output_tokens = len(r.output)
+            self._live.pop(r.req_id, None)
+            if self.proposer is not None:
+                self.proposer.stop_request(r.req_id)
+                if hasattr(self.proposer, "take_path"):
+                    path = self.proposer.take_path(r.req_id)
+                    if path is not None:
+                        r.kv_transfer_params = {"hidden_states_path": path}
         return outs
 
     def _prefill(self, sched: Scheduler, decode_tokens: int, m: EngineMetrics) -> None:

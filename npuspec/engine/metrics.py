@@ -25,7 +25,8 @@ class RequestMetrics:
     draft_s: float = 0.0
     step_s: float = 0.0
     bookkeeping_s: float = 0.0
-    total_s: float = 0.0            # from the start of generate() to this request's last token
+    total_s: float = 0.0            # from its arrival (generate()'s start) to its last token
+    first_token_s: Optional[float] = None   # from its arrival to its first output token
 
     def _grow(self, k: int) -> None:
         while len(self.accepted_by_position) < k:

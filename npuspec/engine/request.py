@@ -32,8 +32,10 @@ class Request:
     started: bool = False           # the proposer knows this request (survives preemption)
     tokens: list[int] = dataclasses.field(default_factory=list)   # prompt + output
     output: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: Optional[str] = None
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     stats: Optional[RequestMetrics] = None
+    arrival_time: float = 0.0       # perf_counter() when it was added to the engine
+    kv_transfer_params: Optional[dict] = None   # extract_hidden_states: its file
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -66,6 +68,18 @@ class Request:
         if self.finish_reason is None and self.max_new <= 0:
             self.finish_reason = "length"
         return keep
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What one engine iteration (`LLM.step()`) gave one request."""
+    request: Request
+    new_token_ids: list[int]        # emitted this iteration (after the stop rules)
+    finished: bool
+
+    @property
+    def request_id(self) -> str:
+        return self.request.req_id
 
 
 @dataclasses.dataclass
@@ -237,4 +251,5 @@ def request_output(r: Request, tokenizer) -> RequestOutput:
     if tokenizer is not None:
         text = tokenizer.decode(r.output, skip_special_tokens=True)
     return RequestOutput(r.req_id, r.prompt, list(r.prompt_ids),
-                         [CompletionOutput(0, text, list(r.output), r.finish_reason)], r.stats)
+                         [CompletionOutput(0, text, list(r.output), r.finish_reason)], r.stats,
+                         kv_transfer_params=r.kv_transfer_params)

@@ -127,6 +127,17 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
+    def remove(self, req: Request) -> bool:
+        """Take an unfinished request out (an abort), freeing its blocks; False if absent."""
+        for q in (self.running, self.prefilling, self.waiting):
+            i = next((i for i, x in enumerate(q) if x is req), None)  # identity, not __eq__
+            if i is not None:
+                del q[i]
+                if self.blocks is not None:
+                    self.blocks.release(req.blocks)
+                return True
+        return False
+
     def retire(self) -> list[Request]:
         """Remove finished requests from the running set, freeing their blocks."""
         done = [r for r in self.running if r.finished]

@@ -415,3 +415,17 @@ def load_gguf_tokenizer(path: str):
         meta["add_bos_token"] = True  # llama.cpp's default for sentencepiece vocabularies
     tok.post_processor = _post_processor(processors, list(meta["tokens"]), meta)
     return tok
+
+
+def read_gguf_chat_template(path: str) -> tuple[str | None, str, str]:
+    """(tokenizer.chat_template or None, BOS text, EOS text) of a GGUF file, for a server's
+    chat route."""
+    g = _open(path)
+    meta = _token_metadata(g)
+    tokens = meta["tokens"] or []
+
+    def text(i):
+        return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else ""
+    src = g.get("tokenizer.chat_template")
+    return (src if isinstance(src, str) and src else None, text(meta["bos_token_id"]),
+            text(meta["eos_token_id"]))

@@ -116,8 +116,13 @@ class ExtractHiddenStatesProposer:
     def _include_output(self, r) -> bool:
         return bool(self._params(r).get("include_output_tokens", False))
 
+    def take_path(self, req_id: str):
+        """The file a finished request's hidden states go to (None if it wrote none); the
+        write may still be running until finish_call / writer.flush."""
+        return self.paths.pop(req_id, None)
+
     def finish_call(self, outputs) -> None:
-        """Wait for the files and name them in the outputs."""
+        """Wait for the files, and name them in outputs that do not carry their path yet."""
         self.writer.flush()
         for o in outputs:
             p = self.paths.pop(o.request_id, None)

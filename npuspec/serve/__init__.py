@@ -1,0 +1,11 @@
+"""`npuspec serve`: an OpenAI-compatible HTTP server over the offline engine (DESIGN.md §9).
+
+    app.py       FastAPI routes, SSE streaming, API key, error bodies
+    protocol.py  OpenAI request bodies -> engine requests (every field honoured or refused)
+    engine.py    the one engine loop: a thread running LLM.step(), asyncio queues per request
+    text.py      incremental detokenisation and stop strings
+    chat.py      the checkpoint's chat template (Jinja2, as HF renders it)
+    metrics.py   Prometheus metrics, vLLM's names under the npuspec: prefix
+
+Needs the [serve] extra (fastapi, uvicorn, prometheus_client, jinja2). See docs/serving.md.
+"""

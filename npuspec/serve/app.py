@@ -1,0 +1,268 @@
+"""The FastAPI app of `npuspec serve`: OpenAI's /v1/completions, /v1/chat/completions and
+/v1/models, plus /health and Prometheus /metrics.
+
+Bodies are parsed by npuspec.serve.protocol (not pydantic models), so every refusal is an
+OpenAI-style error body naming the field. Each choice of each prompt is one engine request;
+a stream interleaves the choices' chunks as their tokens come.
+"""
+# no `from __future__ import annotations`: FastAPI reads the routes' `Request` annotations,
+# which must be the class itself (it is imported inside build_app)
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from typing import Optional
+
+from npuspec.serve import protocol
+from npuspec.serve.engine import AsyncEngine, EngineDead
+from npuspec.serve.protocol import APIError, GenRequest, ServerContext
+from npuspec.serve.text import TextStream
+
+
+def build_app(llm, served_names: list[str], api_key: Optional[str] = None, metrics=None,
+              chat_template=None, chat_missing: str = ""):
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, Response, StreamingResponse
+    except ImportError:
+        from npuspec.cli.errors import MissingExtra
+        raise MissingExtra("fastapi", "serve", "npuspec serve") from None
+    import contextlib
+
+    engine = AsyncEngine(llm, metrics)
+    ctx = ServerContext(served_names, llm.max_model_len, _token_counter(llm),
+                        _chat_renderer(llm, chat_template) if chat_template else None,
+                        chat_missing or "the model has no chat template")
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.shutdown()  # uvicorn has drained the connections by now
+
+    app = FastAPI(title="npuspec", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine = engine
+
+    def error(e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):
+        if api_key is not None and request.url.path.startswith("/v1"):
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return error(APIError(401, "invalid or missing API key: send the header "
+                                           "'Authorization: Bearer <key>' with the key the "
+                                           "server was started with (--api-key)"))
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error(APIError(503, f"the engine loop stopped: {engine.error!r}"))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prom():
+        if metrics is None:
+            return error(APIError(404, "metrics are off"))
+        body, ctype = metrics.exposition()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [
+            {"id": n, "object": "model", "created": created, "owned_by": "npuspec",
+             "root": llm.model_path, "max_model_len": llm.max_model_len} for n in served_names]}
+
+    async def body_of(request: Request):
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object "
+                                f"with Content-Type: application/json") from None
+
+    async def serve(request: Request, parse, kind: str, rid: str):
+        try:
+            g = parse(await body_of(request), ctx)
+            reqs = [[llm.new_request(p, g.choice_params(j), f"{rid}-{i}-{j}")
+                     for j in range(g.n)] for i, p in enumerate(g.prompts)]
+            if not engine.alive:
+                raise APIError(503, f"the engine loop stopped: {engine.error!r}")
+        except APIError as e:
+            return error(e)
+        except ValueError as e:  # the engine's own prompt checks (vocabulary, length)
+            return error(APIError(400, str(e).replace("LLM.generate: ", ""),
+                                  "messages" if kind == "chat" else "prompt"))
+        choices = [(i * g.n + j, r) for i, row in enumerate(reqs) for j, r in enumerate(row)]
+        if g.stream:
+            return StreamingResponse(_stream(engine, llm, g, rid, choices, kind),
+                                     media_type="text/event-stream")
+        try:
+            return await _complete(engine, llm, g, rid, choices, kind, request)
+        except EngineDead as e:
+            return error(APIError(503, str(e)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve(request, protocol.parse_completion, "completion",
+                           f"cmpl-{uuid.uuid4().hex}")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await serve(request, protocol.parse_chat, "chat", f"chatcmpl-{uuid.uuid4().hex}")
+
+    return app
+
+
+def _token_counter(llm):
+    def count(p) -> int:
+        if isinstance(p, dict):
+            return len(p["prompt_token_ids"])
+        if llm.tokenizer is None:
+            raise APIError(400, f"prompt: the model {llm.model_path} has no tokenizer, so a "
+                                f"text prompt cannot be encoded; send token ids instead",
+                           "prompt")
+        return len(llm.tokenizer.encode(p).ids)
+    return count
+
+
+def _chat_renderer(llm, template):
+    def render(messages, add_generation_prompt):
+        text = template.render(messages, add_generation_prompt)
+        # the template writes BOS itself when it wants one: no special tokens added here
+        ids = llm.tokenizer.encode(text, add_special_tokens=False).ids
+        return {"prompt": text, "prompt_token_ids": ids}
+    return render
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _chunk(kind: str, rid: str, model: str, created: int, choices: list, usage=None) -> str:
+    obj = {"id": rid, "object": "text_completion" if kind == "completion"
+           else "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage is not None:
+        obj["usage"] = usage
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _choice_delta(kind: str, index: int, text: Optional[str], finish: Optional[str],
+                  role: bool = False) -> dict:
+    if kind == "completion":
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+    delta = {"role": "assistant", "content": ""} if role else (
+        {"content": text} if text else {})
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+async def _run_choice(engine: AsyncEngine, llm, g: GenRequest, req, on_text):
+    """Drive one engine request to its end; on_text(text, finish_reason or None) per delta.
+    Returns (completion tokens, finish reason, kv_transfer_params)."""
+    ts = TextStream(llm.tokenizer, g.stop)
+    finish, kvp = None, None
+    async for d in engine.generate(req):
+        text = ts.add(d.token_ids, final=d.finished)
+        if ts.stopped:
+            finish = "stop"
+            engine.abort(req.req_id, "stop")  # the engine need not go on
+            await on_text(text, finish)
+            break
+        if d.finished:
+            finish, kvp = d.finish_reason, d.kv_transfer_params
+            await on_text(text, finish)
+            break
+        if text:
+            await on_text(text, None)
+    return ts.num_tokens, finish, kvp
+
+
+async def _stream(engine, llm, g: GenRequest, rid: str, choices, kind: str):
+    created = int(time.time())
+    out: asyncio.Queue = asyncio.Queue()
+    done = 0
+    totals = {}
+
+    def task(index, req):
+        async def on_text(text, finish):
+            await out.put(_chunk(kind, rid, g.model, created,
+                                 [_choice_delta(kind, index, text, finish)]))
+
+        async def run():
+            try:
+                totals[index] = await _run_choice(engine, llm, g, req, on_text)
+            except EngineDead as e:
+                await out.put(f"data: {json.dumps(APIError(503, str(e)).body())}\n\n")
+            finally:
+                await out.put(None)
+        return asyncio.ensure_future(run())
+
+    if kind == "chat":  # the role comes first, as OpenAI sends it
+        for index, _ in choices:
+            yield _chunk(kind, rid, g.model, created, [_choice_delta(kind, index, None, None, True)])
+    tasks = [task(index, req) for index, req in choices]
+    try:
+        while done < len(tasks):
+            item = await out.get()
+            if item is None:
+                done += 1
+                continue
+            yield item
+        if g.include_usage:
+            pt = sum(len(r.prompt_ids) for _, r in choices)
+            ct = sum(t[0] for t in totals.values())
+            yield _chunk(kind, rid, g.model, created, [], _usage(pt, ct))
+        yield "data: [DONE]\n\n"
+    finally:  # a client gone mid-stream: cancelling a choice aborts its engine request
+        for t in tasks:
+            t.cancel()
+
+
+async def _complete(engine, llm, g: GenRequest, rid: str, choices, kind: str, request):
+    texts = {index: [] for index, _ in choices}
+
+    def collector(index):
+        async def on_text(text, finish):
+            if text:
+                texts[index].append(text)
+        return on_text
+
+    tasks = [asyncio.ensure_future(_run_choice(engine, llm, g, req, collector(index)))
+             for index, req in choices]
+    watch = asyncio.ensure_future(_watch_disconnect(request, tasks))
+    try:
+        results = await asyncio.gather(*tasks)
+    finally:
+        watch.cancel()
+        for t in tasks:
+            t.cancel()
+    out = []
+    for (index, req), (ntok, finish, kvp) in zip(choices, results):
+        text = "".join(texts[index])
+        if kind == "completion":
+            c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": index, "message": {"role": "assistant", "content": text},
+                 "logprobs": None, "finish_reason": finish}
+        if kvp is not None:
+            c["kv_transfer_params"] = kvp
+        out.append(c)
+    pt = sum(len(r.prompt_ids) for _, r in choices)
+    ct = sum(r[0] for r in results)
+    return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
+            "created": int(time.time()), "model": g.model, "choices": out, "usage": _usage(pt, ct)}
+
+
+async def _watch_disconnect(request, tasks, every: float = 0.25) -> None:
+    """A non-streaming client that hangs up has its requests aborted (their tasks cancelled)."""
+    while True:
+        await asyncio.sleep(every)
+        if await request.is_disconnected():
+            for t in tasks:
+                t.cancel()
+            return

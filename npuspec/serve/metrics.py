@@ -1,0 +1,131 @@
+"""Prometheus metrics of `npuspec serve`, named as vLLM names its own with the `npuspec:`
+prefix (`vllm:time_to_first_token_seconds` -> `npuspec:time_to_first_token_seconds`), so a
+vLLM dashboard ports by renaming the prefix.
+
+The engine thread updates them after every step (`on_step`); prometheus_client's metrics
+are thread-safe, and each server has its own registry.
+"""
+from __future__ import annotations
+
+import time
+
+# vLLM's buckets for request latencies (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, k_max: int, num_blocks: int):
+        try:
+            import prometheus_client as pc
+        except ImportError:
+            from npuspec.cli.errors import MissingExtra
+            raise MissingExtra("prometheus_client", "serve", "npuspec serve") from None
+        self._pc = pc
+        pc.disable_created_metrics()  # as vLLM does: no *_created series beside each metric
+        self.registry = reg = pc.CollectorRegistry()
+        lab = ["model_name"]
+
+        def counter(name, doc, extra=()):
+            return pc.Counter(f"npuspec:{name}", doc, lab + list(extra), registry=reg)
+
+        def gauge(name, doc):
+            return pc.Gauge(f"npuspec:{name}", doc, lab, registry=reg).labels(model_name)
+
+        def hist(name, doc, buckets):
+            return pc.Histogram(f"npuspec:{name}", doc, lab, buckets=buckets,
+                                registry=reg).labels(model_name)
+        m = model_name
+        self.running = gauge("num_requests_running", "Requests prefilling or decoding.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting for a seat or KV blocks.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.").labels(m)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(m)
+        self._success = counter("request_success", "Finished requests by finish reason.",
+                                ["finished_reason"])
+        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed) for "
+                                   "lack of KV blocks.").labels(m)
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between a request's successive "
+                        "outputs (one per verify step, which may carry several tokens).",
+                        ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.num_drafts = counter("spec_decode_num_drafts", "Request-steps that verified at "
+                                  "least one draft token.").labels(m)
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens "
+                                    "verified.").labels(m)
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens "
+                                       "accepted.").labels(m)
+        per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+                          "at each draft position (0-based).", ["position"])
+        self.accepted_per_pos = [per_pos.labels(m, str(i)) for i in range(k_max)]
+        self.mean_al = gauge("spec_decode_mean_acceptance_length", "Tokens emitted per "
+                             "request-step (1 + accepted / drafts) since start.")
+        self._model, self._num_blocks = m, num_blocks
+        self._seen: dict[str, tuple[int, int, list[int], float]] = {}
+        self._steps = self._accepted = self._preempted = 0
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self._model, reason).inc()
+
+    def on_add(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_step(self, outs, llm) -> None:
+        """Charge one engine step: its outputs (npuspec.engine.request.StepOutput) and the
+        engine's queue and pool state."""
+        now = time.perf_counter()
+        for o in outs:
+            r, st = o.request, o.request.stats
+            n_prev, d_prev, acc_prev, t_prev = self._seen.get(
+                r.req_id, (0, 0, [0] * len(self.accepted_per_pos), r.arrival_time))
+            if o.new_token_ids:
+                self.generation_tokens.inc(len(o.new_token_ids))
+                (self.ttft if n_prev == 0 else self.itl).observe(now - t_prev)
+                t_prev = now
+            if st.num_drafted > d_prev:
+                self.num_drafts.inc()
+                self.draft_tokens.inc(st.num_drafted - d_prev)
+            acc = list(st.accepted_by_position)
+            for i, a in enumerate(acc[:len(self.accepted_per_pos)]):
+                prev = acc_prev[i] if i < len(acc_prev) else 0
+                if a > prev:
+                    self.accepted_per_pos[i].inc(a - prev)
+            self._steps += 1
+            new_acc = st.num_accepted - sum(acc_prev)
+            self._accepted += new_acc
+            if new_acc:
+                self.accepted_tokens.inc(new_acc)
+            if o.finished:
+                self._seen.pop(r.req_id, None)
+                self.e2e.observe(now - r.arrival_time)
+                self.finished(r.finish_reason or "stop")
+            else:
+                self._seen[r.req_id] = (len(r.output), st.num_drafted, acc, t_prev)
+        if self._steps:
+            self.mean_al.set(1 + self._accepted / self._steps)
+        self.update_queues(llm)
+
+    def forget(self, req_id: str) -> None:
+        self._seen.pop(req_id, None)
+
+    def update_queues(self, llm) -> None:
+        running, waiting = llm.num_requests()
+        self.running.set(running)
+        self.waiting.set(waiting)
+        usable = max(self._num_blocks - 1, 1)  # block 0 is scratch
+        self.kv_usage.set(1 - llm.runner.blocks.num_free / usable)
+
+    def set_preemptions(self, total: int) -> None:
+        """`total`: the engine's preemption count since start."""
+        if total > self._preempted:
+            self.preemptions.inc(total - self._preempted)
+            self._preempted = total
+
+    def exposition(self) -> tuple[bytes, str]:
+        return self._pc.generate_latest(self.registry), self._pc.CONTENT_TYPE_LATEST
+
