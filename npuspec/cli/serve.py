@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import sys
 
@@ -119,18 +120,30 @@ def run(args) -> int:
         from npuspec.cli.errors import UsageError
         raise UsageError(f"{args.port} must be in [0, 65535]", "--port")
     sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
-    llm = build_llm(args)
     names = args.served_model_name or [args.model]
+    host, port = sock.getsockname()[:2]
+    # the address first (with --port 0 the caller learns the port); /health answers 200 once
+    # the model is loaded and warmed up
+    print(f"npuspec serve: {names[0]} on http://{host}:{port}", flush=True)
+    llm = build_llm(args)
     template = load_chat_template(llm.model_path) if llm.tokenizer is not None else None
     metrics = ServerMetrics(names[0], llm.k_max, llm.runner.blocks.num_blocks)
     app = build_app(llm, names, api_key=args.api_key, metrics=metrics, chat_template=template,
                     chat_missing=missing_reason(llm.model_path))
-    host, port = sock.getsockname()[:2]
     spec = llm.spec.method if llm.spec else "none"
-    print(f"npuspec serve: {names[0]} (speculative: {spec}) on http://{host}:{port}", flush=True)
+    print(f"npuspec serve: ready (speculative: {spec}, max_model_len {llm.max_model_len}, "
+          f"max_num_seqs {llm.max_num_seqs})", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
-    server.run(sockets=[sock])  # SIGTERM / SIGINT: stop listening, drain, lifespan shutdown
-    print("npuspec serve: stopped", file=sys.stderr, flush=True)
+    got = []
+    # uvicorn handles SIGTERM / SIGINT itself (stop listening, let in-flight responses finish,
+    # lifespan shutdown), then re-raises the signal to the handler it found: this one, so a
+    # drained server exits 0 instead of dying by the signal's default action
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: got.append(signal.Signals(s).name))
+    server.run(sockets=[sock])
+    why = f" on {got[0]}" if got else ""
+    print(f"npuspec serve: stopped{why} after draining the requests in flight", file=sys.stderr,
+          flush=True)
     return 0
 
 

@@ -1,0 +1,82 @@
+"""`npuspec serve` start-up errors (a clear exit, naming the flag) and the SIGTERM drain."""
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+from serve_helpers import EAGER
+
+httpx = pytest.importorskip("httpx")
+
+
+def serve(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "npuspec.cli", "serve", *args], text=True,
+                          capture_output=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, flag, words", [
+    (["--speculative-config", '{"method": "ngramm", "num_speculative_tokens": 4}'],
+     "--speculative-config", "ngram"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4,'],
+     "--speculative-config", "not valid JSON"),
+    (["--compilation-config", '{"backend": "tvm"}'], "--compilation-config", "inductor"),
+    (["--additional-config", "[1]"], "--additional-config", "JSON object"),
+    (["--max-num-seqs", "0"], "--max-num-seqs", ">= 1"),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size", "not supported"),
+    (["--port", "70000"], "--port", "65535"),
+])
+def test_bad_start_up_config_exits_2_naming_the_flag(args, flag, words):
+    r = serve("tiny", "--port", "0", *args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    err = r.stderr.strip().splitlines()[-1]
+    assert flag in err and words in err, err
+    assert "Traceback" not in r.stderr
+
+
+def test_port_in_use_exits_2():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = serve("tiny", "--port", str(s.getsockname()[1]))
+    assert r.returncode == 2 and "--port" in r.stderr and "cannot listen" in r.stderr, r.stderr
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(start_server):
+    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+                     "--threads", "1")
+    results, started = {}, threading.Semaphore(0)
+
+    def stream(i):
+        body = {"model": "tiny", "prompt": f"def f{i}(x):\n", "max_tokens": 60,
+                "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        chunks = []
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
+                    if len(chunks) == 1:
+                        started.release()
+                elif line == "data: [DONE]":
+                    chunks.append("DONE")
+        results[i] = chunks
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert started.acquire(timeout=120)
+    s.proc.send_signal(signal.SIGTERM)   # every stream is mid-flight
+    for t in threads:
+        t.join(120)
+    assert s.proc.wait(60) == 0
+    for i in range(3):
+        chunks = results[i]
+        assert chunks[-1] == "DONE", chunks[-3:]
+        assert chunks[-2]["usage"]["completion_tokens"] == 60
+        assert chunks[-3]["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(httpx.ConnectError):  # and it is gone
+        httpx.get(s.url + "/health", timeout=5)
