@@ -161,66 +161,136 @@ def _choice_delta(kind: str, index: int, text: Optional[str], finish: Optional[s
     return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
-async def _run_choice(engine: AsyncEngine, llm, g: GenRequest, req, on_text):
-    """Drive one engine request to its end; on_text(text, finish_reason or None) per delta.
-    Returns (completion tokens, finish reason, kv_transfer_params)."""
+async def _run_choice_iter(engine: AsyncEngine, llm, g: GenRequest, req, on_text):
+    """Drive one engine request to its end, calling on_text(text, finish_reason or None) per
+    delta; yields the completion tokens so far after each delta, last the final count."""
     ts = TextStream(llm.tokenizer, g.stop)
-    finish, kvp = None, None
-    async for d in engine.generate(req):
-        text = ts.add(d.token_ids, final=d.finished)
-        if ts.stopped:
-            finish = "stop"
-            engine.abort(req.req_id, "stop")  # the engine need not go on
-            await on_text(text, finish)
-            break
-        if d.finished:
-            finish, kvp = d.finish_reason, d.kv_transfer_params
-            await on_text(text, finish)
-            break
-        if text:
-            await on_text(text, None)
-    return ts.num_tokens, finish, kvp
+    # a stream, or stop strings to watch, needs every step's tokens; else only the last
+    gen = engine.generate(req, deltas=g.stream or bool(g.stop))
+    try:
+        async for d in gen:
+            text = ts.add(d.token_ids, final=d.finished)
+            if ts.stopped:
+                engine.abort(req.req_id, "stop")  # the engine need not go on
+                await on_text(text, "stop")
+                yield ts.num_tokens
+                return
+            if d.finished:
+                await on_text(text, d.finish_reason)
+                yield ts.num_tokens
+                return
+            if text:
+                await on_text(text, None)
+            yield ts.num_tokens
+    finally:
+        await gen.aclose()
+
+
+async def _run_choice(engine: AsyncEngine, llm, g: GenRequest, req, on_text):
+    """-> (completion tokens, finish reason, kv_transfer_params)."""
+    ntok, finish = 0, []
+
+    async def note(text, why):
+        if why is not None:
+            finish.append(why)
+        await on_text(text, why)
+    async for ntok in _run_choice_iter(engine, llm, g, req, note):
+        pass
+    # the engine thread set kv_transfer_params before it posted the last delta
+    return ntok, finish[-1] if finish else None, req.kv_transfer_params
+
+
+class _Chunks:
+    """SSE lines of one response. A text delta is the common case (one per engine step and
+    choice), so its JSON is written around the escaped text from a prefix and suffix made
+    once, not dumped from a dict each time."""
+
+    def __init__(self, kind: str, rid: str, model: str):
+        self.kind, self.rid, self.model, self.created = kind, rid, model, int(time.time())
+        self._text: dict[int, tuple[str, str]] = {}
+
+    def text(self, index: int, text: str) -> str:
+        pre_post = self._text.get(index)
+        if pre_post is None:
+            mark = "\u0000MARK\u0000"
+            line = _chunk(self.kind, self.rid, self.model, self.created,
+                          [_choice_delta(self.kind, index, mark, None)])
+            pre, post = line.split(json.dumps(mark, ensure_ascii=False))
+            pre_post = self._text[index] = (pre, post)
+        return f"{pre_post[0]}{json.dumps(text, ensure_ascii=False)}{pre_post[1]}"
+
+    def delta(self, index: int, text: Optional[str], finish: Optional[str],
+              role: bool = False) -> str:
+        if text and finish is None and not role:
+            return self.text(index, text)
+        return _chunk(self.kind, self.rid, self.model, self.created,
+                      [_choice_delta(self.kind, index, text, finish, role)])
+
+    def usage(self, usage: dict) -> str:
+        return _chunk(self.kind, self.rid, self.model, self.created, [], usage)
+
+
+def _error_event(e: Exception) -> str:
+    return f"data: {json.dumps(APIError(503, str(e)).body())}\n\n"
 
 
 async def _stream(engine, llm, g: GenRequest, rid: str, choices, kind: str):
-    created = int(time.time())
-    out: asyncio.Queue = asyncio.Queue()
-    done = 0
-    totals = {}
-
-    def task(index, req):
-        async def on_text(text, finish):
-            await out.put(_chunk(kind, rid, g.model, created,
-                                 [_choice_delta(kind, index, text, finish)]))
-
-        async def run():
-            try:
-                totals[index] = await _run_choice(engine, llm, g, req, on_text)
-            except EngineDead as e:
-                await out.put(f"data: {json.dumps(APIError(503, str(e)).body())}\n\n")
-            finally:
-                await out.put(None)
-        return asyncio.ensure_future(run())
-
+    ch = _Chunks(kind, rid, g.model)
     if kind == "chat":  # the role comes first, as OpenAI sends it
         for index, _ in choices:
-            yield _chunk(kind, rid, g.model, created, [_choice_delta(kind, index, None, None, True)])
-    tasks = [task(index, req) for index, req in choices]
-    try:
-        while done < len(tasks):
-            item = await out.get()
-            if item is None:
-                done += 1
-                continue
-            yield item
-        if g.include_usage:
-            pt = sum(len(r.prompt_ids) for _, r in choices)
-            ct = sum(t[0] for t in totals.values())
-            yield _chunk(kind, rid, g.model, created, [], _usage(pt, ct))
-        yield "data: [DONE]\n\n"
-    finally:  # a client gone mid-stream: cancelling a choice aborts its engine request
-        for t in tasks:
-            t.cancel()
+            yield ch.delta(index, None, None, role=True)
+    if len(choices) == 1:  # the common case: no fan-in queue, no extra task
+        index, req = choices[0]
+        lines: list[str] = []
+
+        async def on_text(text, finish):
+            lines.append(ch.delta(index, text, finish))
+        gen = _run_choice_iter(engine, llm, g, req, on_text)
+        ntok = 0
+        try:
+            async for ntok in gen:
+                while lines:
+                    yield lines.pop(0)
+        except EngineDead as e:
+            yield _error_event(e)
+            return
+        finally:
+            await gen.aclose()  # a client gone: closing the generator aborts the request
+        while lines:
+            yield lines.pop(0)
+        totals = [ntok]
+    else:
+        out: asyncio.Queue = asyncio.Queue()
+        done, counts = 0, {}
+
+        def task(index, req):
+            async def on_text(text, finish):
+                await out.put(ch.delta(index, text, finish))
+
+            async def run():
+                try:
+                    counts[index] = (await _run_choice(engine, llm, g, req, on_text))[0]
+                except EngineDead as e:
+                    await out.put(_error_event(e))
+                finally:
+                    await out.put(None)
+            return asyncio.ensure_future(run())
+        tasks = [task(index, req) for index, req in choices]
+        try:
+            while done < len(tasks):
+                item = await out.get()
+                if item is None:
+                    done += 1
+                    continue
+                yield item
+        finally:  # a client gone mid-stream: cancelling a choice aborts its engine request
+            for t in tasks:
+                t.cancel()
+        totals = list(counts.values())
+    if g.include_usage:
+        pt = sum(len(r.prompt_ids) for _, r in choices)
+        yield ch.usage(_usage(pt, sum(totals)))
+    yield "data: [DONE]\n\n"
 
 
 async def _complete(engine, llm, g: GenRequest, rid: str, choices, kind: str, request):

@@ -38,6 +38,7 @@ class AsyncEngine:
         self.metrics = metrics
         self._inbox: queue.Queue = queue.Queue()
         self._sinks: dict[str, asyncio.Queue] = {}       # engine thread only
+        self._held: dict[str, list[int]] = {}            # tokens of deltas=False requests
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
@@ -61,13 +62,15 @@ class AsyncEngine:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     # -- requests (event-loop side) -----------------------------------------------------------
-    async def generate(self, req) -> AsyncIterator[Delta]:
-        """Add `req` (from llm.new_request) and yield its tokens as they come; leaving the
-        loop early (a client gone) aborts it and frees its blocks."""
+    async def generate(self, req, deltas: bool = True) -> AsyncIterator[Delta]:
+        """Add `req` (from llm.new_request) and yield its tokens as they come (with
+        deltas=False: once, when it finishes; each post wakes this thread, which then holds
+        the GIL the engine needs); leaving the loop early (a client gone) aborts it and frees
+        its blocks."""
         if not self.alive:
             raise EngineDead(f"the engine loop stopped: {self.error!r}")
         sink: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", req, sink))
+        self._inbox.put(("add", (req, deltas), sink))
         done = False
         try:
             while not done:
@@ -127,18 +130,22 @@ class AsyncEngine:
                 return
             self._publish(outs)
 
-    def _add(self, req, sink) -> None:
+    def _add(self, arg, sink) -> None:
+        req, deltas = arg
         try:
             self.llm.add_request(req)
         except ValueError as e:  # a duplicate id
             self._post([(sink, e)])
             return
         self._sinks[req.req_id] = sink
+        if not deltas:
+            self._held[req.req_id] = []
         if self.metrics is not None:
             self.metrics.on_add(len(req.prompt_ids))
 
     def _abort(self, req_id: str, reason: str) -> None:
         self._sinks.pop(req_id, None)
+        self._held.pop(req_id, None)
         if self.llm.abort_request(req_id):
             self.num_aborted += reason == "abort"
             if self.metrics is not None:
@@ -151,12 +158,19 @@ class AsyncEngine:
         flush = False
         for o in outs:
             sink = self._sinks.get(o.request_id)
+            held = self._held.get(o.request_id)
+            if held is not None:
+                held += o.new_token_ids
             if o.finished:
                 self._sinks.pop(o.request_id, None)
+                self._held.pop(o.request_id, None)
                 flush = flush or o.request.kv_transfer_params is not None
+            elif held is not None:
+                continue
             if sink is not None:
                 r = o.request
-                items.append((sink, Delta(list(o.new_token_ids), o.finished,
+                toks = held if held is not None else list(o.new_token_ids)
+                items.append((sink, Delta(toks, o.finished,
                                           r.finish_reason if o.finished else None,
                                           r.kv_transfer_params if o.finished else None)))
         if flush:  # extract_hidden_states: the files are complete before the client hears
@@ -174,6 +188,7 @@ class AsyncEngine:
         for rid in list(self._sinks):
             self.llm.abort_request(rid)
         self._sinks.clear()
+        self._held.clear()
         self._post(items)
         while True:  # answer whatever is still queued
             try:

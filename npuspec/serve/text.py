@@ -1,9 +1,11 @@
 """Streaming a request's text: incremental detokenisation and stop strings.
 
-Text is decoded from the request's whole output each time (so multi-token characters and
-byte-level merges come out right) and only the part no later token can change is sent: a
-trailing U+FFFD (half of a UTF-8 character) is held back, and so are the last
-len(longest stop) - 1 characters, so a stop string split across two steps never leaks.
+Text is decoded incrementally, as vLLM's detokenizer does: each step decodes a short window
+(from `prefix` on) with and without the new tokens and takes the difference, so the
+decoder's context (a leading-space rule, a byte-level merge) is the same as in a whole
+decode, at constant cost per step. New text ending in U+FFFD (half of a UTF-8 character)
+waits for the next token. Of the text, the last len(longest stop) - 1 characters are held
+back, so a stop string split across two steps never leaks.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ class TextStream:
         self.stop = stop
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
+        self.prefix = self.read = 0  # the decode window: ids[prefix:read] are in self.text
         self.text = ""          # decoded so far (cut at a stop string once one is found)
         self.sent = 0           # characters of self.text already returned
         self.stopped = False    # a stop string was found
@@ -31,23 +34,26 @@ class TextStream:
         start = len(self.ids)
         self.ids += new_ids
         self.num_tokens = len(self.ids)
-        self.text = self._decode(self.ids)
+        self._extend(final)
         cut = self._find_stop(self.text)
         if cut is not None:
             self.stopped = True
             self.text = self.text[:cut]
             self.num_tokens = self._tokens_to_stop(start)
             final = True
-        end = len(self.text)
-        if not final:
-            end -= self.hold
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1
+        end = len(self.text) if final else len(self.text) - self.hold
         if end <= self.sent:
             return ""
         out = self.text[self.sent:end]
         self.sent = end
         return out
+
+    def _extend(self, final: bool) -> None:
+        seen = self._decode(self.ids[self.prefix:self.read])
+        full = self._decode(self.ids[self.prefix:])
+        if len(full) > len(seen) and (final or not full.endswith("\ufffd")):
+            self.text += full[len(seen):]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def _find_stop(self, text: str) -> Optional[int]:
         # a stop can only start where the unsent tail (plus the hold) begins
