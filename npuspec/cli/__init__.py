@@ -33,7 +33,6 @@ BENCHES = {
     "linear": "one step's projections per weight layout (mm, few-row kernel, packed fp32/bf16/fp16)",
     "hf": "HF generate with a compiled forward: eager vs backend=inductor vs backend=npuspec",
     "methods": "every speculative method on one target: tokens/s and acceptance vs ngram",
-    "serve": "npuspec serve under N concurrent streaming clients: TTFT, TPOT, throughput, with and without speculation",
 }
 
 COMMANDS = {
