@@ -48,15 +48,10 @@ def build_app(llm, served_names: list[str], api_key: Optional[str] = None, metri
     def error(e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return error(APIError(401, "invalid or missing API key: send the header "
-                                           "'Authorization: Bearer <key>' with the key the "
-                                           "server was started with (--api-key)"))
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_APIKey, api_key=api_key, refusal=error(APIError(
+            401, "invalid or missing API key: send the header 'Authorization: Bearer <key>' "
+                 "with the key the server was started with (--api-key)")))
 
     @app.get("/health")
     async def health():
@@ -326,6 +321,22 @@ async def _complete(engine, llm, g: GenRequest, rid: str, choices, kind: str, re
     ct = sum(r[0] for r in results)
     return {"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
             "created": int(time.time()), "model": g.model, "choices": out, "usage": _usage(pt, ct)}
+
+
+class _APIKey:
+    """Pure ASGI: refuses /v1 requests without the key. Starlette's @app.middleware("http")
+    would wrap every streamed chunk in an extra task and memory stream."""
+
+    def __init__(self, app, api_key: str, refusal):
+        self.app, self.refusal = app, refusal
+        self.want = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.want):
+                return await self.refusal(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 async def _watch_disconnect(request, tasks, every: float = 0.25) -> None:
