@@ -102,3 +102,48 @@ def plot_e2e(path: str, rows: Sequence[Mapping], acceptance: Mapping[str, Sequen
         ax2.set_xticks(range(1, max(len(a) for a in acceptance.values()) + 1))
         ax2.legend(fontsize=8)
     _save(fig, path)
+
+
+def plot_serve(path: str, rows: Sequence[Mapping], offline: Sequence[Mapping] | None = None) -> None:
+    """`bench serve`: TTFT and TPOT (mean, median, p90, p99 in ms; grouped bars per method) and
+    output tokens/s per method; with `offline` rows also server (concurrency 1) vs offline tok/s."""
+    plt = require_matplotlib()
+    ncols = 4 if offline else 3
+    fig, axes = plt.subplots(1, ncols, figsize=(4.4 * ncols, 4.2), squeeze=False)
+    methods = [r["method"] for r in rows]
+    stats = ("mean", "median", "p90", "p99")
+    width = 0.8 / len(stats)
+    for ax, key, title in ((axes[0][0], "ttft_ms", "TTFT (ms)"), (axes[0][1], "tpot_ms", "TPOT (ms)")):
+        for i, s in enumerate(stats):
+            vals = [r[key][s] if r[key][s] is not None else 0.0 for r in rows]
+            pos = [m + (i - (len(stats) - 1) / 2) * width for m in range(len(rows))]
+            ax.bar(pos, vals, width=width, label=s)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(methods, fontsize=8)
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    ax = axes[0][2]
+    bars = ax.bar(range(len(rows)), [r["output_tokens_per_s"] for r in rows], color="tab:blue")
+    for bar, r in zip(bars, rows):
+        ax.annotate(f"{r['output_tokens_per_s']:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(methods, fontsize=8)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("throughput under load")
+    ax.grid(axis="y", alpha=0.3)
+    if offline:
+        ax = axes[0][3]
+        pos = range(len(offline))
+        ax.bar([p - 0.2 for p in pos], [o["server_tokens_per_s"] for o in offline], width=0.4,
+               label="server, concurrency 1")
+        ax.bar([p + 0.2 for p in pos], [o["offline_tokens_per_s"] for o in offline], width=0.4,
+               label="offline LLM")
+        ax.set_xticks(list(pos))
+        ax.set_xticklabels([o["method"] for o in offline], fontsize=8)
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("serving overhead, one request at a time")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    _save(fig, path)

@@ -1,0 +1,816 @@
+"""`npuspec bench serve`: `npuspec serve` under streaming clients, with and without speculation
+(in the manner of vLLM's benchmarks/benchmark_serving.py).
+
+For each method of `--methods` (default none,ngram; `--speculative-config JSON` adds one more
+row, "custom") it starts `npuspec serve MODEL --port 0` on 127.0.0.1 as a subprocess, waits for
+GET /health (model load and compile warm-up: up to --server-timeout seconds), sends untimed
+warm-up requests (each distinct prompt once, at most --max-concurrency, all at once), then
+`--num-prompts` streaming /v1/completions requests (greedy, `ignore_eos`, exactly `--max-tokens`
+new tokens each, prompts cycled from `--prompts` in order) from asyncio + httpx clients in this
+process. Arrivals follow a Poisson process of `--request-rate` requests/s (seeded by --seed;
+`inf`: all at once), with at most `--max-concurrency` requests in flight (the others wait on
+the client side, and their latencies start when they are sent). Then it reads /metrics and
+stops the server with SIGTERM (SIGKILL after a grace period; always, also on Ctrl-C, SIGTERM
+to the bench or an error).
+
+Per request: TTFT (sent -> first non-empty text chunk), ITL (gaps between successive non-empty
+chunks; a speculative step can deliver several tokens in one chunk, so ITL is per chunk, not per
+token), TPOT ((E2E - TTFT) / (completion tokens - 1), the tokens from the final usage chunk) and
+E2E latency. Per method: completed / failed requests, duration (first send to last finish),
+requests/s, output tokens/s, mean / median / p90 / p99 of each latency in ms, and from the
+server's Prometheus counters over the timed requests only (differences of /metrics read before
+and after them, so the warm-up does not count) the mean acceptance length (vLLM's: 1 +
+accepted / request-steps that verified drafts) and the acceptance rate (accepted / drafted).
+Then output tokens/s of each method over `none`'s. Greedy decoding with speculation is lossless,
+so the bench compares every request's text with `none`'s for the same request (same prompt);
+a mismatch is printed as a finding and makes the exit status 1, as does a failed request.
+
+`--offline` (off by default: it loads and compiles the model once more, in this process) adds
+the serving-overhead regime, one request at a time: with the server still up after its load
+run, `npuspec.LLM` in this process (same model, speculative config, max_model_len,
+max_num_seqs, compilation config and threads) and the server at concurrency 1 run the first
+`--offline-prompts` prompts one after another, alternating for `--rounds` rounds after one
+untimed pass each (so a noisy machine's slow spells hit both sides). It prints the medians of
+server tok/s, offline tok/s and their per-round ratio (1.0 = no serving overhead), and whether
+the texts match.
+
+The clients share the machine with the server: on a small CPU box their JSON parsing and
+event loop take cycles the server would otherwise use, as with any load generator on the host.
+
+    npuspec bench serve
+    npuspec bench serve --num-prompts 64 --max-concurrency 32 --max-tokens 128 --json serve.json
+    npuspec bench serve --request-rate 4 --offline --plot serve.png
+    npuspec bench serve --methods none --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import json
+import math
+import os
+import queue
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional, Sequence
+
+SCHEMA = "npuspec.bench.serve/1"
+HOST = "127.0.0.1"
+CUSTOM = "custom"  # the row --speculative-config adds
+# stdout, before the model loads (older servers printed it after, with the method inside)
+URL_LINE = re.compile(r"npuspec serve: (?P<name>.+?)(?: \(speculative: (?P<spec>[^)]*)\))? on "
+                      r"(?P<url>https?://\S+)")
+READY_LINE = re.compile(r"npuspec serve: ready \(speculative: (?P<spec>[^,)]*)")  # stderr
+LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
+STOP_GRACE_S = 60.0  # SIGTERM drains the requests in flight; after this, SIGKILL
+
+
+# ----------------------------------------------------------------------------------------------
+# Methods.
+
+def method_names() -> list[str]:
+    from npuspec.cli.demo import METHOD_SPECS
+    return ["none"] + sorted(METHOD_SPECS)
+
+
+def method_spec(name: str) -> Optional[dict]:
+    """The speculative config of a `--methods` name: none, or `npuspec demo --method NAME`'s
+    default (ngram: prompt lookup 1..3 with K=4; the tiny-* heads ship for the embedded model)."""
+    from npuspec.cli.common import DEFAULT_SPEC
+    from npuspec.cli.demo import METHOD_SPECS
+
+    if name == "none":
+        return None
+    return dict(METHOD_SPECS[name] or DEFAULT_SPEC)
+
+
+def parse_methods(value: str, custom: Optional[dict]) -> list[tuple[str, Optional[dict]]]:
+    from npuspec.cli.errors import UsageError
+
+    names = [m.strip() for m in value.split(",") if m.strip()]
+    known = method_names()
+    for m in names:
+        if m not in known:
+            raise UsageError(f"unknown method {m!r}; choose from {', '.join(known)} (comma-separated, "
+                             f"e.g. none,ngram), or pass a config with --speculative-config JSON",
+                             "--methods")
+    if len(set(names)) != len(names):
+        raise UsageError(f"{value!r} names a method twice; list each once", "--methods")
+    rows = [(m, method_spec(m)) for m in names]
+    if custom is not None:
+        rows.append((CUSTOM, custom))
+    if not rows:
+        raise UsageError("names no method; e.g. --methods none,ngram", "--methods")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The server subprocess.
+
+class ServerProcess:
+    """`npuspec serve ... --port 0` as a subprocess: start() returns once GET /health answers
+    200; stop() sends SIGTERM, waits for the drain, then SIGKILLs. A context manager, so the
+    process is stopped whatever happens in between (also KeyboardInterrupt)."""
+
+    def __init__(self, argv: Sequence[str], label: str, timeout: float):
+        self.argv, self.label, self.timeout = list(argv), label, timeout
+        self.proc: Optional[subprocess.Popen] = None
+        self.url = self.name = self.spec = None
+        self.returncode: Optional[int] = None
+        self.startup_s = 0.0
+        self._lines: queue.Queue = queue.Queue()
+        self._stdout: list[str] = []
+        self._stderr = None
+        self._stderr_text = ""  # the tail, kept when stop() closes the file
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self) -> None:
+        import httpx
+
+        t0 = time.perf_counter()
+        self._stderr = tempfile.TemporaryFile()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # own session: a terminal's Ctrl-C reaches only the bench, whose finally stops the server
+        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, env=env, start_new_session=True,
+                                     text=True, encoding="utf-8", errors="replace")
+        atexit.register(self._kill)
+        threading.Thread(target=self._read_stdout, daemon=True, name="npuspec-bench-serve-stdout").start()
+        deadline = time.monotonic() + self.timeout
+        while self.url is None:
+            try:
+                m = URL_LINE.search(self._lines.get(timeout=0.25))
+            except queue.Empty:
+                m = None
+                self._check(deadline, "printed its address")
+            if m:
+                self.url, self.name, self.spec = m["url"], m["name"], m["spec"]
+        with httpx.Client(trust_env=False, timeout=5.0) as client:
+            while True:
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                self._check(deadline, "answered GET /health")
+                time.sleep(0.25)
+        self.startup_s = time.perf_counter() - t0
+        ready = READY_LINE.search(self.stderr_tail(lines=200, chars=100000))
+        if ready:
+            self.spec = ready["spec"]
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            self._stdout.append(line.rstrip("\n"))
+            self._lines.put(line)
+
+    def stderr_tail(self, lines: int = 12, chars: int = 2000) -> str:
+        if self._stderr is None:
+            return self._stderr_text
+        self._stderr.flush()
+        self._stderr.seek(0)
+        text = self._stderr.read().decode("utf-8", "replace")
+        tail = "\n".join(text.strip().splitlines()[-lines:])[-chars:]
+        return tail or "(nothing)"
+
+    def _check(self, deadline: float, what: str) -> None:
+        """Raise if the server died or the deadline passed before it `what`."""
+        from npuspec.cli.errors import UsageError
+
+        rc = self.proc.poll()
+        if rc is not None:
+            tail = self.stderr_tail()
+            msg = (f"npuspec serve ({self.label}) exited with status {rc} before it {what}; its "
+                   f"stderr ends with: {tail}")
+            if rc == 2:  # the server refused a flag: a usage error, named by the server's message
+                flag = re.search(r"error: (--[a-z][a-z-]*)", tail)
+                raise UsageError(msg, flag[1] if flag else None)
+            raise RuntimeError(msg)
+        if time.monotonic() > deadline:
+            raise UsageError(f"npuspec serve ({self.label}) had not {what} after {self.timeout:g} s "
+                             f"(model load and compile warm-up); raise --server-timeout, or try a "
+                             f"faster lowering (--compilation-config '{{\"backend\": \"eager\"}}'); "
+                             f"its stderr ends with: {self.stderr_tail()}", "--server-timeout")
+
+    def stop(self, grace: float = STOP_GRACE_S) -> Optional[int]:
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                print(f"npuspec bench serve: the {self.label} server did not exit {grace:g} s after "
+                      f"SIGTERM; killing it", file=sys.stderr)
+                p.kill()
+                p.wait(30)
+            except BaseException:  # a second Ctrl-C while draining: do not leave it behind
+                p.kill()
+                p.wait(30)
+                raise
+        self.returncode = p.returncode
+        atexit.unregister(self._kill)
+        if p.stdout:
+            p.stdout.close()
+        self._stderr_text = self.stderr_tail(lines=40, chars=8000)
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+        return self.returncode
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
+
+def server_argv(mdir: str, spec: Optional[dict], args, max_model_len: Optional[int]) -> list[str]:
+    argv = [sys.executable, "-m", "npuspec.cli", "serve", mdir, "--host", HOST, "--port", "0",
+            "--served-model-name", args.model, "--max-num-seqs", str(args.max_num_seqs)]
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    if args.compilation_config is not None:
+        argv += ["--compilation-config", args.compilation_config]
+    if args.threads is not None:
+        argv += ["--threads", str(args.threads)]
+    return argv
+
+
+# ----------------------------------------------------------------------------------------------
+# The clients.
+
+def _new_record(index: int, prompt_index: int) -> dict:
+    return {"index": index, "prompt_index": prompt_index, "ok": False, "error": None,
+            "ttft": None, "tpot": None, "e2e": None, "itl": [], "output_tokens": 0,
+            "prompt_tokens": None, "text": "", "sent_s": None}
+
+
+async def send_request(client, base: str, model: str, prompt: str, max_tokens: int,
+                       index: int = -1, prompt_index: int = -1, t_ref: float = 0.0) -> dict:
+    """One streaming /v1/completions request, timed on arrival of each SSE line."""
+    import httpx
+
+    rec = _new_record(index, prompt_index)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    usage = None
+    done = False
+    last = None
+    t0 = time.perf_counter()
+    rec["sent_s"] = t0 - t_ref
+    try:
+        async with client.stream("POST", base + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raw = (await resp.aread()).decode("utf-8", "replace")
+                rec["error"] = f"HTTP {resp.status_code}: {' '.join(raw.split())[:300]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec["error"] = f"error chunk: {json.dumps(obj['error'])[:300]}"
+                    return rec
+                if obj.get("usage"):
+                    usage = obj["usage"]
+                for ch in obj.get("choices") or ():
+                    text = ch.get("text") or ""
+                    if text:
+                        now = time.perf_counter()
+                        if last is None:
+                            rec["ttft"] = now - t0
+                        else:
+                            rec["itl"].append(now - last)
+                        last = now
+                        parts.append(text)
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+    rec["e2e"] = time.perf_counter() - t0
+    rec["text"] = "".join(parts)
+    if not done:
+        rec["error"] = "the stream ended without data: [DONE]"
+    elif usage is None:
+        rec["error"] = "no usage chunk (stream_options.include_usage)"
+    else:
+        rec["ok"] = True
+        rec["output_tokens"] = int(usage.get("completion_tokens") or 0)
+        rec["prompt_tokens"] = usage.get("prompt_tokens")
+        if rec["ttft"] is not None and rec["output_tokens"] > 1:
+            rec["tpot"] = (rec["e2e"] - rec["ttft"]) / (rec["output_tokens"] - 1)
+    return rec
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s from the start) of a Poisson process of `rate` requests/s: the first at 0,
+    then exponential gaps of mean 1/rate (all 0 for rate = inf)."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(t)
+        if math.isfinite(rate):
+            t += rng.expovariate(rate)
+    return out
+
+
+def _client(max_concurrency: int):
+    import httpx
+
+    n = max_concurrency + 4
+    return httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
+                             timeout=httpx.Timeout(600.0, connect=30.0, pool=None))
+
+
+async def run_load(base: str, model: str, prompts: Sequence[str], num_requests: int, max_tokens: int,
+                   rate: float, max_concurrency: int, seed: int, progress=None) -> dict:
+    """Warm-up (the first distinct prompts at once, up to max_concurrency: compiles anything
+    the server compiles lazily), /metrics, the timed requests, /metrics again."""
+    offsets = arrival_offsets(num_requests, rate, seed)
+    sem = asyncio.Semaphore(max_concurrency)
+    async with _client(max_concurrency) as client:
+        n_warm = min(len(prompts), max_concurrency, num_requests)
+        for warm in await asyncio.gather(*(send_request(client, base, model, prompts[i], max_tokens)
+                                           for i in range(n_warm))):
+            if not warm["ok"]:
+                raise RuntimeError(f"a warm-up request to {base} failed: {warm['error']}")
+        before = await read_metrics(client, base)
+        start = time.perf_counter()
+
+        async def one(i: int) -> dict:
+            delay = start + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with sem:
+                rec = await send_request(client, base, model, prompts[i % len(prompts)], max_tokens,
+                                         i, i % len(prompts), start)
+            if progress is not None:
+                progress.update()
+            return rec
+
+        records = await asyncio.gather(*(one(i) for i in range(num_requests)))
+        duration = time.perf_counter() - start
+        after = await read_metrics(client, base)
+    return {"records": list(records), "duration_s": duration, "metrics_before": before,
+            "metrics_after": after}
+
+
+async def run_sequential(base: str, model: str, prompts: Sequence[str], max_tokens: int) -> dict:
+    """`prompts` one at a time (concurrency 1), timed as a whole."""
+    async with _client(1) as client:
+        t0 = time.perf_counter()
+        records = [await send_request(client, base, model, p, max_tokens, i, i, t0)
+                   for i, p in enumerate(prompts)]
+        wall = time.perf_counter() - t0
+    return {"records": records, "seconds": wall}
+
+
+# ----------------------------------------------------------------------------------------------
+# /metrics.
+
+async def read_metrics(client, base: str) -> dict:
+    r = await client.get(base + "/metrics")
+    r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {sample name (with a `{position=i}` suffix for the per-position
+    counter): value}, summed over other labels (model_name, finished_reason)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if not s.name.startswith("npuspec:") or s.name.endswith(("_bucket", "_created")):
+                continue
+            key = s.name
+            if "position" in s.labels:
+                key += f"{{position={s.labels['position']}}}"
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def spec_metrics(before: dict, after: dict) -> dict:
+    """Speculative-decoding figures over the window between two /metrics reads."""
+    def d(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafts = d("npuspec:spec_decode_num_drafts_total")
+    drafted = d("npuspec:spec_decode_num_draft_tokens_total")
+    accepted = d("npuspec:spec_decode_num_accepted_tokens_total")
+    positions = sorted((int(k.split("=")[1].rstrip("}")), k) for k in after
+                       if k.startswith("npuspec:spec_decode_num_accepted_tokens_per_pos_total{"))
+    return {"num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "generation_tokens": d("npuspec:generation_tokens_total"),
+            "prompt_tokens": d("npuspec:prompt_tokens_total"),
+            "num_preemptions": d("npuspec:num_preemptions_total"),
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_by_position": [d(k) / drafts for _, k in positions] if drafts else [],
+            "gauge_mean_acceptance_length_since_start":
+                after.get("npuspec:spec_decode_mean_acceptance_length")}
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics.
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of no values")
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def dist_ms(xs: Sequence[float]) -> dict:
+    xs = [x * 1000 for x in xs if x is not None]
+    if not xs:
+        return {"n": 0, "mean": None, "median": None, "p90": None, "p99": None}
+    return {"n": len(xs), "mean": sum(xs) / len(xs), "median": percentile(xs, 50),
+            "p90": percentile(xs, 90), "p99": percentile(xs, 99)}
+
+
+def summarize(method: str, spec: Optional[dict], load: dict, max_tokens: int) -> dict:
+    recs = load["records"]
+    ok = [r for r in recs if r["ok"]]
+    dur = load["duration_s"]
+    out_tok = sum(r["output_tokens"] for r in ok)
+    in_tok = sum(r["prompt_tokens"] or 0 for r in ok)
+    row = {"method": method, "speculative_config": spec, "completed": len(ok),
+           "failed": len(recs) - len(ok), "duration_s": dur,
+           "request_throughput": len(ok) / dur if dur > 0 else 0.0,
+           "output_tokens": out_tok, "prompt_tokens": in_tok,
+           "output_tokens_per_s": out_tok / dur if dur > 0 else 0.0,
+           "total_tokens_per_s": (out_tok + in_tok) / dur if dur > 0 else 0.0,
+           "short_outputs": sum(1 for r in ok if r["output_tokens"] != max_tokens),
+           "errors": sorted({r["error"] for r in recs if r["error"]})[:5]}
+    row["ttft_ms"] = dist_ms([r["ttft"] for r in ok])
+    row["tpot_ms"] = dist_ms([r["tpot"] for r in ok])
+    row["itl_ms"] = dist_ms([x for r in ok for x in r["itl"]])
+    row["e2e_ms"] = dist_ms([r["e2e"] for r in ok])
+    row["spec"] = spec_metrics(load["metrics_before"], load["metrics_after"])
+    return row
+
+
+def compare_texts(ref: Sequence[dict], other: Sequence[dict]) -> dict:
+    """Request-by-request text identity (same request index = same prompt), both completed."""
+    same = diff = 0
+    first = None
+    for a, b in zip(ref, other):
+        if not (a["ok"] and b["ok"]):
+            continue
+        if a["text"] == b["text"]:
+            same += 1
+            continue
+        diff += 1
+        if first is None:
+            at = next((i for i, (x, y) in enumerate(zip(a["text"], b["text"])) if x != y),
+                      min(len(a["text"]), len(b["text"])))
+            first = {"request": a["index"], "prompt_index": a["prompt_index"], "char": at,
+                     "ref": a["text"][max(0, at - 20):at + 40], "other": b["text"][max(0, at - 20):at + 40]}
+    return {"compared": same + diff, "identical": same, "mismatches": diff, "first_mismatch": first}
+
+
+def self_consistency(records: Sequence[dict]) -> int:
+    """Prompts whose repeated requests within one run got different texts (batching effects)."""
+    texts: dict[int, set] = {}
+    for r in records:
+        if r["ok"]:
+            texts.setdefault(r["prompt_index"], set()).add(r["text"])
+    return sum(1 for v in texts.values() if len(v) > 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Offline: npuspec.LLM in this process, one request at a time.
+
+class Offline:
+    """npuspec.LLM in this process with the server's model and config, one request at a time."""
+
+    def __init__(self, mdir: str, spec: Optional[dict], max_tokens: int, max_num_seqs: int,
+                 max_model_len: Optional[int], compilation_config: Optional[dict],
+                 threads: Optional[int]):
+        from npuspec import LLM, SamplingParams
+        from npuspec.cli import common
+
+        common.set_threads(threads, mdir)  # as the server does with the same flag
+        cfg = common.spec_config(spec)
+        self.llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
+                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                       compilation_config=compilation_config)
+        self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def run(self, prompts: Sequence[str]) -> dict:
+        texts, tokens = [], 0
+        t0 = time.perf_counter()
+        for p in prompts:
+            out = self.llm.generate([p], self.sp)[0].outputs[0]
+            texts.append(out.text)
+            tokens += len(out.token_ids)
+        return {"seconds": time.perf_counter() - t0, "tokens": tokens, "texts": texts}
+
+
+def run_overhead(srv, off: Offline, prompts: Sequence[str], max_tokens: int, rounds: int) -> dict:
+    """Server (concurrency 1) and offline passes over the same prompts, alternated for
+    `rounds` rounds after one untimed pass of each (every prompt length seen once), so a noisy
+    machine's slow spells hit both; medians of the per-round tok/s and of their ratio."""
+    import statistics
+
+    warm = asyncio.run(run_sequential(srv.url, srv.name, prompts, max_tokens))
+    if not all(r["ok"] for r in warm["records"]):
+        raise RuntimeError(f"a warm-up request to {srv.url} failed: "
+                           f"{next(r['error'] for r in warm['records'] if not r['ok'])}")
+    off.run(prompts)
+    server, offline = [], []
+    for _ in range(rounds):
+        seq = asyncio.run(run_sequential(srv.url, srv.name, prompts, max_tokens))
+        o = off.run(prompts)
+        recs = seq["records"]
+        toks = sum(r["output_tokens"] for r in recs if r["ok"])
+        server.append({"tokens_per_s": toks / seq["seconds"], "records": recs,
+                       "failed": sum(not r["ok"] for r in recs)})
+        offline.append({"tokens_per_s": o["tokens"] / o["seconds"], "texts": o["texts"]})
+    s_tps = [r["tokens_per_s"] for r in server]
+    o_tps = [r["tokens_per_s"] for r in offline]
+    last = server[-1]["records"]
+    return {"requests": len(prompts), "rounds": rounds, "failed": sum(r["failed"] for r in server),
+            "server_tokens_per_s": statistics.median(s_tps), "server_rounds": s_tps,
+            "offline_tokens_per_s": statistics.median(o_tps), "offline_rounds": o_tps,
+            "server_over_offline": statistics.median(s / o for s, o in zip(s_tps, o_tps)),
+            "server_ttft_ms": dist_ms([r["ttft"] for r in last if r["ok"]]),
+            "server_tpot_ms": dist_ms([r["tpot"] for r in last if r["ok"]]),
+            "same_text": sum(r["ok"] and r["text"] == t for r, t in zip(last, offline[-1]["texts"])),
+            "server_texts": [r["text"] for r in last], "offline_texts": offline[-1]["texts"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark.
+
+def _rate(s: str) -> float:
+    try:
+        return float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a number (requests/s, or inf)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from npuspec.cli.common import add_threads_flag, positive
+
+    p = argparse.ArgumentParser(prog="npuspec bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny",
+                   help="what `npuspec serve` loads: HF checkpoint directory, .gguf file or 'tiny' (default)")
+    p.add_argument("--methods", default="none,ngram",
+                   help="comma-separated rows, one server each: none (no speculation), ngram (prompt "
+                        "lookup 1..3, K=4), or another `npuspec demo --method` name (its shipped tiny-* "
+                        "heads fit the embedded model). Default: none,ngram")
+    p.add_argument("--speculative-config", default=None, metavar="JSON|PATH",
+                   help=f"one more row, '{CUSTOM}', with this config (vllm serve schema)")
+    p.add_argument("--num-prompts", type=positive, default=64, help="timed requests per method (default 64)")
+    p.add_argument("--prompts", default="code-edit",
+                   help="prompt file (.txt/.json/.jsonl) or a built-in set; default 'code-edit' (6 "
+                        "code-editing requests, chat-templated when the model has a template), "
+                        "cycled in order to --num-prompts requests")
+    p.add_argument("--max-tokens", type=positive, default=128,
+                   help="new tokens per request (ignore_eos: exactly this many; default 128)")
+    p.add_argument("--request-rate", type=_rate, default=float("inf"), metavar="REQ/S",
+                   help="Poisson arrival rate in requests/s; inf (default): all at once")
+    p.add_argument("--max-concurrency", type=positive, default=32,
+                   help="most requests in flight at once (client side; default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the arrival times (default 0)")
+    p.add_argument("--max-num-seqs", type=positive, default=32,
+                   help="the server's --max-num-seqs (default 32)")
+    p.add_argument("--max-model-len", type=positive, default=None,
+                   help="the server's --max-model-len (default: fitted to the longest prompt plus "
+                        "--max-tokens)")
+    p.add_argument("--compilation-config", default=None, metavar="JSON",
+                   help="the server's --compilation-config, e.g. '{\"backend\": \"eager\"}' (default: "
+                        "the engine's, Inductor lowering)")
+    add_threads_flag(p)
+    p.add_argument("--server-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds to wait for each server's /health (load + compile; default 900)")
+    p.add_argument("--offline", action="store_true",
+                   help="also the serving-overhead regime: server at concurrency 1 vs npuspec.LLM "
+                        "in this process, one request at a time on the same prompts")
+    p.add_argument("--offline-prompts", type=positive, default=None, metavar="N",
+                   help="requests of the --offline regime (default: each distinct prompt once, at "
+                        "most --num-prompts)")
+    p.add_argument("--rounds", type=positive, default=5,
+                   help="alternating server / offline rounds of the --offline regime; medians are "
+                        "reported (default 5)")
+    p.add_argument("--json", default=None, metavar="PATH", help="write every number (and every text) as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="TTFT / TPOT percentiles and throughput per method (needs matplotlib)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _check_args(args) -> None:
+    from npuspec.cli import common
+    from npuspec.cli.errors import UsageError
+
+    if not args.request_rate > 0:  # also nan
+        raise UsageError(f"{args.request_rate} must be a rate > 0 requests/s, or inf to send every "
+                         f"request at once", "--request-rate")
+    if not (args.server_timeout > 0 and math.isfinite(args.server_timeout)):
+        raise UsageError(f"{args.server_timeout} must be a finite number of seconds > 0, e.g. 900",
+                         "--server-timeout")
+    if args.compilation_config is not None:
+        try:
+            cc = json.loads(args.compilation_config)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"not valid JSON ({e.msg} at column {e.colno}); e.g. "
+                             f"'{{\"backend\": \"eager\"}}'", "--compilation-config") from None
+        if not isinstance(cc, dict):
+            raise UsageError(f"must be a JSON object, e.g. '{{\"backend\": \"eager\"}}', got {cc!r}",
+                             "--compilation-config")
+    common.out_file(args.json, "--json")
+    common.out_file(args.plot, "--plot")
+
+
+def _fmt_dist(row: dict) -> list[dict]:
+    out = []
+    for key, label in LATENCIES:
+        d = row[key + "_ms"]
+        out.append({"method": row["method"], "metric": label, "n": d["n"],
+                    **{k: "-" if d[k] is None else d[k] for k in ("mean", "median", "p90", "p99")}})
+    return out
+
+
+def run(args) -> int:
+    from npuspec import __version__
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+    from npuspec.cli.errors import MissingExtra
+
+    for mod in ("httpx", "prometheus_client"):  # the clients' own needs; the server checks its own
+        try:
+            __import__(mod)
+        except ImportError:
+            raise MissingExtra(mod, "serve", "npuspec bench serve") from None
+    _check_args(args)
+    if args.plot:
+        from npuspec.bench.plots import require_matplotlib
+        require_matplotlib("--plot")
+    mdir = common.model_dir(args.model)
+    custom = None
+    if args.speculative_config is not None:
+        from npuspec.bench.e2e import spec_from_flag
+        custom = spec_from_flag(args.speculative_config)
+        if custom is None:
+            from npuspec.cli.errors import UsageError
+            raise UsageError("says no speculation; that row is --methods none", "--speculative-config")
+    rows_spec = parse_methods(args.methods, custom)
+    for name, spec in rows_spec:  # every config checked before any server starts
+        common.spec_config(spec, "--speculative-config" if name == CUSTOM else "--methods")
+    from npuspec.cli.prompts import load_prompts
+    prompts = load_prompts(args.prompts, model=mdir)
+    mml = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
+    cc = json.loads(args.compilation_config) if args.compilation_config else None
+    n_off = args.offline_prompts or min(len(prompts), args.num_prompts)
+    off_prompts = [prompts[i % len(prompts)] for i in range(n_off)]
+
+    results, offline = [], []
+    old_term = None
+    if threading.current_thread() is threading.main_thread():
+        def on_term(signum, frame):  # SIGTERM to the bench: unwind, so the servers are stopped
+            raise KeyboardInterrupt
+        old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        for name, spec in rows_spec:
+            argv = server_argv(mdir, spec, args, mml)
+            srv = ServerProcess(argv, name, args.server_timeout)
+            with srv:
+                print(f"[{name}] server up at {srv.url} after {srv.startup_s:.1f} s "
+                      f"(speculative: {srv.spec})", file=sys.stderr, flush=True)
+                with common.Progress(f"bench serve [{name}]", args.num_prompts) as bar:
+                    load = asyncio.run(run_load(srv.url, srv.name, prompts, args.num_prompts,
+                                                args.max_tokens, args.request_rate,
+                                                args.max_concurrency, args.seed, bar))
+                if args.offline:  # both sides live, alternated (see run_overhead)
+                    off = Offline(mdir, spec, args.max_tokens, args.max_num_seqs, mml, cc,
+                                  args.threads)
+                    o = run_overhead(srv, off, off_prompts, args.max_tokens, args.rounds)
+                    offline.append({"method": name, **o})
+                    del off
+            row = summarize(name, spec, load, args.max_tokens)
+            row["server_startup_s"] = srv.startup_s
+            row["server_exit_status"] = srv.returncode
+            results.append((row, load["records"]))
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
+
+    rows = [r for r, _ in results]
+    recs = {r["method"]: rr for r, rr in results}
+    base_name = "none" if "none" in recs else rows[0]["method"]
+    base_tps = next(r["output_tokens_per_s"] for r in rows if r["method"] == base_name)
+    identity = {}
+    for r in rows:
+        r["vs_baseline"] = r["output_tokens_per_s"] / base_tps if base_tps else None
+        r["prompts_with_varying_text"] = self_consistency(recs[r["method"]])
+        if r["method"] != base_name:
+            identity[r["method"]] = compare_texts(recs[base_name], recs[r["method"]])
+
+    def na(v):
+        return "-" if v is None else v
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
+    print_table([{"method": r["method"], "completed": r["completed"], "failed": r["failed"],
+                  "duration s": r["duration_s"], "req/s": r["request_throughput"],
+                  "out tok/s": r["output_tokens_per_s"], f"x {base_name}": na(r["vs_baseline"]),
+                  "acc len": na(r["spec"]["mean_acceptance_length"]),
+                  "acc rate": na(r["spec"]["acceptance_rate"]),
+                  "server start s": r["server_startup_s"]} for r in rows],
+                title=f"bench serve: {args.model}, {args.num_prompts} requests x {args.max_tokens} "
+                      f"tokens, rate {rate}, max concurrency {args.max_concurrency}, max_num_seqs "
+                      f"{args.max_num_seqs}, max_model_len {mml or 'default'}")
+    print_table([d for r in rows for d in _fmt_dist(r)], title="latencies (ms)")
+    print("output tok/s vs " + base_name + ": "
+          + ", ".join(f"{r['method']} " + ("-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.2f}x")
+                     for r in rows))
+    bad = 0
+    for name, c in identity.items():
+        if c["mismatches"]:
+            bad += 1
+            f = c["first_mismatch"]
+            print(f"!! GREEDY TEXT MISMATCH: {name} differs from {base_name} on {c['mismatches']}/"
+                  f"{c['compared']} requests (first: request {f['request']}, prompt {f['prompt_index']}, "
+                  f"char {f['char']}: {f['ref']!r} vs {f['other']!r})")
+        else:
+            print(f"greedy texts: {name} identical to {base_name} on {c['identical']}/{c['compared']} requests")
+    for r in rows:
+        if r["prompts_with_varying_text"]:
+            print(f"!! {r['method']}: {r['prompts_with_varying_text']} prompt(s) got different texts "
+                  f"on their repeated requests within the run")
+        if r["failed"]:
+            print(f"!! {r['method']}: {r['failed']} request(s) failed: {'; '.join(r['errors'])}")
+        if r["short_outputs"]:
+            print(f"!! {r['method']}: {r['short_outputs']} request(s) did not get {args.max_tokens} tokens")
+    if offline:
+        print_table([{"method": o["method"], "requests": o["requests"],
+                      "rounds": o["rounds"],
+                      "server c=1 tok/s": o["server_tokens_per_s"], "offline tok/s": o["offline_tokens_per_s"],
+                      "server / offline": o["server_over_offline"],
+                      "server TTFT ms": na(o["server_ttft_ms"]["mean"]),
+                      "server TPOT ms": na(o["server_tpot_ms"]["mean"]),
+                      "same text": f"{o['same_text']}/{o['requests']}"} for o in offline],
+                    title="serving overhead, one request at a time: server (concurrency 1) vs "
+                          "npuspec.LLM offline, same prompts, same config")
+    if args.json:
+        doc = {"schema": SCHEMA, "command": args.command_line, "npuspec": __version__, "model": mdir,
+               "methods": [n for n, _ in rows_spec], "num_prompts": args.num_prompts,
+               "max_tokens": args.max_tokens, "request_rate": None if math.isinf(args.request_rate)
+               else args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed,
+               "max_num_seqs": args.max_num_seqs, "max_model_len": mml,
+               "compilation_config": cc, "threads": args.threads, "prompts": args.prompts,
+               "num_distinct_prompts": len(prompts), "baseline": base_name, "rows": rows,
+               "identity": identity, "offline": offline,
+               "requests": {name: rr for name, rr in recs.items()}}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        from npuspec.bench.plots import plot_serve
+        plot_serve(args.plot, rows, offline)
+        print(f"wrote {args.plot}")
+    failed = any(r["failed"] for r in rows) or any(o["failed"] for o in offline)
+    return 1 if bad or failed else 0
+
+
+def main(argv=None) -> int:
+    from npuspec.cli.errors import run_command
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.command_line = "npuspec bench serve " + " ".join(argv)
+    return run_command(lambda: run(args), "npuspec bench serve", args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
