@@ -73,9 +73,9 @@ def _require_serve_extra() -> None:
             raise MissingExtra(pkg, "serve", "npuspec serve") from None
 
 
-def build_llm(args):
-    """The engine, every flag checked first (each error names its flag)."""
-    from npuspec import LLM
+def llm_kwargs(args) -> dict:
+    """`LLM(**llm_kwargs(args))`, with every flag that needs no model checked (each error
+    names its flag). The HTTP process runs it before it starts the engine process."""
     from npuspec.cli import common
     from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS
 
@@ -85,14 +85,23 @@ def build_llm(args):
     flags = {"compilation_config": "--compilation-config", "additional_config": "--additional-config",
              "kv_transfer_config": "--kv-transfer-config"}
     kw = {k: _json_flag(getattr(args, k), f) for k, f in flags.items()}
-    common.set_threads(args.threads, mdir)
+    return dict(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
+                max_model_len=args.max_model_len,
+                max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
+                dtype=args.dtype, seed=args.seed, **kw)
+
+
+def build_llm(args):
+    """The engine (in the engine process, npuspec.serve.core)."""
+    from npuspec import LLM
+    from npuspec.cli import common
+
+    kw = llm_kwargs(args)
+    common.set_threads(args.threads, kw["model"])
     try:
-        return LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
-                   max_model_len=args.max_model_len,
-                   max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                   dtype=args.dtype, seed=args.seed, **kw)
+        return LLM(**kw)
     except ValueError as e:  # name the flag: "LLM: max_model_len=..." -> "--max-model-len: ..."
         raise _flag_error(e) from None
 
@@ -113,6 +122,7 @@ def run(args) -> int:
     import uvicorn
 
     from npuspec.serve.app import build_app
+    from npuspec.serve.engine import EngineClient
     from npuspec.serve.chat import load_chat_template, missing_reason
     from npuspec.serve.metrics import ServerMetrics
 
@@ -125,14 +135,20 @@ def run(args) -> int:
     # the address first (with --port 0 the caller learns the port); /health answers 200 once
     # the model is loaded and warmed up
     print(f"npuspec serve: {names[0]} on http://{host}:{port}", flush=True)
-    llm = build_llm(args)
-    template = load_chat_template(llm.model_path) if llm.tokenizer is not None else None
-    metrics = ServerMetrics(names[0], llm.k_max, llm.runner.blocks.num_blocks)
-    app = build_app(llm, names, api_key=args.api_key, metrics=metrics, chat_template=template,
-                    chat_missing=missing_reason(llm.model_path))
-    spec = llm.spec.method if llm.spec else "none"
-    print(f"npuspec serve: ready (speculative: {spec}, max_model_len {llm.max_model_len}, "
-          f"max_num_seqs {llm.max_num_seqs})", file=sys.stderr, flush=True)
+    import torch
+    torch.set_num_threads(1)  # this process parses and streams; the engine process computes
+    client = EngineClient(args)  # starts the engine process; returns once it is loaded
+    try:
+        template = load_chat_template(client.model_path) if client.tokenizer is not None else None
+        metrics = ServerMetrics(names[0], client.k_max, client.num_blocks)
+        app = build_app(client, names, api_key=args.api_key, metrics=metrics,
+                        chat_template=template, chat_missing=missing_reason(client.model_path))
+    except BaseException:
+        client.close(10)
+        raise
+    print(f"npuspec serve: ready (speculative: {client.spec}, max_model_len "
+          f"{client.max_model_len}, max_num_seqs {client.max_num_seqs})", file=sys.stderr,
+          flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False))
     got = []
     # uvicorn handles SIGTERM / SIGINT itself (stop listening, let in-flight responses finish,
@@ -140,7 +156,10 @@ def run(args) -> int:
     # drained server exits 0 instead of dying by the signal's default action
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda s, f: got.append(signal.Signals(s).name))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        client.close(10)  # a no-op after the lifespan's shutdown; else (a failed start) needed
     why = f" on {got[0]}" if got else ""
     print(f"npuspec serve: stopped{why} after draining the requests in flight", file=sys.stderr,
           flush=True)

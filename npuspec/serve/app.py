@@ -56,7 +56,7 @@ def build_app(llm, served_names: list[str], api_key: Optional[str] = None, metri
     @app.get("/health")
     async def health():
         if not engine.alive:
-            return error(APIError(503, f"the engine loop stopped: {engine.error!r}"))
+            return error(APIError(503, f"the engine stopped: {engine.error or 'its process exited'}"))
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -86,10 +86,10 @@ def build_app(llm, served_names: list[str], api_key: Optional[str] = None, metri
             reqs = [[llm.new_request(p, g.choice_params(j), f"{rid}-{i}-{j}")
                      for j in range(g.n)] for i, p in enumerate(g.prompts)]
             if not engine.alive:
-                raise APIError(503, f"the engine loop stopped: {engine.error!r}")
+                raise APIError(503, f"the engine stopped: {engine.error or 'its process exited'}")
         except APIError as e:
             return error(e)
-        except ValueError as e:  # the engine's own prompt checks (vocabulary, length)
+        except ValueError as e:  # the engine's prompt checks (vocabulary, length)
             return error(APIError(400, str(e).replace("LLM.generate: ", ""),
                                   "messages" if kind == "chat" else "prompt"))
         choices = [(i * g.n + j, r) for i, row in enumerate(reqs) for j, r in enumerate(row)]
@@ -171,6 +171,7 @@ async def _run_choice_iter(engine: AsyncEngine, llm, g: GenRequest, req, on_text
                 yield ts.num_tokens
                 return
             if d.finished:
+                req.kv_transfer_params = d.kv_transfer_params
                 await on_text(text, d.finish_reason)
                 yield ts.num_tokens
                 return
@@ -191,7 +192,6 @@ async def _run_choice(engine: AsyncEngine, llm, g: GenRequest, req, on_text):
         await on_text(text, why)
     async for ntok in _run_choice_iter(engine, llm, g, req, note):
         pass
-    # the engine thread set kv_transfer_params before it posted the last delta
     return ntok, finish[-1] if finish else None, req.kv_transfer_params
 
 

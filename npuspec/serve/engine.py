@@ -1,12 +1,16 @@
-"""One engine loop for every connection: a thread that owns the `LLM` and runs its step API,
-and an asyncio front that hands requests in and streams their tokens out.
+"""The HTTP process's side of the engine: `EngineClient` starts the engine process
+(npuspec.serve.core) and builds checked requests; `AsyncEngine` hands them in and streams
+their tokens out on the event loop.
 
-The thread, between steps, takes what the connections sent (new requests, aborts) from a
-queue, so continuous batching admits requests from all of them; after each step it posts
-the step's tokens to the requests' asyncio queues with one `call_soon_threadsafe`. A
-consumer that falls behind reads several steps' tokens at once (`Delta` merges them), so a
-slow client never slows the loop. torch releases the GIL inside its kernels, so the HTTP side
-runs while a step computes.
+Requests are checked here (prompt ids, vocabulary, length, sampling fields) before anything
+is sent, so a bad request is a 400 without a round trip. Seeds of unseeded random requests
+are drawn here, in arrival order, from a generator seeded as `LLM(seed=...)` seeds its own,
+so a server reproduces the offline engine.
+
+The event loop reads the engine's step messages with `add_reader` (no thread); a sender
+thread writes to the pipe, so the loop never blocks on a full pipe while the engine, in
+turn, waits for the loop to read. A consumer that falls behind reads several steps' tokens
+at once (`Delta` merges them), so a slow client never slows the engine.
 """
 from __future__ import annotations
 
@@ -15,9 +19,12 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Optional
 
 log = logging.getLogger(__name__)
+
+LOAD_POLL_S = 0.5
 
 
 @dataclasses.dataclass
@@ -29,48 +36,147 @@ class Delta:
 
 
 class EngineDead(RuntimeError):
-    """The engine loop stopped on an error; the server answers 503 from then on."""
+    """The engine stopped (a failed step, or its process died); the server answers 503."""
+
+
+class EngineClient:
+    """The engine process and what the HTTP side needs to know of its model."""
+
+    def __init__(self, args):
+        import multiprocessing as mp
+
+        import numpy as np
+
+        from npuspec.cli.serve import llm_kwargs
+        from npuspec.models import load_tokenizer
+        from npuspec.serve import core
+
+        llm_kwargs(args)  # the flag checks that need no model: fail before a process starts
+        ctx = mp.get_context("spawn")  # never fork a process that has imported torch
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=core.engine_main, args=(child, args),
+                                name="npuspec-engine", daemon=True)
+        self.proc.start()
+        child.close()  # else this process would never see the engine's end close
+        msg = self._wait_ready()
+        if msg[0] == "failed":
+            self.proc.join(30)
+            raise _relay(msg[1])
+        info = msg[1]
+        self.max_model_len: int = info["max_model_len"]
+        self.model_path: str = info["model_path"]
+        self.k_max: int = info["k_max"]
+        self.num_blocks: int = info["num_blocks"]
+        self.vocab_size: int = info["vocab_size"]
+        self.eos_ids = frozenset(info["eos_ids"])
+        self.max_num_seqs: int = info["max_num_seqs"]
+        self.spec: str = info["spec"]
+        self.tokenizer = load_tokenizer(self.model_path)
+        self._rng = np.random.default_rng(args.seed)  # as LLM(seed=...) seeds its own
+        self._calls = 0
+
+    def _wait_ready(self):
+        while not self.conn.poll(LOAD_POLL_S):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited with status {self.proc.exitcode} "
+                                   f"while loading the model; its stderr above says why")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(30)
+            raise RuntimeError(f"the engine process exited with status {self.proc.exitcode} "
+                               f"while loading the model; its stderr above says why") from None
+
+    def new_request(self, prompt, params=None, request_id: Optional[str] = None):
+        """A checked request, as LLM.new_request makes one (ValueError on a bad prompt)."""
+        from npuspec.engine.request import parse_requests
+        from npuspec.engine.sampling import SamplingParams
+
+        params = SamplingParams() if params is None else params
+        if isinstance(params, SamplingParams) and not params.greedy and params.seed is None:
+            params = dataclasses.replace(params, seed=int(self._rng.integers(2**62)))
+        self._calls += 1
+        r, = parse_requests([prompt], params, self._calls, vocab_size=self.vocab_size,
+                            max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+                            model_path=self.model_path, eos_ids=self.eos_ids, rng=self._rng,
+                            device="cpu")
+        if request_id is not None:
+            r.req_id = str(request_id)
+        return r
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Ask the engine to finish and exit; kill it if it does not."""
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                log.warning("npuspec serve: the engine process did not stop in %.0f s; killing it",
+                            timeout)
+                self.proc.kill()
+                self.proc.join(10)
+        self.conn.close()
+
+
+def _relay(info) -> Exception:
+    """The load's exception, raised again here: a usage error keeps its field (exit 2)."""
+    if info.usage:
+        from npuspec.cli.errors import UsageError
+        e = UsageError(info.message)
+        e.field = info.field
+        return e
+    return RuntimeError(f"the engine process failed to load the model: {info.type_name}: "
+                        f"{info.message}\n{info.traceback}")
 
 
 class AsyncEngine:
-    def __init__(self, llm, metrics=None):
-        self.llm = llm
+    def __init__(self, client: EngineClient, metrics=None):
+        self.client = client
         self.metrics = metrics
-        self._inbox: queue.Queue = queue.Queue()
-        self._sinks: dict[str, asyncio.Queue] = {}       # engine thread only
-        self._held: dict[str, list[int]] = {}            # tokens of deltas=False requests
+        self._sinks: dict[str, tuple[asyncio.Queue, Optional[list]]] = {}  # loop thread only
+        self._outbox: queue.Queue = queue.Queue()
+        self._sender: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._thread: Optional[threading.Thread] = None
-        self.error: Optional[BaseException] = None
+        self.error: Optional[EngineDead] = None
         self.num_aborted = 0
 
-    # -- lifecycle (event-loop side) ----------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="npuspec-engine", daemon=True)
-        self._thread.start()
+        self._sender = threading.Thread(target=self._send_loop, name="npuspec-engine-send",
+                                        daemon=True)
+        self._sender.start()
+        self._loop.add_reader(self.client.conn.fileno(), self._on_readable)
 
     def shutdown(self, timeout: float = 60.0) -> None:
-        """Finish what is in flight, then stop the thread."""
-        if self._thread is None:
-            return
-        self._inbox.put(("stop", None, None))
-        self._thread.join(timeout)
+        """Stop the engine process once what is in flight is done (uvicorn drained first)."""
+        if self._loop is not None and not self.client.conn.closed:
+            self._loop.remove_reader(self.client.conn.fileno())
+        self._outbox.put(None)
+        if self._sender is not None:
+            self._sender.join(timeout)
+        self.client.close(timeout)
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self.client.proc.is_alive()
 
-    # -- requests (event-loop side) -----------------------------------------------------------
+    # -- requests --------------------------------------------------------------------------------
     async def generate(self, req, deltas: bool = True) -> AsyncIterator[Delta]:
-        """Add `req` (from llm.new_request) and yield its tokens as they come (with
-        deltas=False: once, when it finishes; each post wakes this thread, which then holds
-        the GIL the engine needs); leaving the loop early (a client gone) aborts it and frees
-        its blocks."""
+        """Add `req` (from client.new_request) and yield its tokens as they come (deltas=False:
+        once, when it finishes). Leaving early (a client gone) aborts it and frees its blocks."""
         if not self.alive:
-            raise EngineDead(f"the engine loop stopped: {self.error!r}")
+            raise EngineDead(f"the engine stopped: {self.error or 'its process exited'}")
         sink: asyncio.Queue = asyncio.Queue()
-        self._inbox.put(("add", (req, deltas), sink))
+        if req.req_id in self._sinks:
+            raise RuntimeError(f"request id {req.req_id!r} is already running")
+        self._sinks[req.req_id] = (sink, None if deltas else [])
+        if self.metrics is not None:
+            self.metrics.on_add(req.req_id, len(req.prompt_ids), time.perf_counter())
+        self._outbox.put(("add", req.req_id, list(req.prompt_ids), req.params,
+                          time.perf_counter()))
         done = False
         try:
             while not done:
@@ -92,114 +198,64 @@ class AsyncEngine:
 
     def abort(self, req_id: str, reason: str = "abort") -> None:
         """Stop a request early (`reason` "stop": a stop string ended it)."""
-        self._inbox.put(("abort", req_id, reason))
+        if self._sinks.pop(req_id, None) is not None:
+            self._outbox.put(("abort", req_id, reason))
 
-    # -- the engine thread ----------------------------------------------------------------------
-    def _run(self) -> None:
-        llm, stopping = self.llm, False
+    # -- the pipe --------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        conn = self.client.conn
         while True:
-            idle = not llm.has_unfinished_requests()
-            if stopping and idle:
+            msg = self._outbox.get()
+            if msg is None:
                 return
             try:
-                cmds = [self._inbox.get(block=idle)]
-            except queue.Empty:
-                cmds = []
-            while True:
-                try:
-                    cmds.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for op, arg, sink in cmds:
-                if op == "stop":
-                    stopping = True
-                elif op == "add":
-                    self._add(arg, sink)
-                elif op == "abort":
-                    self._abort(arg, sink)
-            if not llm.has_unfinished_requests():
-                if self.metrics is not None:
-                    self.metrics.update_queues(llm)
-                continue
-            try:
-                outs = llm.step()
-            except Exception as e:  # a bug or a device error: fail everyone, serve 503s
-                log.exception("npuspec serve: the engine step failed; aborting %d request(s)",
-                              len(self._sinks))
-                self._fail(e)
+                conn.send(msg)
+            except OSError:  # the engine is gone; the reader reports it
                 return
-            self._publish(outs)
 
-    def _add(self, arg, sink) -> None:
-        req, deltas = arg
+    def _on_readable(self) -> None:
+        conn = self.client.conn
         try:
-            self.llm.add_request(req)
-        except ValueError as e:  # a duplicate id
-            self._post([(sink, e)])
-            return
-        self._sinks[req.req_id] = sink
-        if not deltas:
-            self._held[req.req_id] = []
-        if self.metrics is not None:
-            self.metrics.on_add(len(req.prompt_ids))
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "step":
+                    self._on_step(*msg[1:])
+                elif msg[0] == "dead":
+                    self._fail(msg[1])
+                    return
+        except (EOFError, OSError):
+            self._fail(f"the engine process exited (status {self.client.proc.exitcode})")
 
-    def _abort(self, req_id: str, reason: str) -> None:
-        self._sinks.pop(req_id, None)
-        self._held.pop(req_id, None)
-        if self.llm.abort_request(req_id):
-            self.num_aborted += reason == "abort"
-            if self.metrics is not None:
-                self.metrics.forget(req_id)
-                self.metrics.finished(reason)
-                self.metrics.update_queues(self.llm)
-
-    def _publish(self, outs) -> None:
-        items = []
-        flush = False
+    def _on_step(self, outs, gauges, aborted, refused) -> None:
         for o in outs:
-            sink = self._sinks.get(o.request_id)
-            held = self._held.get(o.request_id)
-            if held is not None:
-                held += o.new_token_ids
-            if o.finished:
-                self._sinks.pop(o.request_id, None)
-                self._held.pop(o.request_id, None)
-                flush = flush or o.request.kv_transfer_params is not None
-            elif held is not None:
+            entry = self._sinks.get(o.req_id)
+            if entry is None:  # aborted here already
                 continue
-            if sink is not None:
-                r = o.request
-                toks = held if held is not None else list(o.new_token_ids)
-                items.append((sink, Delta(toks, o.finished,
-                                          r.finish_reason if o.finished else None,
-                                          r.kv_transfer_params if o.finished else None)))
-        if flush:  # extract_hidden_states: the files are complete before the client hears
-            self.llm.proposer.writer.flush()
+            sink, held = entry
+            if o.finish_reason is not None:
+                del self._sinks[o.req_id]
+            if held is not None:
+                held += o.token_ids
+                if o.finish_reason is None:
+                    continue
+            toks = held if held is not None else o.token_ids
+            sink.put_nowait(Delta(toks, o.finish_reason is not None, o.finish_reason,
+                                  o.kv_transfer_params))
+        for rid, message in refused:
+            entry = self._sinks.pop(rid, None)
+            if entry is not None:
+                entry[0].put_nowait(RuntimeError(message))
+        for _, reason in aborted:
+            self.num_aborted += reason == "abort"
         if self.metrics is not None:
-            self.metrics.on_step(outs, self.llm)
-            self.metrics.set_preemptions(self.llm.num_preemptions)
-        if items:
-            self._post(items)
+            self.metrics.on_step(outs, gauges, aborted, time.perf_counter())
 
-    def _fail(self, e: Exception) -> None:
-        self.error = e
-        items = [(sink, EngineDead(f"the engine step failed: {type(e).__name__}: {e}"))
-                 for sink in self._sinks.values()]
-        for rid in list(self._sinks):
-            self.llm.abort_request(rid)
+    def _fail(self, message: str) -> None:
+        if self.error is not None:
+            return
+        log.error("npuspec serve: %s; failing %d request(s)", message, len(self._sinks))
+        self.error = EngineDead(message)
+        self._loop.remove_reader(self.client.conn.fileno())
+        for sink, _ in self._sinks.values():
+            sink.put_nowait(EngineDead(message))
         self._sinks.clear()
-        self._held.clear()
-        self._post(items)
-        while True:  # answer whatever is still queued
-            try:
-                op, arg, sink = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if op == "add":
-                self._post([(sink, EngineDead("the engine loop stopped"))])
-
-    def _post(self, items) -> None:
-        def deliver():
-            for sink, d in items:
-                sink.put_nowait(d)
-        self._loop.call_soon_threadsafe(deliver)

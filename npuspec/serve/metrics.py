@@ -2,12 +2,12 @@
 prefix (`vllm:time_to_first_token_seconds` -> `npuspec:time_to_first_token_seconds`), so a
 vLLM dashboard ports by renaming the prefix.
 
-The engine thread updates them after every step (`on_step`); prometheus_client's metrics
-are thread-safe, and each server has its own registry.
+The event loop updates them from every engine step's message (`on_step`); each server has
+its own registry.
 """
 from __future__ import annotations
 
-import time
+from typing import Optional
 
 # vLLM's buckets for request latencies (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -66,65 +66,59 @@ class ServerMetrics:
         self.mean_al = gauge("spec_decode_mean_acceptance_length", "Tokens emitted per "
                              "request-step (1 + accepted / drafts) since start.")
         self._model, self._num_blocks = m, num_blocks
-        self._seen: dict[str, tuple[int, int, list[int], float]] = {}
+        # request id -> (arrival, last output time or None, drafted, accepted, by position)
+        self._seen: dict[str, tuple[float, Optional[float], int, int, tuple]] = {}
         self._steps = self._accepted = self._preempted = 0
 
     def finished(self, reason: str) -> None:
         self._success.labels(self._model, reason).inc()
 
-    def on_add(self, num_prompt_tokens: int) -> None:
+    def on_add(self, req_id: str, num_prompt_tokens: int, arrival: float) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
+        self._seen[req_id] = (arrival, None, 0, 0, ())
 
-    def on_step(self, outs, llm) -> None:
-        """Charge one engine step: its outputs (npuspec.engine.request.StepOutput) and the
-        engine's queue and pool state."""
-        now = time.perf_counter()
+    def on_step(self, outs, gauges, aborted, now: float) -> None:
+        """Charge one engine step (npuspec.serve.core's Outs, Gauges and aborted requests),
+        timed where the client is: on the HTTP side, from each request's arrival."""
         for o in outs:
-            r, st = o.request, o.request.stats
-            n_prev, d_prev, acc_prev, t_prev = self._seen.get(
-                r.req_id, (0, 0, [0] * len(self.accepted_per_pos), r.arrival_time))
-            if o.new_token_ids:
-                self.generation_tokens.inc(len(o.new_token_ids))
-                (self.ttft if n_prev == 0 else self.itl).observe(now - t_prev)
-                t_prev = now
-            if st.num_drafted > d_prev:
+            seen = self._seen.get(o.req_id)
+            if seen is None:
+                continue
+            arrival, last, d_prev, a_prev, pos_prev = seen
+            if o.token_ids:
+                self.generation_tokens.inc(len(o.token_ids))
+                (self.ttft if last is None else self.itl).observe(now - (last or arrival))
+                last = now
+            if o.num_drafted > d_prev:
                 self.num_drafts.inc()
-                self.draft_tokens.inc(st.num_drafted - d_prev)
-            acc = list(st.accepted_by_position)
-            for i, a in enumerate(acc[:len(self.accepted_per_pos)]):
-                prev = acc_prev[i] if i < len(acc_prev) else 0
+                self.draft_tokens.inc(o.num_drafted - d_prev)
+            for i, a in enumerate(o.accepted_by_position[:len(self.accepted_per_pos)]):
+                prev = pos_prev[i] if i < len(pos_prev) else 0
                 if a > prev:
                     self.accepted_per_pos[i].inc(a - prev)
             self._steps += 1
-            new_acc = st.num_accepted - sum(acc_prev)
-            self._accepted += new_acc
-            if new_acc:
-                self.accepted_tokens.inc(new_acc)
-            if o.finished:
-                self._seen.pop(r.req_id, None)
-                self.e2e.observe(now - r.arrival_time)
-                self.finished(r.finish_reason or "stop")
+            if o.num_accepted > a_prev:
+                self._accepted += o.num_accepted - a_prev
+                self.accepted_tokens.inc(o.num_accepted - a_prev)
+            if o.finish_reason is not None:
+                del self._seen[o.req_id]
+                self.e2e.observe(now - arrival)
+                self.finished(o.finish_reason)
             else:
-                self._seen[r.req_id] = (len(r.output), st.num_drafted, acc, t_prev)
+                self._seen[o.req_id] = (arrival, last, o.num_drafted, o.num_accepted,
+                                        o.accepted_by_position)
+        for rid, reason in aborted:
+            self._seen.pop(rid, None)
+            self.finished(reason)
         if self._steps:
             self.mean_al.set(1 + self._accepted / self._steps)
-        self.update_queues(llm)
-
-    def forget(self, req_id: str) -> None:
-        self._seen.pop(req_id, None)
-
-    def update_queues(self, llm) -> None:
-        running, waiting = llm.num_requests()
-        self.running.set(running)
-        self.waiting.set(waiting)
+        self.running.set(gauges.running)
+        self.waiting.set(gauges.waiting)
         usable = max(self._num_blocks - 1, 1)  # block 0 is scratch
-        self.kv_usage.set(1 - llm.runner.blocks.num_free / usable)
-
-    def set_preemptions(self, total: int) -> None:
-        """`total`: the engine's preemption count since start."""
-        if total > self._preempted:
-            self.preemptions.inc(total - self._preempted)
-            self._preempted = total
+        self.kv_usage.set(1 - gauges.free_blocks / usable)
+        if gauges.preemptions > self._preempted:
+            self.preemptions.inc(gauges.preemptions - self._preempted)
+            self._preempted = gauges.preemptions
 
     def exposition(self) -> tuple[bytes, str]:
         return self._pc.generate_latest(self.registry), self._pc.CONTENT_TYPE_LATEST

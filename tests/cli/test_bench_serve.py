@@ -1,7 +1,7 @@
 """`npuspec bench serve` (npuspec/bench/serve.py): the whole client side against a stub server
 (a stdlib HTTP script speaking npuspec serve's stdout line, /health, SSE /v1/completions and
 /metrics, started as the real one is: a subprocess, stopped with SIGTERM), bad input, the
-statistics, and one run on the embedded model with real servers (slow: two servers start)."""
+statistics, and one run on the embedded model with real servers (two servers start)."""
 import json
 import math
 import os
@@ -246,11 +246,10 @@ def test_parse_metrics():
     assert m["acceptance_by_position"] == pytest.approx([7 / 8, 5 / 8])
 
 
-@pytest.mark.slow
 def test_embedded_model_two_servers(tiny_available, tmp_path, capsys):
     """Real `npuspec serve` subprocesses on the embedded model: every request completes, the
     percentiles are ordered, ngram's greedy texts equal no speculation's, and both servers are
-    gone afterwards. (~55-70 s on a 2-core box: each server loads and compiles, ~25 s.)"""
+    gone afterwards. (~45 s on a 2-core box: each server starts in ~18 s with eager lowering.)"""
     out = tmp_path / "serve.json"
     started = []
     real = serve.ServerProcess.start

@@ -1,5 +1,6 @@
 """`npuspec serve` start-up errors (a clear exit, naming the flag) and the SIGTERM drain."""
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -64,6 +65,8 @@ def test_sigterm_drains_in_flight_streams_then_exits(start_server):
                     chunks.append("DONE")
         results[i] = chunks
 
+    engine = _children(s.proc.pid)
+    assert len(engine) == 1, engine  # the engine process
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
@@ -80,3 +83,57 @@ def test_sigterm_drains_in_flight_streams_then_exits(start_server):
         assert chunks[-3]["choices"][0]["finish_reason"] == "length"
     with pytest.raises(httpx.ConnectError):  # and it is gone
         httpx.get(s.url + "/health", timeout=5)
+    assert _alive_children(engine) == [], "the engine process outlived the server"
+
+
+def _children(pid: int) -> list[int]:
+    """Live multiprocessing workers of `pid` (Linux /proc): the engine process, not the
+    resource tracker that spawn also starts."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmd:
+                out.append(int(d))
+    return out
+
+
+def _alive_children(pids: list[int]) -> list[int]:
+    alive = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(p)
+        except OSError:
+            pass
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_dead_engine_process_fails_requests_with_503_not_a_hang(start_server):
+    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+                     "--threads", "1")
+    engine, = _children(s.proc.pid)
+    body = {"model": "tiny", "prompt": "def f(x):\n", "max_tokens": 200, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    lines = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                os.kill(engine, signal.SIGKILL)  # mid-stream
+    errors = [json.loads(x[6:]) for x in lines if x.startswith("data: {\"error\"")]
+    assert errors and errors[0]["error"]["code"] == 503, lines[-3:]
+    assert "engine process exited" in errors[0]["error"]["message"]
+    assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+    r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
+    assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0

@@ -1,0 +1,145 @@
+"""The engine process of `npuspec serve`: it owns the `LLM` and runs its step API; the HTTP
+process talks to it over one pipe (npuspec.serve.engine).
+
+Why a process, not a thread: a step of a small model is mostly Python, so an engine thread
+and the event loop sharing one GIL serialise; streaming one client measured each step 1.5x
+slower than with nothing else in the process. Here the HTTP side (parsing, detokenising, SSE)
+runs on another core, as vLLM's AsyncLLM runs its EngineCore.
+
+Messages, HTTP process -> engine (tuples, pickled by multiprocessing between two processes of
+one server, never read from disk):
+    ("add", req_id, prompt_ids, SamplingParams, arrival_time)   # checked on the HTTP side
+    ("abort", req_id, reason)
+    ("stop",)                       # finish what is in flight, then exit
+engine -> HTTP process:
+    ("ready", info dict) | ("failed", ErrorInfo)                 # once, after the load
+    ("step", [Out...], Gauges, [(req_id, reason) aborted...], [(req_id, message) refused...])
+    ("dead", message)               # a step raised: nothing after it is trusted
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import traceback
+from typing import NamedTuple, Optional
+
+log = logging.getLogger(__name__)
+
+
+class Out(NamedTuple):
+    """One request's share of a step."""
+    req_id: str
+    token_ids: list[int]
+    finish_reason: Optional[str]          # set when it finished in this step
+    kv_transfer_params: Optional[dict]    # extract_hidden_states: its file, when finished
+    num_drafted: int                      # totals so far (the metrics take differences)
+    num_accepted: int
+    accepted_by_position: tuple
+
+
+class Gauges(NamedTuple):
+    running: int
+    waiting: int
+    free_blocks: int
+    preemptions: int      # since start
+
+
+@dataclasses.dataclass
+class ErrorInfo:
+    """An exception from the load, as plain data: the HTTP process re-raises it as a usage
+    error naming `field` (exit 2) or as a failure (exit 1)."""
+    type_name: str
+    message: str
+    field: Optional[str]
+    usage: bool           # one of cli.errors.USER_ERRORS: bad input, not a bug
+    traceback: str
+
+
+def engine_main(conn, args) -> None:
+    """The process's target: load, say ready, serve until "stop" or the pipe closes."""
+    # Ctrl-C in a terminal signals the whole process group; the HTTP process drains and then
+    # sends "stop", so this process must not die of the signal first
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from npuspec.cli.serve import build_llm
+    try:
+        llm = build_llm(args)
+    except BaseException as e:  # noqa: B902 - every load failure goes back as a message
+        conn.send(("failed", _error_info(e)))
+        conn.close()
+        return
+    conn.send(("ready", {"max_model_len": llm.max_model_len, "model_path": llm.model_path,
+                         "k_max": llm.k_max, "num_blocks": llm.runner.blocks.num_blocks,
+                         "vocab_size": llm.model_config.vocab_size,
+                         "eos_ids": sorted(llm.eos_ids), "max_num_seqs": llm.max_num_seqs,
+                         "spec": llm.spec.method if llm.spec else "none",
+                         "device": str(llm.device)}))
+    try:
+        _loop(conn, llm)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the HTTP process is gone: nothing to answer
+    finally:
+        conn.close()
+
+
+def _error_info(e: BaseException) -> ErrorInfo:
+    from npuspec.cli.errors import USER_ERRORS
+    return ErrorInfo(type(e).__name__, str(e), getattr(e, "field", None),
+                     isinstance(e, USER_ERRORS), traceback.format_exc())
+
+
+def _loop(conn, llm) -> None:
+    stopping = False
+    aborted: list[tuple[str, str]] = []
+    refused: list[tuple[str, str]] = []
+    while True:
+        idle = not llm.has_unfinished_requests()
+        if stopping and idle:
+            return
+        # block only when there is nothing to step
+        while (idle and not stopping and not aborted and not refused) or conn.poll():
+            msg = conn.recv()
+            op = msg[0]
+            if op == "add":
+                _, rid, ids, params, arrival = msg
+                try:
+                    req = llm.new_request({"prompt_token_ids": ids}, params, rid)
+                    llm.add_request(req, arrival_time=arrival)
+                except ValueError as e:  # a duplicate id; the HTTP side checked the rest
+                    refused.append((rid, str(e)))
+            elif op == "abort":
+                if llm.abort_request(msg[1]):
+                    aborted.append((msg[1], msg[2]))
+            elif op == "stop":
+                stopping = True
+            idle = not llm.has_unfinished_requests()
+        outs = []
+        if llm.has_unfinished_requests():
+            try:
+                outs = llm.step()
+            except Exception as e:  # a bug or a device error: fail everyone, serve 503s
+                log.exception("npuspec serve: the engine step failed")
+                conn.send(("dead", f"the engine step failed: {type(e).__name__}: {e}"))
+                return
+        conn.send(("step", _outs(llm, outs), _gauges(llm), aborted, refused))
+        aborted, refused = [], []
+
+
+def _outs(llm, outs) -> list[Out]:
+    res, flush = [], False
+    for o in outs:
+        r, st = o.request, o.request.stats
+        fin = r.finish_reason if o.finished else None
+        kvp = r.kv_transfer_params if o.finished else None
+        flush = flush or kvp is not None
+        res.append(Out(r.req_id, list(o.new_token_ids), fin, kvp, st.num_drafted,
+                       st.num_accepted, tuple(st.accepted_by_position)))
+    if flush:  # extract_hidden_states: the files are complete before the client hears
+        llm.proposer.writer.flush()
+    return res
+
+
+def _gauges(llm) -> Gauges:
+    running, waiting = llm.num_requests()
+    return Gauges(running, waiting, llm.runner.blocks.num_free, llm.num_preemptions)
