@@ -2,7 +2,8 @@
 
     app.py       FastAPI routes, SSE streaming, API key, error bodies
     protocol.py  OpenAI request bodies -> engine requests (every field honoured or refused)
-    engine.py    the one engine loop: a thread running LLM.step(), asyncio queues per request
+    core.py      the engine process: owns the LLM, runs LLM.step(), one message per step
+    engine.py    its HTTP-side client: checked requests, the pipe, asyncio queues per request
     text.py      incremental detokenisation and stop strings
     chat.py      the checkpoint's chat template (Jinja2, as HF renders it)
     metrics.py   Prometheus metrics, vLLM's names under the npuspec: prefix
