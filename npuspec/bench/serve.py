@@ -30,9 +30,11 @@ the serving-overhead regime, one request at a time: with the server still up aft
 run, `npuspec.LLM` in this process (same model, speculative config, max_model_len,
 max_num_seqs, compilation config and threads) and the server at concurrency 1 run the first
 `--offline-prompts` prompts one after another, alternating for `--rounds` rounds after one
-untimed pass each (so a noisy machine's slow spells hit both sides). It prints the medians of
-server tok/s, offline tok/s and their per-round ratio (1.0 = no serving overhead), and whether
-the texts match.
+untimed pass each (so a noisy machine's slow spells hit both sides). A third side runs in the
+same rounds: the server's engine process alone (started as `npuspec serve` starts it), fed over
+its pipe from this process with no HTTP, which tells the engine process's cost from the HTTP
+side's. It prints the medians of each side's tok/s and of the per-round ratios to offline (1.0
+= no overhead), and whether the texts match.
 
 The clients share the machine with the server: on a small CPU box their JSON parsing and
 event loop take cycles the server would otherwise use, as with any load generator on the host.
@@ -536,10 +538,52 @@ class Offline:
         return {"seconds": time.perf_counter() - t0, "tokens": tokens, "texts": texts}
 
 
-def run_overhead(srv, off: Offline, prompts: Sequence[str], max_tokens: int, rounds: int) -> dict:
-    """Server (concurrency 1) and offline passes over the same prompts, alternated for
-    `rounds` rounds after one untimed pass of each (every prompt length seen once), so a noisy
-    machine's slow spells hit both; medians of the per-round tok/s and of their ratio."""
+class PipeOnly:
+    """The server's engine process alone: started by the same code and flags as `npuspec serve`
+    (npuspec.serve.engine.EngineClient), fed over its pipe from this process, no HTTP. Between
+    offline and server, it tells the engine process's cost from the HTTP side's."""
+
+    def __init__(self, serve_args: Sequence[str], max_tokens: int):
+        from npuspec.cli.serve import add_arguments
+        from npuspec.engine.sampling import SamplingParams
+        from npuspec.serve.engine import EngineClient
+
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        self.client = EngineClient(p.parse_args(list(serve_args)))
+        self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self._ids = 0
+
+    def _one(self, prompt: str) -> list[int]:
+        c = self.client
+        self._ids += 1
+        r = c.new_request(prompt, self.sp, f"pipe-{self._ids}")
+        c.conn.send(("add", r.req_id, list(r.prompt_ids), r.params, time.perf_counter()))
+        toks: list[int] = []
+        while True:
+            msg = c.conn.recv()
+            assert msg[0] == "step", msg
+            for o in msg[1]:
+                toks += o.token_ids
+                if o.finish_reason is not None:
+                    return toks
+
+    def run(self, prompts: Sequence[str]) -> dict:
+        t0 = time.perf_counter()
+        outs = [self._one(p) for p in prompts]
+        return {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, outs)),
+                "texts": [self.client.tokenizer.decode(t, skip_special_tokens=True) for t in outs]}
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def run_overhead(srv, off: Offline, pipe: PipeOnly, prompts: Sequence[str], max_tokens: int,
+                 rounds: int) -> dict:
+    """Server (concurrency 1), offline and engine-process-only passes over the same prompts,
+    alternated for `rounds` rounds after one untimed pass of each (every prompt length seen
+    once), so a noisy machine's slow spells hit all three; medians of the per-round tok/s and
+    of the ratios to offline."""
     import statistics
 
     warm = asyncio.run(run_sequential(srv.url, srv.name, prompts, max_tokens))
@@ -547,10 +591,13 @@ def run_overhead(srv, off: Offline, prompts: Sequence[str], max_tokens: int, rou
         raise RuntimeError(f"a warm-up request to {srv.url} failed: "
                            f"{next(r['error'] for r in warm['records'] if not r['ok'])}")
     off.run(prompts)
-    server, offline = [], []
+    pipe.run(prompts)
+    server, offline, piped = [], [], []
     for _ in range(rounds):
         seq = asyncio.run(run_sequential(srv.url, srv.name, prompts, max_tokens))
         o = off.run(prompts)
+        q = pipe.run(prompts)
+        piped.append({"tokens_per_s": q["tokens"] / q["seconds"], "texts": q["texts"]})
         recs = seq["records"]
         toks = sum(r["output_tokens"] for r in recs if r["ok"])
         server.append({"tokens_per_s": toks / seq["seconds"], "records": recs,
@@ -558,11 +605,16 @@ def run_overhead(srv, off: Offline, prompts: Sequence[str], max_tokens: int, rou
         offline.append({"tokens_per_s": o["tokens"] / o["seconds"], "texts": o["texts"]})
     s_tps = [r["tokens_per_s"] for r in server]
     o_tps = [r["tokens_per_s"] for r in offline]
+    p_tps = [r["tokens_per_s"] for r in piped]
     last = server[-1]["records"]
     return {"requests": len(prompts), "rounds": rounds, "failed": sum(r["failed"] for r in server),
             "server_tokens_per_s": statistics.median(s_tps), "server_rounds": s_tps,
             "offline_tokens_per_s": statistics.median(o_tps), "offline_rounds": o_tps,
             "server_over_offline": statistics.median(s / o for s, o in zip(s_tps, o_tps)),
+            "engine_process_tokens_per_s": statistics.median(p_tps), "engine_process_rounds": p_tps,
+            "engine_process_over_offline": statistics.median(q / o for q, o in zip(p_tps, o_tps)),
+            "engine_process_same_text": sum(a == b for a, b in zip(piped[-1]["texts"],
+                                                                   offline[-1]["texts"])),
             "server_ttft_ms": dist_ms([r["ttft"] for r in last if r["ok"]]),
             "server_tpot_ms": dist_ms([r["tpot"] for r in last if r["ok"]]),
             "same_text": sum(r["ok"] and r["text"] == t for r, t in zip(last, offline[-1]["texts"])),
@@ -716,7 +768,11 @@ def run(args) -> int:
                 if args.offline:  # both sides live, alternated (see run_overhead)
                     off = Offline(mdir, spec, args.max_tokens, args.max_num_seqs, mml, cc,
                                   args.threads)
-                    o = run_overhead(srv, off, off_prompts, args.max_tokens, args.rounds)
+                    pipe = PipeOnly(argv[4:], args.max_tokens)  # the flags after `serve`
+                    try:
+                        o = run_overhead(srv, off, pipe, off_prompts, args.max_tokens, args.rounds)
+                    finally:
+                        pipe.close()
                     offline.append({"method": name, **o})
                     del off
             row = summarize(name, spec, load, args.max_tokens)
@@ -777,9 +833,13 @@ def run(args) -> int:
                       "rounds": o["rounds"],
                       "server c=1 tok/s": o["server_tokens_per_s"], "offline tok/s": o["offline_tokens_per_s"],
                       "server / offline": o["server_over_offline"],
+                      "engine process tok/s": o["engine_process_tokens_per_s"],
+                      "engine process / offline": o["engine_process_over_offline"],
                       "server TTFT ms": na(o["server_ttft_ms"]["mean"]),
                       "server TPOT ms": na(o["server_tpot_ms"]["mean"]),
-                      "same text": f"{o['same_text']}/{o['requests']}"} for o in offline],
+                      "same text": f"{o['same_text']}/{o['requests']}",
+                      "engine process same text": f"{o['engine_process_same_text']}/{o['requests']}"}
+                     for o in offline],
                     title="serving overhead, one request at a time: server (concurrency 1) vs "
                           "npuspec.LLM offline, same prompts, same config")
     if args.json:

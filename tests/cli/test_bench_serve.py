@@ -283,3 +283,23 @@ def test_embedded_model_two_servers(tiny_available, tmp_path, capsys):
     texts = [[r["text"] for r in doc["requests"][m]] for m in ("none", "ngram")]
     assert texts[0] == texts[1] and all(texts[0])
     assert len(started) == 2 and all(s.proc.poll() is not None for s in started)
+
+
+def test_offline_regime_three_sides(tiny_available, tmp_path, capsys):
+    """--offline on the embedded model: server at concurrency 1, offline LLM and the engine
+    process alone alternate; all three give the same greedy texts and every side is timed."""
+    out = tmp_path / "serve.json"
+    rc = serve.main(["--compilation-config", '{"backend": "eager"}', "--methods", "none",
+                     "--num-prompts", "2", "--max-concurrency", "1", "--max-tokens", "8",
+                     "--offline", "--offline-prompts", "2", "--rounds", "2",
+                     "--server-timeout", "300", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "engine process / offline" in text
+    o, = json.loads(out.read_text())["offline"]
+    assert o["rounds"] == 2 and o["failed"] == 0 and o["requests"] == 2
+    for side in ("server", "offline", "engine_process"):
+        assert len(o[f"{side}_rounds"]) == 2 and all(x > 0 for x in o[f"{side}_rounds"]), side
+    assert o["same_text"] == 2 and o["engine_process_same_text"] == 2
+    assert o["server_texts"] == o["offline_texts"] and all(o["offline_texts"])
+    assert o["server_over_offline"] > 0 and o["engine_process_over_offline"] > 0
