@@ -63,12 +63,12 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from npuspec.serve.core import add_message
+
 SCHEMA = "npuspec.bench.serve/1"
 HOST = "127.0.0.1"
 CUSTOM = "custom"  # the row --speculative-config adds
-# stdout, before the model loads (older servers printed it after, with the method inside)
-URL_LINE = re.compile(r"npuspec serve: (?P<name>.+?)(?: \(speculative: (?P<spec>[^)]*)\))? on "
-                      r"(?P<url>https?://\S+)")
+URL_LINE = re.compile(r"npuspec serve: (?P<name>.+?) on (?P<url>https?://\S+)")  # stdout, first
 READY_LINE = re.compile(r"npuspec serve: ready \(speculative: (?P<spec>[^,)]*)")  # stderr
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
 STOP_GRACE_S = 60.0  # SIGTERM drains the requests in flight; after this, SIGKILL
@@ -163,7 +163,7 @@ class ServerProcess:
                 m = None
                 self._check(deadline, "printed its address")
             if m:
-                self.url, self.name, self.spec = m["url"], m["name"], m["spec"]
+                self.url, self.name = m["url"], m["name"]
         with httpx.Client(trust_env=False, timeout=5.0) as client:
             while True:
                 try:
@@ -558,7 +558,7 @@ class PipeOnly:
         c = self.client
         self._ids += 1
         r = c.new_request(prompt, self.sp, f"pipe-{self._ids}")
-        c.conn.send(("add", r.req_id, list(r.prompt_ids), r.params, time.perf_counter()))
+        c.conn.send(add_message(r, time.perf_counter()))
         toks: list[int] = []
         while True:
             msg = c.conn.recv()

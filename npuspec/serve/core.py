@@ -38,6 +38,11 @@ class Out(NamedTuple):
     accepted_by_position: tuple
 
 
+def add_message(req, arrival_time: float) -> tuple:
+    """The "add" message for a request from EngineClient.new_request."""
+    return ("add", req.req_id, list(req.prompt_ids), req.params, arrival_time)
+
+
 class Gauges(NamedTuple):
     running: int
     waiting: int
@@ -73,8 +78,7 @@ def engine_main(conn, args) -> None:
                          "k_max": llm.k_max, "num_blocks": llm.runner.blocks.num_blocks,
                          "vocab_size": llm.model_config.vocab_size,
                          "eos_ids": sorted(llm.eos_ids), "max_num_seqs": llm.max_num_seqs,
-                         "spec": llm.spec.method if llm.spec else "none",
-                         "device": str(llm.device)}))
+                         "spec": llm.spec.method if llm.spec else "none"}))
     try:
         _loop(conn, llm)
     except (EOFError, BrokenPipeError, ConnectionResetError):

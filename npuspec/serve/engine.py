@@ -22,6 +22,8 @@ import threading
 import time
 from typing import AsyncIterator, Optional
 
+from npuspec.serve import core
+
 log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.5
@@ -49,7 +51,6 @@ class EngineClient:
 
         from npuspec.cli.serve import llm_kwargs
         from npuspec.models import load_tokenizer
-        from npuspec.serve import core
 
         llm_kwargs(args)  # the flag checks that need no model: fail before a process starts
         ctx = mp.get_context("spawn")  # never fork a process that has imported torch
@@ -76,11 +77,10 @@ class EngineClient:
         self._calls = 0
 
     def _wait_ready(self):
-        while not self.conn.poll(LOAD_POLL_S):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the engine process exited with status {self.proc.exitcode} "
-                                   f"while loading the model; its stderr above says why")
         try:
+            while not self.conn.poll(LOAD_POLL_S):
+                if not self.proc.is_alive():
+                    raise EOFError
             return self.conn.recv()
         except EOFError:
             self.proc.join(30)
@@ -140,7 +140,6 @@ class AsyncEngine:
         self._sender: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[EngineDead] = None
-        self.num_aborted = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -173,10 +172,10 @@ class AsyncEngine:
         if req.req_id in self._sinks:
             raise RuntimeError(f"request id {req.req_id!r} is already running")
         self._sinks[req.req_id] = (sink, None if deltas else [])
+        now = time.perf_counter()
         if self.metrics is not None:
-            self.metrics.on_add(req.req_id, len(req.prompt_ids), time.perf_counter())
-        self._outbox.put(("add", req.req_id, list(req.prompt_ids), req.params,
-                          time.perf_counter()))
+            self.metrics.on_add(req.req_id, len(req.prompt_ids), now)
+        self._outbox.put(core.add_message(req, now))
         done = False
         try:
             while not done:
@@ -245,8 +244,6 @@ class AsyncEngine:
             entry = self._sinks.pop(rid, None)
             if entry is not None:
                 entry[0].put_nowait(RuntimeError(message))
-        for _, reason in aborted:
-            self.num_aborted += reason == "abort"
         if self.metrics is not None:
             self.metrics.on_step(outs, gauges, aborted, time.perf_counter())
 
