@@ -168,6 +168,14 @@ def cache_lock_timeout() -> float:
     return 600.0 if x is None else x
 
 
+def tp_timeout() -> float:
+    """NPUSPEC_TP_TIMEOUT: seconds a tensor-parallel rank waits in one collective (and at
+    start-up for the others) before failing. A dead rank is reported at once; this bounds
+    a live but stuck one. Generous by default: a rank's first step compiles."""
+    x = _once("NPUSPEC_TP_TIMEOUT", _seconds)
+    return 600.0 if x is None else x
+
+
 def _parse_bool(name: str, v: str) -> bool:
     s = v.strip().lower()
     if s in ("1", "true", "yes", "on"):
@@ -203,6 +211,22 @@ def ascend_toolkit_home() -> Optional[str]:
     return None
 
 
+def torchrun_rank() -> Optional[tuple[int, int, int]]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) when this process was started by torchrun (or another
+    launcher that sets them for torch.distributed's env:// rendezvous), else None."""
+    vals = [os.environ.get(n) for n in ("RANK", "WORLD_SIZE", "LOCAL_RANK")]
+    if vals[0] is None or vals[1] is None:
+        return None
+    try:
+        rank, world = int(vals[0]), int(vals[1])
+        local = rank if vals[2] is None else int(vals[2])
+    except ValueError:
+        raise EnvError(f"RANK={vals[0]!r}, WORLD_SIZE={vals[1]!r}, LOCAL_RANK={vals[2]!r}: "
+                       f"expected integers, as torchrun sets them; unset them to run "
+                       f"without a launcher") from None
+    return rank, world, local
+
+
 # name -> accessor, for `npuspec env` style listings and the env tests.
 VARIABLES: dict[str, Callable] = {
     "NPUSPEC_CAPTURE_SIZES": capture_sizes,
@@ -212,6 +236,7 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_CACHE_TRUSTED_GROUP": cache_trusted_group,
     "NPUSPEC_CACHE_LOCK_TIMEOUT": cache_lock_timeout,
     "NPUSPEC_DEBUG": debug,
+    "NPUSPEC_TP_TIMEOUT": tp_timeout,
 }
 
 

@@ -51,13 +51,55 @@ def parse_model(model: Any) -> str:
     return model
 
 
-def parse_tp(tp: Any) -> int:
+def parse_tp(tp: Any, backend: Any) -> tuple[int, str]:
+    """-> (tensor_parallel_size, launcher: "mp" | "external_launcher"); docs/distributed.md."""
+    from npuspec import envs
+    from npuspec.engine.tp import LAUNCHERS, WORKER
     pos_int("tensor_parallel_size", tp)
-    if tp != 1:
-        raise NotImplementedError(
-            f"LLM: tensor_parallel_size={tp!r} is not supported yet; npuspec's engine runs on "
-            f"one device: use tensor_parallel_size=1")
-    return tp
+    if backend is not None and backend not in LAUNCHERS:
+        raise arg_error("distributed_executor_backend", backend,
+                        f"use one of {', '.join(map(repr, LAUNCHERS))} (or None: 'mp', or "
+                        f"'external_launcher' under torchrun)")
+    launched = envs.torchrun_rank()
+    if WORKER is not None:  # a worker rank 0 spawned: it checked all this
+        return tp, "mp"
+    if launched is not None and launched[1] > 1:
+        rank, world, _ = launched
+        if backend == "mp":
+            raise arg_error("distributed_executor_backend", backend,
+                            f"this process is rank {rank} of {world} started by torchrun "
+                            f"(WORLD_SIZE={world}); use 'external_launcher' (or None), or run "
+                            f"without torchrun to let 'mp' spawn the workers")
+        if tp != world:
+            raise arg_error("tensor_parallel_size", tp,
+                            f"torchrun started WORLD_SIZE={world} processes; every one runs a "
+                            f"rank of one engine, so set tensor_parallel_size={world} (or "
+                            f"start torchrun with --nproc-per-node={tp})")
+        return tp, "external_launcher"
+    if backend == "external_launcher":
+        raise arg_error("distributed_executor_backend", backend,
+                        "needs a launcher: start the script with torchrun --nproc-per-node=N "
+                        "(it sets RANK and WORLD_SIZE), or use 'mp'")
+    return tp, "mp"
+
+
+def parse_draft_tp(spec, world: int) -> bool:
+    """Whether the drafter is sharded over the `world` target ranks (True) or runs on rank
+    0 beside the target's shard (False). `draft_tensor_parallel_size` (1 or N, checked by
+    SpeculativeConfig) defaults to N for a draft model, as in vLLM, and to 1 for the heads
+    and the host proposers."""
+    if spec is None:
+        return False
+    dtp = spec.draft_tensor_parallel_size
+    if spec.method == "draft_model":
+        return (world if dtp is None else dtp) == world
+    if dtp == world and spec.method not in ("ngram", "suffix", "extract_hidden_states"):
+        raise ValueError(
+            f"speculative_config.draft_tensor_parallel_size={dtp}: with "
+            f"tensor_parallel_size={world}, npuspec shards only a draft model "
+            f"(method 'draft_model'); the {spec.method} head runs on rank 0: use "
+            f"draft_tensor_parallel_size=1")
+    return False
 
 
 def parse_max_model_len(v: Any, cfg) -> int:

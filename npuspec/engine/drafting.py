@@ -23,7 +23,10 @@ HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp", "medusa", "dflash", "dspark")
 
 def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device, vocab_size: int,
                   max_num_seqs: int, cache_len: int, *, target=None, target_path=None,
-                  num_blocks: int = 0, block_size: int = 0, kv_transfer_config=None):
+                  num_blocks: int = 0, block_size: int = 0, kv_transfer_config=None,
+                  shard: Optional[tuple[int, int]] = None):
+    """The step's proposer. `shard`: (rank, world) when a draft model is sharded with the
+    target (draft_tensor_parallel_size = tensor_parallel_size)."""
     s = spec
     if s is None:
         return None
@@ -52,6 +55,10 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
             f"speculative_config.model={s.model!r}: the draft model's vocab_size "
             f"({dcfg.vocab_size}) differs from the target's ({vocab_size}); "
             f"a draft model must share the target's tokenizer and vocabulary")
+    if shard is not None:
+        from npuspec.models.tp import check_shardable, shard_model
+        check_shardable(dcfg, shard[1], "speculative_config.draft_tensor_parallel_size")
+        dmodel = shard_model(dmodel, *shard)
     pack_model(dmodel)
     return DraftModelProposer(dmodel, max_num_seqs, cache_len, device=device)
 

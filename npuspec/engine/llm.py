@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from npuspec.engine import args
+from npuspec.engine import tp as tp_mod
 from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS, arg_error, pos_int
-from npuspec.engine.drafting import draft, make_proposer
+from npuspec.engine.drafting import HIDDEN_STATE_METHODS, draft, make_proposer
 from npuspec.engine.metrics import EngineMetrics, record_prefill, record_step
 from npuspec.engine.model_runner import ModelRunner
 from npuspec.engine.request import (Request, RequestOutput, StepOutput, parse_requests,
-                                    request_output)
+                                    request_output, request_spec)
 from npuspec.engine.sampling import SamplingParams
 from npuspec.engine.scheduler import Scheduler
 from npuspec.runtime import dynamic_k
@@ -41,16 +43,17 @@ class LLM:
                  seed: int = 0, dtype: Any = "auto", device: Optional[str] = None,
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None,
-                 kv_transfer_config: Union[dict, str, None] = None):
+                 kv_transfer_config: Union[dict, str, None] = None,
+                 distributed_executor_backend: Optional[str] = None):
+        call_args = {k: v for k, v in locals().items() if k != "self"}  # tensor-parallel workers
         from npuspec import envs
-        from npuspec.models import load_model, load_tokenizer, read_model_config
-        from npuspec.models.packing import pack_model
+        from npuspec.models import load_tokenizer, read_model_config
         from npuspec.platform import parse_device
 
         # every argument is checked before any work (issue 16): bad NPUSPEC_* values first,
         # so they fail here rather than inside a compile
         envs.check_all()
-        args.parse_tp(tensor_parallel_size)
+        world, launcher = args.parse_tp(tensor_parallel_size, distributed_executor_backend)
         self.max_num_seqs = pos_int("max_num_seqs", max_num_seqs)
         if not isinstance(enforce_eager, bool):
             raise arg_error("enforce_eager", enforce_eager, "must be True or False")
@@ -66,6 +69,12 @@ class LLM:
         torch_dtype = args.parse_dtype(dtype)
         self.model_path = model = args.parse_model(model)
         cfg = read_model_config(model)  # config.json only: the pool is sized before any load
+        drafts_sharded = False
+        if world > 1:
+            from npuspec.models.tp import check_shardable, local_config
+            check_shardable(cfg, world)
+            drafts_sharded = args.parse_draft_tp(self.spec, world)
+            cfg = local_config(cfg, world)  # this rank's share of the KV pool
         self.max_model_len = args.parse_max_model_len(max_model_len, cfg)
         self.k_max = self.spec.num_speculative_tokens if self.spec else 0
         cache_len = self.max_model_len + self.k_max + 1  # draft positions run K past the end
@@ -80,17 +89,53 @@ class LLM:
                              dtype=torch_dtype, device=self.device, num_kv_blocks=num_kv_blocks)
 
         self.tokenizer = load_tokenizer(model)  # a corrupt tokenizer.json: before the weights
+        self.tp: Optional[tp_mod.TP] = None
+        if world > 1:  # every check passed: launch (or join) the ranks
+            self.tp = tp_mod.start(world, launcher, self.device, call_args)
+            weakref.finalize(self, self.tp.shutdown)
+            self.device = self.tp.device
+            self.tp.drafts_from_rank0 = self.spec is not None and not drafts_sharded
+        try:
+            self._build(model, torch_dtype, num_blocks, cache_len, kv_transfer_config,
+                        lowering, enforce_eager, seed)
+        except BaseException as e:
+            if self.tp is not None:
+                try:
+                    self.tp.failed(e)
+                finally:
+                    self.tp.shutdown()
+            raise
+
+    def _build(self, model, torch_dtype, num_blocks, cache_len, kv_transfer_config, lowering,
+               enforce_eager, seed) -> None:
+        """Load the target (this rank's shard of it) and the drafter, and build the runner."""
+        from npuspec.models import load_model
+        from npuspec.models.packing import pack_model
         if self.device.type == "cpu":
             from npuspec.kernels import prebuild_cpu_kernels
             prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
         self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
         cfg = self.model_config
         self.eos_ids = frozenset(cfg.eos_token_ids)
-        self.proposer = make_proposer(self.spec, torch_dtype, self.device, cfg.vocab_size,
-                                      self.max_num_seqs, cache_len, target=self.model,
-                                      target_path=model, num_blocks=num_blocks,
-                                      block_size=self.block_size,
-                                      kv_transfer_config=kv_transfer_config)
+        tp = self.tp
+        self.proposer = None
+        if tp is None or tp.rank == 0 or not tp.drafts_from_rank0:
+            self.proposer = make_proposer(
+                self.spec, torch_dtype, self.device, cfg.vocab_size, self.max_num_seqs,
+                cache_len, target=self.model, target_path=model, num_blocks=num_blocks,
+                block_size=self.block_size, kv_transfer_config=kv_transfer_config,
+                shard=None if tp is None or tp.drafts_from_rank0 else (tp.rank, tp.world))
+        features = getattr(self.proposer, "features", None)
+        if tp is not None:
+            from npuspec.models.tp import shard_model
+            whole, self.model = self.model, shard_model(self.model, tp.rank, tp.world)
+            if tp.drafts_from_rank0:  # the ranks' steps return what rank 0's drafter reads
+                features = tp.broadcast_object(features)
+            # a drafter on rank 0 shares the target's embedding, norm and head: those stay
+            # whole there (the drafter must not call the sharded ones alone); the layers go
+            whole.layers = torch.nn.ModuleList()
+            if self.proposer is not None and self.spec.method in HIDDEN_STATE_METHODS:
+                pack_model(whole)
         pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         dsc = args.confidence_budget_config(self.spec)
         self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
@@ -99,7 +144,7 @@ class LLM:
             max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
             max_num_batched_tokens=self.max_num_batched_tokens, device=self.device,
             capture=self.capture, capture_sizes=self.capture_sizes, lowering=lowering,
-            enforce_eager=enforce_eager, features=getattr(self.proposer, "features", None))
+            enforce_eager=enforce_eager, features=features)
         if hasattr(self.proposer, "attach"):  # hidden-state drafters read the runner's tables
             self.proposer.attach(self.runner)
         self.k_values = self.runner.k_values
@@ -115,6 +160,21 @@ class LLM:
             self.runner.warm_up()
             if hasattr(self.proposer, "warm_up"):
                 self.proposer.warm_up(self.k_values, self.runner.top_rows)
+        if self.tp is not None and self.tp.mirrors:
+            self.tp.wait_ready()
+
+    # -- tensor parallelism: shutdown ---------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process group (a no-op on one
+        device). The LLM cannot run after this."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # the runner's state under the names it had on LLM before the split (tests and
     # npuspec.bench.tune reach some of them)
@@ -190,6 +250,8 @@ class LLM:
             raise ValueError(f"LLM.add_request: request_id {req.req_id!r} is already running; "
                              f"give each request a unique id")
         assert not req.output and not req.blocks, req.req_id
+        if self.tp is not None:
+            self.tp.mirror(("add", request_spec(req), arrival_time))
         req.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self._live[req.req_id] = req
         self._sched.add(req)
@@ -199,6 +261,8 @@ class LLM:
     def abort_request(self, request_id: str) -> bool:
         """Drop an unfinished request: its blocks and proposer state are freed at once.
         False when no such request is live (finished, aborted or unknown)."""
+        if self.tp is not None and not self.tp.dead:
+            self.tp.mirror(("abort", request_id))
         r = self._live.pop(request_id, None)
         if r is None:
             return False
@@ -225,6 +289,16 @@ class LLM:
         """One engine iteration: admit, prefill within the token budget, one verify step of
         the running batch, retire. Returns the requests that got tokens or finished. Charges
         `m` (default: `self.totals`, the step API's running totals)."""
+        if self.tp is None:
+            return self._step(m)
+        self.tp.mirror(("step",))
+        try:
+            return self._step(m)
+        except Exception as e:
+            self.tp.failed(e)  # a collective with a dead worker: WorkerDied naming its rank
+            raise
+
+    def _step(self, m: Optional[EngineMetrics]) -> list[StepOutput]:
         m = self.totals if m is None else m
         sched = self._sched
         sched.admit()
@@ -280,19 +354,29 @@ class LLM:
         B = len(reqs)
         k = dynamic_k.k_for_step(self.spec, B)
         caps = [min(k, max(r.max_new - 1, 0)) for r in reqs]  # never draft past the end
-        drafts, probs = draft(self.proposer, self.budget, reqs, k, caps,  # [B, K], [B, K, V]
-                              self.runner.random)
+        tp = self.tp
+        drafts = probs = None
+        if tp is None or tp.rank == 0 or not tp.drafts_from_rank0:
+            drafts, probs = draft(self.proposer, self.budget, reqs, k, caps,  # [B, K], [B, K, V]
+                                  self.runner.random)
+        if tp is not None and tp.drafts_from_rank0 and k > 0:
+            drafts = tp.sync_drafts(drafts, B, k)
+        elif drafts is None:
+            drafts = np.full((B, 0), -1, dtype=np.int64)
         t1 = time.perf_counter()
         rows = self.runner.rows_for(B, k)
         inputs = self.runner.step_inputs(k, reqs, rows, drafts, probs)
         t2 = time.perf_counter()
         res = self.runner.run_step(inputs).cpu().numpy()         # the one device->host copy
+        if tp is not None:  # rank 0's tokens: its draws and draft probabilities decide
+            res = tp.sync_result(res)
         t3 = time.perf_counter()
         for b, r in enumerate(reqs):
             kept = r.append(res[b, :int(res[b, k + 1])].tolist())
             if not r.finished and self.proposer is not None:
                 self.proposer.extend(r.req_id, kept)
-        if self.runner.features is not None:  # the drafter's first pass on the step's rows
+        if self.runner.features is not None and self.proposer is not None:
+            # the drafter's first pass on the step's rows
             self.proposer.on_verify(reqs, k, drafts, res, inputs, self.runner.last_features)
         t4 = time.perf_counter()
         record_step(m, reqs, k, res, drafts, rows, draft_s=t1 - t0, step_s=t3 - t2,

@@ -36,6 +36,7 @@ class Request:
     stats: Optional[RequestMetrics] = None
     arrival_time: float = 0.0       # perf_counter() when it was added to the engine
     kv_transfer_params: Optional[dict] = None   # extract_hidden_states: its file
+    seed: Optional[int] = None      # its generator's seed (a tensor-parallel worker's copy)
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
@@ -234,13 +235,28 @@ def new_request(call: int, i: int, text, ids: list[int], sp: SamplingParams, *,
     stop = set(sp.stop_token_ids or ())
     if not sp.ignore_eos:
         stop |= eos_ids
-    gen = None
+    gen = seed = None
     if not sp.greedy:
         # every random request draws from its own generator: seeded ones reproduce
         # whatever else is in the batch; the others follow LLM(seed=...)
         seed = sp.seed if sp.seed is not None else int(rng.integers(2**62))
         gen = torch.Generator(device=device).manual_seed(seed)
-    r = Request(i, f"{call}-{i}", text, ids, sp, frozenset(stop), max_model_len, gen)
+    r = Request(i, f"{call}-{i}", text, ids, sp, frozenset(stop), max_model_len, gen, seed=seed)
+    r.stats = RequestMetrics(num_prompt_tokens=len(ids))
+    return r
+
+
+def request_spec(r: Request) -> tuple:
+    """What another process needs to rebuild a fresh `r` (its generator from its seed):
+    the tensor-parallel workers' copy of each request rank 0 adds."""
+    assert not r.output and not r.blocks, r.req_id
+    return (r.index, r.req_id, r.prompt_ids, r.params, r.stop_ids, r.max_len, r.seed)
+
+
+def rebuild_request(spec: tuple, device) -> Request:
+    index, req_id, ids, sp, stop, max_len, seed = spec
+    gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    r = Request(index, req_id, None, list(ids), sp, stop, max_len, gen, seed=seed)
     r.stats = RequestMetrics(num_prompt_tokens=len(ids))
     return r
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuspec.kernels.collectives import tp_all_gather, tp_all_reduce
 from npuspec.kernels.linear_cpu import linear
 from npuspec.kernels.linear_packed_cpu import linear_packed, packed_rows
 from npuspec.kernels.paged_attention import paged_attention
@@ -62,6 +63,15 @@ class PagedKVCache:
     @property
     def num_blocks(self) -> int:
         return self.k.shape[1] // self.block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class TPShard:
+    """Which slice of a tensor-parallel model this rank holds (npuspec.models.tp)."""
+    rank: int
+    world: int
+    vocab_start: int   # first vocabulary row of this rank's embedding / LM head
+    vocab_rows: int    # rows per rank: ceil(V / world); the last rank's tail is zero padding
 
 
 @dataclasses.dataclass
@@ -120,6 +130,12 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # > 1 once npuspec.models.tp sharded this layer: wo and w2 are row-parallel, so their
+        # outputs are partial sums the ranks add up
+        self.tp_world = 1
+
+    def _reduce(self, x):
+        return tp_all_reduce(x) if self.tp_world > 1 else x
 
     def forward(self, x, residual, cos, sin, attend, fused: bool):
         # x [B, T, hidden]: the previous layer's MLP output (the embedding, with residual
@@ -141,10 +157,10 @@ class Block(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         qk = qk * cos + _rotate_half(qk) * sin  # RoPE on q and k heads at once
         q, k = qk.split([H, Hkv], dim=2)
-        h, residual = add_rms_norm(_linear(attend(q, k, v), self.wo), residual,
+        h, residual = add_rms_norm(self._reduce(_linear(attend(q, k, v), self.wo)), residual,
                                    self.mlp_norm.weight, eps, fused)
         gate, up = _linear(h, self.w13).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, self.w2), residual
+        return self._reduce(_linear(F.silu(gate) * up, self.w2)), residual
 
 
 class DecoderLM(nn.Module):
@@ -164,6 +180,9 @@ class DecoderLM(nn.Module):
         # norms run as npuspec::add_rms_norm
         self.register_buffer("head_packed", None, persistent=False)
         self.fused_norm = False
+        # set by npuspec.models.tp.shard_model: this rank's slice of the vocabulary-parallel
+        # embedding and LM head (rows vocab_start .. vocab_start + embed rows; None: whole)
+        self.tp: "TPShard | None" = None
 
     def init_buffers(self, device=None) -> None:
         """(Re)make the computed, non-persistent buffers (after a load on the meta device)."""
@@ -212,6 +231,16 @@ class DecoderLM(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def _embed(self, input_ids):
+        if self.tp is None:
+            return self._lookup(input_ids)
+        # vocabulary-parallel: each rank looks up the ids in its rows, zeros elsewhere, and
+        # the all-reduce assembles every row (Megatron's VocabParallelEmbedding)
+        local = input_ids - self.tp.vocab_start
+        inside = (local >= 0) & (local < self.tp.vocab_rows)
+        x = self._lookup(local.clamp(0, self.tp.vocab_rows - 1))
+        return tp_all_reduce(x * inside[..., None].to(x.dtype))  # [B, T, hidden]
+
+    def _lookup(self, input_ids):
         if self.embed is None:  # tied and packed
             return packed_rows(self.head_packed, input_ids).to(self.norm.weight.dtype)
         return self.embed(input_ids)  # [B, T, hidden]
@@ -242,8 +271,17 @@ class DecoderLM(nn.Module):
 
     def head(self, x):
         """The LM head alone on normed hidden states x [.., hidden] -> fp32 logits [.., V]."""
+        out = self._head_rows(x)
+        if self.tp is None:
+            return out
+        # each rank's vocabulary rows, gathered in rank order; the last rank's padding rows
+        # (the vocabulary rounded up to a multiple of the ranks) are cut off
+        return tp_all_gather(out, self.tp.world)[..., :self.config.vocab_size]
+
+    def _head_rows(self, x):
         if self.head_packed is not None:
-            return linear_packed(x, self.head_packed, None, self.config.vocab_size).float()
+            n = self.config.vocab_size if self.tp is None else self.tp.vocab_rows
+            return linear_packed(x, self.head_packed, None, n).float()
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return linear(x, w).float()
 

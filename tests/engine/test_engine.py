@@ -228,7 +228,7 @@ def test_string_prompt_without_tokenizer(draft_ckpt):
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    ({"tensor_parallel_size": 2}, NotImplementedError, "tensor_parallel_size=2 is not supported yet"),
+    ({"tensor_parallel_size": 3}, ValueError, "num_attention_heads=4 is not divisible"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, ValueError,
      "num_speculative_tokens"),
     ({"compilation_config": {"cudagraph_capture_size": [4]}}, ValueError,

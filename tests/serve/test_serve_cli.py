@@ -26,7 +26,7 @@ def serve(*args, timeout=120):
     (["--compilation-config", '{"backend": "tvm"}'], "--compilation-config", "inductor"),
     (["--additional-config", "[1]"], "--additional-config", "JSON object"),
     (["--max-num-seqs", "0"], "--max-num-seqs", ">= 1"),
-    (["--tensor-parallel-size", "2"], "tensor_parallel_size", "not supported"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size", "not divisible"),
     (["--port", "70000"], "--port", "65535"),
 ])
 def test_bad_start_up_config_exits_2_naming_the_flag(args, flag, words):

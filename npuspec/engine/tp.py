@@ -1,0 +1,275 @@
+"""Tensor parallelism for the engine: the ranks, their launch, and what they exchange per step.
+
+Every rank runs a whole engine replica (scheduler, block manager, model runner) over its
+shard of the target, as SGLang's TP schedulers and vLLM's external launcher do: the ranks make
+the same scheduling decisions from the same requests, so their steps issue the same
+collectives in the same order. Per step they exchange only
+- the drafts (rank 0 drafts, `sync_drafts` broadcasts [B, K]), unless the drafter is itself
+  sharded (`draft_tensor_parallel_size` = N), when every rank drafts the same tokens;
+- rank 0's verify result (`sync_result`, [rows, K+2] int32): every rank runs the verify op on
+  the same gathered logits, but sampling draws and draft probabilities live on rank 0, so the
+  other ranks adopt its tokens and never depend on their own draws.
+Inside the step, the model's collectives (npuspec.kernels.collectives) carry the activations.
+
+Launchers (`distributed_executor_backend`):
+- "mp": `LLM(...)` in an ordinary process is rank 0. It spawns ranks 1..N-1 (tp_worker.main),
+  each of which builds the same `LLM` and then mirrors rank 0's add_request / abort_request /
+  step calls, sent over one pipe per worker. Rank 0 watches them: a dead worker fails the
+  call in flight, and every later one, with an error naming its rank.
+- "external_launcher": torchrun (or any launcher setting RANK / WORLD_SIZE / LOCAL_RANK)
+  starts the N processes, and each runs the same user code: the same LLM(...) and the same
+  calls in the same order (as vLLM's external launcher requires). Nothing is mirrored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+log = logging.getLogger("npuspec.engine")
+
+LAUNCHERS = ("mp", "external_launcher")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+# set in a spawned worker before it builds its LLM: (rank, world, init_method)
+WORKER: Optional[tuple[int, int, str]] = None
+
+
+class WorkerDied(RuntimeError):
+    """A tensor-parallel worker process exited; the engine cannot continue."""
+
+
+@dataclasses.dataclass
+class Worker:
+    rank: int
+    proc: Any                  # multiprocessing.Process
+    conn: Any                  # rank 0's end of the worker's pipe
+    error: Optional[str] = None  # what the worker reported before it exited
+
+
+class TP:
+    """One process's view of the tensor-parallel group."""
+
+    def __init__(self, rank: int, world: int, launcher: str, device: torch.device,
+                 workers: list[Worker], store_dir: Optional[str]):
+        self.rank, self.world, self.launcher, self.device = rank, world, launcher, device
+        self.workers = workers
+        self._store_dir = store_dir
+        self.cpu_group = None      # gloo group for host data (drafts, results, objects)
+        self.drafts_from_rank0 = True  # set by the LLM once it knows its drafter
+        self.dead: Optional[str] = None
+        self.closed = False
+
+    @property
+    def mirrors(self) -> bool:
+        """Rank 0 of an "mp" group: its calls are sent to the workers."""
+        return self.rank == 0 and bool(self.workers)
+
+    # -- liveness ------------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        """Raise WorkerDied if any worker has exited (or already had)."""
+        if self.dead:
+            raise WorkerDied(self.dead)
+        for w in self.workers:
+            if w.proc.exitcode is not None:
+                self._died(w)
+
+    def _died(self, w: Worker) -> None:
+        if w.error is None and w.conn.poll():
+            try:
+                msg = w.conn.recv()
+                if msg[0] == "error":
+                    w.error = msg[1]
+            except (EOFError, OSError):
+                pass
+        why = f": {w.error}" if w.error else ""
+        self.dead = (f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) exited with code "
+                     f"{w.proc.exitcode}{why}; the engine cannot continue (every pending "
+                     f"request fails). Build a new LLM to go on.")
+        raise WorkerDied(self.dead)
+
+    def failed(self, exc: BaseException, wait_s: float = 5.0) -> None:
+        """After `exc` escaped a call on rank 0: if a worker died (a collective with a dead
+        peer fails with a connection error), raise WorkerDied naming it; else return and let
+        the caller re-raise."""
+        if not self.workers or isinstance(exc, WorkerDied):
+            return
+        deadline = time.monotonic() + wait_s  # its exit may lag its closed socket
+        while time.monotonic() < deadline:
+            for w in self.workers:
+                if w.proc.exitcode is not None:
+                    self._died(w)
+            time.sleep(0.05)
+
+    # -- mirroring (mp, rank 0) ----------------------------------------------------------------
+    def mirror(self, msg: tuple) -> None:
+        if not self.mirrors:
+            return
+        self.check_alive()
+        for w in self.workers:
+            try:
+                w.conn.send(msg)
+            except (BrokenPipeError, ConnectionResetError, EOFError):
+                self.failed(WorkerDied(""), wait_s=5.0)
+                raise
+
+    # -- per-step exchanges --------------------------------------------------------------------
+    def broadcast_object(self, obj: Any) -> Any:
+        """rank 0's `obj` on every rank (pickled over the gloo group: our own processes)."""
+        box = [obj if self.rank == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def sync_drafts(self, drafts: Optional[np.ndarray], batch: int, k: int) -> np.ndarray:
+        """Rank 0's drafts int64 [B, K] on every rank."""
+        t = (torch.from_numpy(np.ascontiguousarray(drafts, dtype=np.int64)) if self.rank == 0
+             else torch.empty((batch, k), dtype=torch.int64))
+        assert tuple(t.shape) == (batch, k), (t.shape, batch, k)
+        torch.distributed.broadcast(t, src=0, group=self.cpu_group)
+        return t.numpy()
+
+    def sync_result(self, res: np.ndarray) -> np.ndarray:
+        """Rank 0's verify result [rows, K+2] int32 on every rank."""
+        t = torch.from_numpy(np.ascontiguousarray(res))
+        torch.distributed.broadcast(t, src=0, group=self.cpu_group)
+        return t.numpy()
+
+    # -- start-up and shutdown -----------------------------------------------------------------
+    def wait_ready(self) -> None:
+        """Rank 0 (mp): every worker built its engine (or raise naming the one that failed)."""
+        from multiprocessing.connection import wait
+        pending = {w.conn: w for w in self.workers}
+        deadline = time.monotonic() + max(60.0, _timeout())
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"tensor-parallel workers {sorted(w.rank for w in pending.values())} "
+                                   f"did not finish starting within {_timeout():.0f} s; "
+                                   f"raise NPUSPEC_TP_TIMEOUT if they are still loading")
+            ready = wait(list(pending) + [w.proc.sentinel for w in pending.values()], left)
+            for obj in ready:
+                w = pending.get(obj) or next(x for x in pending.values()
+                                             if x.proc.sentinel == obj)
+                if obj is w.conn:
+                    try:
+                        msg = w.conn.recv()
+                    except EOFError:
+                        msg = ("error", None)
+                    if msg[0] == "ready":
+                        pending.pop(w.conn)
+                        continue
+                    w.error = msg[1]
+                w.proc.join(5)
+                self._died(w)
+
+    def shutdown(self) -> None:
+        """Stop the workers (rank 0, mp) and leave the process group. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for w in self.workers:
+            try:
+                w.conn.send(("stop",))
+            except (OSError, EOFError):
+                pass
+        for w in self.workers:
+            w.proc.join(10)
+            if w.proc.exitcode is None:
+                log.warning("npuspec: tensor-parallel worker rank %d did not stop; killing it",
+                            w.rank)
+                w.proc.kill()
+                w.proc.join(5)
+            w.conn.close()
+        from npuspec.kernels import collectives
+        collectives.set_group(None)
+        if torch.distributed.is_initialized():
+            try:
+                torch.distributed.destroy_process_group()
+            except Exception:  # a peer already gone: nothing left to tear down
+                log.debug("destroy_process_group failed", exc_info=True)
+        if self._store_dir:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def _timeout() -> float:
+    from npuspec import envs
+    return envs.tp_timeout()
+
+
+def device_for(device: torch.device, local_rank: int) -> torch.device:
+    """Rank `local_rank`'s device: cuda:i / npu:i on accelerators (one per rank), the CPU."""
+    if device.type == "cpu":
+        return device
+    return torch.device(device.type, local_rank)
+
+
+def _init_group(backend: str, init_method: str, rank: int, world: int) -> None:
+    torch.distributed.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=_timeout()))
+
+
+def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> TP:
+    """Join (or, as rank 0 of "mp", first launch) the tensor-parallel group of `world` ranks.
+    `llm_kwargs`: the LLM's arguments, which every spawned worker builds its engine from."""
+    from npuspec.kernels import collectives
+    if torch.distributed.is_initialized():
+        raise RuntimeError("LLM: tensor_parallel_size > 1 but this process already belongs to "
+                           "a torch.distributed group; one tensor-parallel LLM per process: "
+                           "shut the other down first (LLM.shutdown())")
+    backend = BACKENDS[device.type]
+    workers, store_dir = [], None
+    if WORKER is not None:                       # a spawned worker
+        rank, _, init_method = WORKER
+        local = rank
+    elif launcher == "external_launcher":        # torchrun
+        from npuspec import envs
+        rank, _, local = envs.torchrun_rank()
+        init_method = "env://"
+    else:                                        # rank 0 of "mp": spawn the others
+        rank = local = 0
+        store_dir = tempfile.mkdtemp(prefix="npuspec-tp-")  # 0700: only we can rendezvous
+        init_method = "file://" + os.path.join(store_dir, "store")
+        workers = _spawn(world, init_method, llm_kwargs)
+    dev = device_for(device, local)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    tp = TP(rank, world, launcher, dev, workers, store_dir)
+    try:
+        _init_group(backend, init_method, rank, world)
+        tp.cpu_group = (torch.distributed.group.WORLD if backend == "gloo"
+                        else torch.distributed.new_group(backend="gloo"))
+    except BaseException as e:
+        try:
+            tp.failed(e)  # a worker that died before joining: name it
+        finally:
+            tp.shutdown()
+        raise
+    collectives.set_group(torch.distributed.group.WORLD)
+    if device.type == "cpu" and launcher == "mp":
+        # N ranks on one host share its cores: without this each would run one thread per
+        # core and they would stall each other (OpenMP spin-waits)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return tp
+
+
+def _spawn(world: int, init_method: str, llm_kwargs: dict) -> list[Worker]:
+    from npuspec.engine import tp_worker
+    ctx = mp.get_context("spawn")  # never fork a process that has imported torch
+    workers = []
+    for rank in range(1, world):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=tp_worker.main, name=f"npuspec-tp{rank}",
+                           args=(rank, world, init_method, llm_kwargs, child))
+        proc.start()
+        child.close()
+        workers.append(Worker(rank, proc, parent))
+    return workers

@@ -1,0 +1,59 @@
+"""A spawned tensor-parallel worker (ranks 1..N-1 of the "mp" launcher; see engine/tp.py).
+
+It builds the same `LLM` as rank 0 (which joins the group and loads this rank's shard), says
+"ready", then replays rank 0's calls from its pipe: "add" (a request, seed included, so its
+generator draws what rank 0's does), "abort", "step", "stop". It exits when the pipe closes
+(rank 0 is gone) or a call fails, after telling rank 0 why.
+"""
+from __future__ import annotations
+
+import signal
+import traceback
+
+
+def main(rank: int, world: int, init_method: str, llm_kwargs: dict, conn) -> None:
+    # Ctrl-C in a terminal signals the whole process group: rank 0 shuts the workers down
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from npuspec.engine import tp
+    tp.WORKER = (rank, world, init_method)
+    from npuspec.engine.llm import LLM
+    try:
+        llm = LLM(**llm_kwargs)
+    except BaseException as e:  # noqa: B902 - every failure goes back to rank 0
+        _report(conn, rank, e)
+        return
+    conn.send(("ready",))
+    try:
+        _loop(conn, llm)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # rank 0 is gone
+    except BaseException as e:  # noqa: B902
+        _report(conn, rank, e)
+    finally:
+        llm.tp.shutdown()
+
+
+def _loop(conn, llm) -> None:
+    from npuspec.engine.request import rebuild_request
+    while True:
+        msg = conn.recv()
+        op = msg[0]
+        if op == "step":
+            llm.step()
+        elif op == "add":
+            llm.add_request(rebuild_request(msg[1], llm.device), arrival_time=msg[2])
+        elif op == "abort":
+            llm.abort_request(msg[1])
+        elif op == "stop":
+            return
+        else:
+            raise AssertionError(msg)
+
+
+def _report(conn, rank: int, e: BaseException) -> None:
+    try:
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+    except OSError:
+        pass
+    print(f"npuspec tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}",
+          flush=True)
