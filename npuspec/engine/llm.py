@@ -91,6 +91,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model)  # a corrupt tokenizer.json: before the weights
         self.tp: Optional[tp_mod.TP] = None
         if world > 1:  # every check passed: launch (or join) the ranks
+            # the workers lower as this rank does (the default is read here, in this process)
+            call_args["compilation_config"] = dict(compilation_config or {}, backend=lowering)
             self.tp = tp_mod.start(world, launcher, self.device, call_args)
             weakref.finalize(self, self.tp.shutdown)
             self.device = self.tp.device

@@ -91,9 +91,12 @@ class TP:
             except (EOFError, OSError):
                 pass
         why = f": {w.error}" if w.error else ""
-        self.dead = (f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) exited with code "
-                     f"{w.proc.exitcode}{why}; the engine cannot continue (every pending "
-                     f"request fails). Build a new LLM to go on.")
+        code = w.proc.exitcode
+        how = (f"was killed by {_signal_name(-code)}" if code < 0 else
+               f"exited with code {code}")
+        self.dead = (f"tensor-parallel worker rank {w.rank} (pid {w.proc.pid}) {how}{why}; "
+                     f"the engine cannot continue (every pending request fails). Build a new "
+                     f"LLM to go on.")
         raise WorkerDied(self.dead)
 
     def failed(self, exc: BaseException, wait_s: float = 5.0) -> None:
@@ -197,6 +200,14 @@ class TP:
                 log.debug("destroy_process_group failed", exc_info=True)
         if self._store_dir:
             shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+def _signal_name(n: int) -> str:
+    import signal
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _timeout() -> float:

@@ -85,6 +85,7 @@ def engine_main(conn, args) -> None:
         pass  # the HTTP process is gone: nothing to answer
     finally:
         conn.close()
+        llm.shutdown()  # tensor-parallel workers
 
 
 def _error_info(e: BaseException) -> ErrorInfo:

@@ -55,9 +55,15 @@ class EngineClient:
         llm_kwargs(args)  # the flag checks that need no model: fail before a process starts
         ctx = mp.get_context("spawn")  # never fork a process that has imported torch
         self.conn, child = ctx.Pipe(duplex=True)
+        # a daemon cannot start processes, and with --tensor-parallel-size N the engine
+        # spawns its N-1 workers: then it is an ordinary child, closed before exit
+        tp = getattr(args, "tensor_parallel_size", 1) > 1
         self.proc = ctx.Process(target=core.engine_main, args=(child, args),
-                                name="npuspec-engine", daemon=True)
+                                name="npuspec-engine", daemon=not tp)
         self.proc.start()
+        if tp:
+            import atexit
+            atexit.register(self.close)  # runs before multiprocessing joins its children
         child.close()  # else this process would never see the engine's end close
         msg = self._wait_ready()
         if msg[0] == "failed":

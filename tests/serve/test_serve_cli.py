@@ -6,9 +6,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
-from serve_helpers import EAGER
+from serve_helpers import EAGER, NGRAM
 
 httpx = pytest.importorskip("httpx")
 
@@ -137,3 +138,31 @@ def test_dead_engine_process_fails_requests_with_503_not_a_hang(start_server):
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(60) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tensor_parallel_server_matches_one_device_and_exits_clean(start_server):
+    """`--tensor-parallel-size 2`: the engine process spawns its rank-1 worker; greedy
+    completions equal the one-device engine's; SIGTERM leaves neither process behind."""
+    from npuspec import LLM, SamplingParams
+    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+                     "--tensor-parallel-size", "2",
+                     "--speculative-config", json.dumps(NGRAM))
+    engine, = _children(s.proc.pid)
+    worker, = _children(engine)
+    prompts = ["def fib(n):", "The quick brown fox"]
+    got = []
+    for p in prompts:
+        r = httpx.post(s.url + "/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["text"])
+    llm = LLM("tiny", max_model_len=256, speculative_config=NGRAM,
+              compilation_config={"backend": "eager"})
+    ref = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=20,
+                                                                           temperature=0))]
+    assert got == ref
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
+    time.sleep(0.5)
+    assert _alive_children([engine, worker]) == [], "a process outlived the server"

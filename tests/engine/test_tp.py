@@ -1,0 +1,153 @@
+"""Tensor parallelism over torch.distributed (gloo on the CPU): `LLM(tensor_parallel_size=2)`
+with the "mp" launcher and under torchrun; greedy tokens equal one device's, with and without
+drafters; a dead worker fails the engine naming its rank; shutdown leaves nothing behind."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from npuspec import LLM, SamplingParams
+from npuspec.engine.tp import WorkerDied
+
+EAGER = {"backend": "eager"}
+PROMPTS = ["def fib(n):", "The quick brown fox", "import numpy as np\n"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+SPECS = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3,
+               "draft_tensor_parallel_size": 1},
+    # a draft model is sharded with the target by default (vLLM's default: N)
+    "draft_model": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
+}
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _llm(tp, spec, **kw):
+    kw.setdefault("compilation_config", EAGER)
+    return LLM("tiny", speculative_config=spec, tensor_parallel_size=tp, max_model_len=256,
+               max_num_seqs=4, **kw)
+
+
+def _workers_gone(llm):
+    return all(w.proc.exitcode is not None for w in llm.tp.workers)
+
+
+@pytest.mark.parametrize("method", list(SPECS))
+def test_greedy_tp2_equals_tp1(method):
+    ref = _tokens(_llm(1, SPECS[method]).generate(PROMPTS, GREEDY))
+    with _llm(2, SPECS[method]) as llm:
+        assert llm.tp.world == 2 and llm.tp.launcher == "mp" and len(llm.tp.workers) == 1
+        assert llm.model.config.num_heads == 2  # rank 0 holds half the heads
+        out = _tokens(llm.generate(PROMPTS, GREEDY))
+        if SPECS[method]:
+            assert llm.metrics.num_drafted > 0  # the drafter ran
+    assert out == ref
+    assert _workers_gone(llm)
+
+
+def test_compiled_tp2_equals_tp1_and_seeded_sampling_matches():
+    """The default lowering (Inductor, the collectives as extern calls in the compiled
+    step); seeded sampled requests draw on rank 0 and every rank takes its tokens."""
+    spec = SPECS["ngram"]
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7)
+    one = _llm(1, spec, compilation_config=None)
+    ref = _tokens(one.generate(PROMPTS, GREEDY)), _tokens(one.generate(PROMPTS, sampled))
+    with _llm(2, spec, compilation_config=None) as llm:
+        out = _tokens(llm.generate(PROMPTS, GREEDY)), _tokens(llm.generate(PROMPTS, sampled))
+    assert out[0] == ref[0]
+    assert out[1] == ref[1]
+
+
+def test_step_api_mirrors_add_abort_step():
+    with _llm(2, SPECS["ngram"]) as llm:
+        a = llm.new_request("def fib(n):", GREEDY, request_id="a")
+        b = llm.new_request("The quick brown fox", GREEDY, request_id="b")
+        llm.add_request(a)
+        llm.add_request(b)
+        llm.step()
+        assert llm.abort_request("b")
+        while llm.has_unfinished_requests():
+            llm.step()
+        got = list(a.output)
+    ref = _llm(1, SPECS["ngram"]).generate(["def fib(n):"], GREEDY)
+    assert got == _tokens(ref)[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL")
+def test_dead_worker_fails_the_call_naming_its_rank_not_a_hang():
+    llm = _llm(2, SPECS["ngram"])
+    pid = llm.tp.workers[0].proc.pid
+    t_kill = []
+
+    def kill():
+        time.sleep(1.0)
+        t_kill.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    long = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    with pytest.raises(WorkerDied, match=rf"worker rank 1 \(pid {pid}\) was killed by SIGKILL"):
+        llm = _llm_generate_forever(llm, long)
+    assert time.monotonic() - t_kill[0] < 30  # the collective's peer closed: no timeout wait
+    assert not llm.has_unfinished_requests()  # every pending request was dropped
+    with pytest.raises(WorkerDied, match="rank 1"):  # and later calls fail the same way
+        llm.generate(["x"], GREEDY)
+    llm.shutdown()
+    assert _workers_gone(llm)
+
+
+def _llm_generate_forever(llm, params):
+    llm.generate(["def fib(n):"] * 3, params)  # 2000 tokens: far longer than the kill's 1 s
+    return llm
+
+
+def test_a_second_tp_llm_after_shutdown():
+    with _llm(2, None) as llm:
+        first = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+    with _llm(2, None) as llm:
+        assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by it"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"},
+     "distributed_executor_backend='ray': use one of 'mp', 'external_launcher'"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
+     "needs a launcher: start the script with torchrun"),
+    ({"tensor_parallel_size": 2, "speculative_config": {**SPECS["eagle3"],
+                                                        "draft_tensor_parallel_size": 2}},
+     "draft_tensor_parallel_size=2: with tensor_parallel_size=2, npuspec shards only a draft "
+     "model"),
+    ({"tensor_parallel_size": 2, "speculative_config": {**SPECS["ngram"],
+                                                        "draft_tensor_parallel_size": 3}},
+     "draft_tensor_parallel_size=3: must be 1 or the target's tensor_parallel_size \\(2\\)"),
+])
+def test_bad_tp_arguments_fail_before_any_process_starts(kw, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("tiny", compilation_config=EAGER, **kw)
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+
+
+def test_torchrun_external_launcher_ranks_agree_with_one_device():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    main = os.path.join(os.path.dirname(__file__), "tp_torchrun_main.py")
+    spec = SPECS["ngram"]
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", main, json.dumps(spec)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    assert sorted(x["rank"] for x in lines) == [0, 1]
+    assert all(x["launcher"] == "external_launcher" for x in lines)
+    ref = _tokens(_llm(1, spec).generate(["def fib(n):", "The quick brown fox"],
+                                         SamplingParams(max_tokens=20, temperature=0)))
+    assert lines[0]["tokens"] == lines[1]["tokens"] == ref
