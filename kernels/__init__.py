@@ -24,6 +24,13 @@ def prebuild_cpu_kernels() -> None:
     them. Packing waits only for the vector-ISA probe, which each thread runs first. A first
     use that comes early waits on Inductor's per-library file lock and loads the finished
     library. Runs once per process; failures are logged by the loaders."""
+    # Inductor's modules are imported here, on the caller's thread, before any thread
+    # starts: two threads importing them at once can meet a partly initialised module (a
+    # worker rank once failed with "cannot import name 'IndentedBuffer' from partially
+    # initialized module 'torch._inductor.utils'"); the engine imports them anyway
+    import torch._inductor.codecache  # noqa: F401
+    import torch._inductor.cpp_builder  # noqa: F401
+    import torch._inductor.cpu_vec_isa  # noqa: F401
     # two g++ runs at a time (these machines have 2+ cores)
     for chain in (("linear_packed_cpu", "paged_attention_cpu"), ("rms_norm_cpu", "verify_cpu")):
         threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",

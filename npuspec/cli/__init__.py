@@ -34,6 +34,7 @@ BENCHES = {
     "hf": "HF generate with a compiled forward: eager vs backend=inductor vs backend=npuspec",
     "methods": "every speculative method on one target: tokens/s and acceptance vs ngram",
     "serve": "npuspec serve under N streaming clients: TTFT/TPOT/ITL percentiles, tok/s with and without speculation",
+    "tp": "tensor parallelism on one host: tok/s at TP=1 vs N, collectives per step vs the step's time",
 }
 
 COMMANDS = {

@@ -84,22 +84,15 @@ def parse_tp(tp: Any, backend: Any) -> tuple[int, str]:
 
 
 def parse_draft_tp(spec, world: int) -> bool:
-    """Whether the drafter is sharded over the `world` target ranks (True) or runs on rank
-    0 beside the target's shard (False). `draft_tensor_parallel_size` (1 or N, checked by
-    SpeculativeConfig) defaults to N for a draft model, as in vLLM, and to 1 for the heads
-    and the host proposers."""
-    if spec is None:
+    """Whether the drafter is sharded over the `world` target ranks, every rank running it
+    (True), or runs whole on rank 0 beside the target's shard (False).
+    `draft_tensor_parallel_size` (1 or N, checked by SpeculativeConfig) defaults to N for
+    model drafters, as in vLLM; host proposers (ngram, suffix) and extract_hidden_states run
+    on rank 0 whatever it says."""
+    if spec is None or spec.method in ("ngram", "suffix", "extract_hidden_states"):
         return False
     dtp = spec.draft_tensor_parallel_size
-    if spec.method == "draft_model":
-        return (world if dtp is None else dtp) == world
-    if dtp == world and spec.method not in ("ngram", "suffix", "extract_hidden_states"):
-        raise ValueError(
-            f"speculative_config.draft_tensor_parallel_size={dtp}: with "
-            f"tensor_parallel_size={world}, npuspec shards only a draft model "
-            f"(method 'draft_model'); the {spec.method} head runs on rank 0: use "
-            f"draft_tensor_parallel_size=1")
-    return False
+    return (world if dtp is None else dtp) == world
 
 
 def parse_max_model_len(v: Any, cfg) -> int:

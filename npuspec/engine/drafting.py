@@ -32,7 +32,7 @@ def make_proposer(spec: Optional[SpeculativeConfig], dtype: torch.dtype, device,
         return None
     if s.method in HIDDEN_STATE_METHODS:
         return _hidden_state_proposer(s, dtype, device, target, target_path, num_blocks,
-                                      block_size)
+                                      block_size, shard)
     if s.method == "extract_hidden_states":
         from npuspec.runtime.extract import ExtractHiddenStatesProposer
         return ExtractHiddenStatesProposer(s, kv_transfer_config, target.config, dtype)
@@ -84,13 +84,16 @@ def resolve_draft(name: str) -> str:
 
 
 def _hidden_state_proposer(s: SpeculativeConfig, dtype, device, target, target_path,
-                           num_blocks: int, block_size: int):
+                           num_blocks: int, block_size: int, shard=None):
     from npuspec.models.draft_loading import load_draft
     from npuspec.models.packing import pack_draft
     from npuspec.runtime.eagle import EagleProposer, MedusaProposer
     path = target_path if s.method == "mtp" else resolve_draft(s.model)
     module = load_draft(s.method, path, target.config, target, dtype=dtype, device=device,
                         draft_model_config=s.draft_model_config)
+    if shard is not None:  # its layers sharded like the target's (rebound to its shard later)
+        from npuspec.models.tp import shard_draft
+        shard_draft(module, *shard)
     pack_draft(module)  # CPU: fused, packed projections (one kernel call each for q|k|v, gate|up)
     if s.method == "medusa":
         module.check_k(s.num_speculative_tokens)

@@ -133,10 +133,13 @@ class LLM:
             whole, self.model = self.model, shard_model(self.model, tp.rank, tp.world)
             if tp.drafts_from_rank0:  # the ranks' steps return what rank 0's drafter reads
                 features = tp.broadcast_object(features)
-            # a drafter on rank 0 shares the target's embedding, norm and head: those stay
-            # whole there (the drafter must not call the sharded ones alone); the layers go
-            whole.layers = torch.nn.ModuleList()
-            if self.proposer is not None and self.spec.method in HIDDEN_STATE_METHODS:
+            module = getattr(self.proposer, "module", None)
+            if not tp.drafts_from_rank0 and hasattr(module, "bind_target"):
+                module.bind_target(self.model)  # every rank drafts: the shared pieces' shards
+            elif self.proposer is not None and self.spec.method in HIDDEN_STATE_METHODS:
+                # a drafter on rank 0 alone shares the target's embedding, norm and head:
+                # those stay whole there (the sharded ones need every rank); the layers go
+                whole.layers = torch.nn.ModuleList()
                 pack_model(whole)
         pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         dsc = args.confidence_budget_config(self.spec)

@@ -228,6 +228,27 @@ def _init_group(backend: str, init_method: str, rank: int, world: int) -> None:
         timeout=datetime.timedelta(seconds=_timeout()))
 
 
+def _init_watching(tp: TP, backend: str, init_method: str, world: int) -> None:
+    """Rank 0's rendezvous, watching its workers: one that dies before joining would
+    otherwise leave rank 0 waiting for it until the timeout."""
+    import threading
+    err: list[BaseException] = []
+
+    def join():
+        try:
+            _init_group(backend, init_method, 0, world)
+        except BaseException as e:  # noqa: B902 - re-raised by the caller's thread
+            err.append(e)
+
+    t = threading.Thread(target=join, name="npuspec-tp-init", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+        tp.check_alive()  # WorkerDied naming the rank
+    if err:
+        raise err[0]
+
+
 def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> TP:
     """Join (or, as rank 0 of "mp", first launch) the tensor-parallel group of `world` ranks.
     `llm_kwargs`: the LLM's arguments, which every spawned worker builds its engine from."""
@@ -255,7 +276,10 @@ def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> 
         torch.cuda.set_device(dev)
     tp = TP(rank, world, launcher, dev, workers, store_dir)
     try:
-        _init_group(backend, init_method, rank, world)
+        if workers:
+            _init_watching(tp, backend, init_method, world)
+        else:
+            _init_group(backend, init_method, rank, world)
         tp.cpu_group = (torch.distributed.group.WORLD if backend == "gloo"
                         else torch.distributed.new_group(backend="gloo"))
     except BaseException as e:

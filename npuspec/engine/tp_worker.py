@@ -8,6 +8,7 @@ generator draws what rank 0's does), "abort", "step", "stop". It exits when the 
 from __future__ import annotations
 
 import signal
+import sys
 import traceback
 
 
@@ -21,7 +22,7 @@ def main(rank: int, world: int, init_method: str, llm_kwargs: dict, conn) -> Non
         llm = LLM(**llm_kwargs)
     except BaseException as e:  # noqa: B902 - every failure goes back to rank 0
         _report(conn, rank, e)
-        return
+        sys.exit(1)
     conn.send(("ready",))
     try:
         _loop(conn, llm)
@@ -29,8 +30,9 @@ def main(rank: int, world: int, init_method: str, llm_kwargs: dict, conn) -> Non
         pass  # rank 0 is gone
     except BaseException as e:  # noqa: B902
         _report(conn, rank, e)
-    finally:
         llm.tp.shutdown()
+        sys.exit(1)
+    llm.tp.shutdown()
 
 
 def _loop(conn, llm) -> None:

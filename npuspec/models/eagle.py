@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuspec.kernels.collectives import tp_all_reduce
 from npuspec.kernels.paged_attention import paged_attention
 from npuspec.kernels.linear_packed_cpu import linear_packed
 from npuspec.models.decoder import (AttnMetadata, PagedKVCache, RMSNorm, _linear, _rotate_half,
@@ -50,10 +51,12 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # qwen3: RMSNorm over head_dim before RoPE
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.tp_world = 1  # > 1: sharded by heads (npuspec.models.tp.shard_draft)
 
     def forward(self, x, cos, sin, attend):
         q, k, v = self.project(x, cos, sin)
-        return _linear(attend(q, k, v), self.o_proj)  # [B, T, H]
+        o = _linear(attend(q, k, v), self.o_proj)  # [B, T, H]
+        return tp_all_reduce(o) if self.tp_world > 1 else o
 
     def project(self, x, cos, sin):
         """x [B, T, in_dim] -> q [B, T, Hq, D], k/v [B, T, Hkv, D], normed and rotated."""
@@ -81,6 +84,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(H, I, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(I, H, bias=cfg.mlp_bias)
+        self.tp_world = 1  # > 1: sharded by columns (npuspec.models.tp.shard_draft)
 
     def forward(self, x):
         if getattr(self, "gate_up_packed", None) is not None:  # packing.pack_draft
@@ -88,7 +92,8 @@ class MLP(nn.Module):
                                      2 * self.down_proj.in_features).chunk(2, dim=-1)
         else:
             gate, up = _linear(x, self.gate_proj), _linear(x, self.up_proj)
-        return _linear(F.silu(gate) * up, self.down_proj)
+        o = _linear(F.silu(gate) * up, self.down_proj)
+        return tp_all_reduce(o) if self.tp_world > 1 else o
 
 
 class DraftLayer(nn.Module):

@@ -119,3 +119,45 @@ def shard_model(model: DecoderLM, rank: int, world: int) -> DecoderLM:
         _set(shard.lm_head, _vocab_rows(model.lm_head.weight.detach(), start, rows), None)
     shard.tp = TPShard(rank, world, start, rows)
     return shard.eval().requires_grad_(False)
+
+
+def shard_draft(module: nn.Module, rank: int, world: int) -> nn.Module:
+    """Shard a KV-carrying drafter's decoder layers in place (npuspec.models.eagle's
+    Attention and MLP: EAGLE, EAGLE-3, MTP, DFlash, DSpark) the way shard_model shards the
+    target's. Everything else the drafter owns (fc, norms, its own embedding or LM head,
+    Medusa's residual blocks) stays whole on every rank; what it shares with the target is
+    the target's shard, so each rank must run the drafter (draft_tensor_parallel_size = N).
+    Call before npuspec.models.packing.pack_draft."""
+    from npuspec.models.eagle import MLP, Attention
+    cfg = module.config
+    if any(isinstance(m, (Attention, MLP)) for m in module.modules()):
+        check_shardable(cfg, world, "speculative_config.draft_tensor_parallel_size")
+    for m in module.modules():
+        if isinstance(m, Attention):
+            Hq, Hkv, D = m.shape
+            hq, hkv = Hq // world, Hkv // world
+            for name, n in (("q_proj", hq), ("k_proj", hkv), ("v_proj", hkv)):
+                lin = getattr(m, name)
+                b = None if lin.bias is None else _rows(lin.bias, rank * n * D, n * D)
+                _set(lin, _rows(lin.weight, rank * n * D, n * D), b)
+                lin.out_features = n * D
+            _row_parallel(m.o_proj, rank, hq * D)
+            m.shape = (hq, hkv, D)
+            m.tp_world = world
+        elif isinstance(m, MLP):
+            n = m.down_proj.in_features // world
+            for lin in (m.gate_proj, m.up_proj):
+                b = None if lin.bias is None else _rows(lin.bias, rank * n, n)
+                _set(lin, _rows(lin.weight, rank * n, n), b)
+                lin.out_features = n
+            _row_parallel(m.down_proj, rank, n)
+            m.tp_world = world
+    object.__setattr__(module, "config", local_config(cfg, world))  # its KV pool's heads
+    return module
+
+
+def _row_parallel(lin: nn.Linear, rank: int, n: int) -> None:
+    """Keep input columns [rank * n, (rank+1) * n); the bias counts once (rank 0)."""
+    _set(lin, lin.weight[:, rank * n:(rank + 1) * n],
+         None if lin.bias is None else lin.bias * (rank == 0))
+    lin.in_features = n

@@ -20,10 +20,18 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0)
 SPECS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+    # the head on rank 0 beside the target's shard
     "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3,
                "draft_tensor_parallel_size": 1},
-    # a draft model is sharded with the target by default (vLLM's default: N)
+    # model drafters are sharded with the target by default (vLLM's default: N)
+    "eagle3-tp2": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3},
+    "eagle-tp2": {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 3},
+    "mtp-tp2": {"method": "mtp", "num_speculative_tokens": 1},
+    "dflash-tp2": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 3},
+    "medusa-tp2": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
     "draft_model": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3},
+    "draft_model-tp1": {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 3,
+                        "draft_tensor_parallel_size": 1},
 }
 
 
@@ -123,10 +131,6 @@ def test_a_second_tp_llm_after_shutdown():
      "distributed_executor_backend='ray': use one of 'mp', 'external_launcher'"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "external_launcher"},
      "needs a launcher: start the script with torchrun"),
-    ({"tensor_parallel_size": 2, "speculative_config": {**SPECS["eagle3"],
-                                                        "draft_tensor_parallel_size": 2}},
-     "draft_tensor_parallel_size=2: with tensor_parallel_size=2, npuspec shards only a draft "
-     "model"),
     ({"tensor_parallel_size": 2, "speculative_config": {**SPECS["ngram"],
                                                         "draft_tensor_parallel_size": 3}},
      "draft_tensor_parallel_size=3: must be 1 or the target's tensor_parallel_size \\(2\\)"),
@@ -151,3 +155,30 @@ def test_torchrun_external_launcher_ranks_agree_with_one_device():
     ref = _tokens(_llm(1, spec).generate(["def fib(n):", "The quick brown fox"],
                                          SamplingParams(max_tokens=20, temperature=0)))
     assert lines[0]["tokens"] == lines[1]["tokens"] == ref
+
+
+def test_a_worker_dying_at_start_up_is_named_not_waited_for(monkeypatch):
+    """SIGKILL rank 1 as soon as it exists: LLM(...) raises WorkerDied naming it, long
+    before NPUSPEC_TP_TIMEOUT (set high here so a wait would show)."""
+    import multiprocessing as mp
+    monkeypatch.setenv("NPUSPEC_TP_TIMEOUT", "300")
+    stop = threading.Event()
+
+    def killer():
+        while not stop.is_set():
+            for p in mp.active_children():
+                if p.name == "npuspec-tp1" and p.pid:
+                    os.kill(p.pid, signal.SIGKILL)
+                    return
+            time.sleep(0.01)
+
+    threading.Thread(target=killer, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerDied, match=r"worker rank 1 \(pid \d+\) was killed by SIGKILL"):
+            _llm(2, None)
+    finally:
+        stop.set()
+    assert time.monotonic() - t0 < 60
+    import torch.distributed as dist
+    assert not dist.is_initialized()

@@ -117,22 +117,28 @@ def _alive_children(pids: list[int]) -> list[int]:
     return alive
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_dead_engine_process_fails_requests_with_503_not_a_hang(start_server):
-    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
-                     "--threads", "1")
-    engine, = _children(s.proc.pid)
-    body = {"model": "tiny", "prompt": "def f(x):\n", "max_tokens": 200, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+def _kill_mid_stream(s, pid: int, max_tokens: int):
+    """SIGKILL `pid` after a stream's third line -> (the request body, its 503 error)."""
+    body = {"model": "tiny", "prompt": "def f(x):\n", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "ignore_eos": True}
     lines = []
     with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             lines.append(line)
             if len(lines) == 3:
-                os.kill(engine, signal.SIGKILL)  # mid-stream
+                os.kill(pid, signal.SIGKILL)  # mid-stream
     errors = [json.loads(x[6:]) for x in lines if x.startswith("data: {\"error\"")]
     assert errors and errors[0]["error"]["code"] == 503, lines[-3:]
-    assert "engine process exited" in errors[0]["error"]["message"]
+    return body, errors[0]["error"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_dead_engine_process_fails_requests_with_503_not_a_hang(start_server):
+    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+                     "--threads", "1")
+    engine, = _children(s.proc.pid)
+    body, error = _kill_mid_stream(s, engine, 200)
+    assert "engine process exited" in error["message"]
     assert httpx.get(s.url + "/health", timeout=10).status_code == 503
     r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=10)
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
@@ -166,3 +172,16 @@ def test_tensor_parallel_server_matches_one_device_and_exits_clean(start_server)
     assert s.proc.wait(60) == 0
     time.sleep(0.5)
     assert _alive_children([engine, worker]) == [], "a process outlived the server"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_tensor_parallel_dead_worker_fails_requests_naming_the_rank(start_server):
+    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "512",
+                     "--tensor-parallel-size", "2")
+    engine, = _children(s.proc.pid)
+    worker, = _children(engine)
+    _, error = _kill_mid_stream(s, worker, 400)
+    assert "worker rank 1" in error["message"], error
+    assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.proc.wait(60) == 0
