@@ -176,6 +176,23 @@ def tp_timeout() -> float:
     return 600.0 if x is None else x
 
 
+TP_CPU_COMMS = ("shm", "gloo")
+
+
+def _parse_comm(name: str, v: str) -> str:
+    if v not in TP_CPU_COMMS:
+        raise EnvError(f"{name}={v!r}: use 'shm' (same-host ranks exchange through shared "
+                       f"memory, the default) or 'gloo'; or unset it")
+    return v
+
+
+def tp_cpu_comm() -> str:
+    """NPUSPEC_TP_CPU_COMM: how CPU ranks of the "mp" launcher exchange activations: 'shm'
+    (shared memory, default) or 'gloo' (torch.distributed's TCP transport)."""
+    v = _once("NPUSPEC_TP_CPU_COMM", _parse_comm)
+    return "shm" if v is None else v
+
+
 def _parse_bool(name: str, v: str) -> bool:
     s = v.strip().lower()
     if s in ("1", "true", "yes", "on"):
@@ -237,6 +254,7 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_CACHE_LOCK_TIMEOUT": cache_lock_timeout,
     "NPUSPEC_DEBUG": debug,
     "NPUSPEC_TP_TIMEOUT": tp_timeout,
+    "NPUSPEC_TP_CPU_COMM": tp_cpu_comm,
 }
 
 

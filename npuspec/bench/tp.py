@@ -5,6 +5,7 @@ tokens must be identical (a mismatch exits 1).
 
     npuspec bench tp                                  # embedded model, N=2, none and ngram
     npuspec bench tp --model SmolLM2-135M-Instruct.Q4_1.gguf --tp 3 --max-num-seqs 1,4
+    npuspec bench tp --cpu-comm gloo                  # torch.distributed's TCP transport
 
 On a CPU the N ranks split the cores (each gets cores/N threads; the N=1 engine runs on all
 of them), so this measures the communication's cost more than it shows a speedup: the ranks
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=positive, default=1024)
     p.add_argument("--prompts", default=None, help="as npuspec demo --prompts")
     p.add_argument("--rounds", type=positive, default=3)
+    p.add_argument("--cpu-comm", choices=("shm", "gloo"), default="shm",
+                   help="how CPU ranks exchange activations (NPUSPEC_TP_CPU_COMM; default shm)")
     p.add_argument("--json", default=None, metavar="PATH")
     return p
 
@@ -88,6 +91,7 @@ def run(args) -> int:
     from npuspec.cli import common
     from npuspec.cli.prompts import load_prompts
 
+    os.environ["NPUSPEC_TP_CPU_COMM"] = args.cpu_comm  # the spawned ranks inherit it
     mdir = common.model_dir(args.model)
     prompts = load_prompts(args.prompts, model=mdir)
     cores = os.cpu_count() or 1
@@ -111,7 +115,8 @@ def run(args) -> int:
     print_table(rows, title=f"npuspec bench tp: {mdir}, {len(prompts)} prompts x "
                             f"{args.max_tokens} tokens, greedy, K={args.k}, TP=1 on {cores} "
                             f"threads vs TP={args.tp} ranks on {max(1, cores // args.tp)} "
-                            f"each, median of {args.rounds} alternated rounds; per-step figures "
+                            f"each ({args.cpu_comm} collectives), median of {args.rounds} "
+                            f"alternated rounds; per-step figures "
                             f"are rank 0's, per engine iteration (prefill and verify)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

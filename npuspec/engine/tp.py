@@ -67,6 +67,7 @@ class TP:
         self.drafts_from_rank0 = True  # set by the LLM once it knows its drafter
         self.dead: Optional[str] = None
         self.closed = False
+        self.shm = None  # kernels.shm_collectives.ShmComm, when the ranks use it
 
     @property
     def mirrors(self) -> bool:
@@ -193,6 +194,9 @@ class TP:
             w.conn.close()
         from npuspec.kernels import collectives
         collectives.set_group(None)
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if torch.distributed.is_initialized():
             try:
                 torch.distributed.destroy_process_group()
@@ -268,13 +272,22 @@ def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> 
         init_method = "env://"
     else:                                        # rank 0 of "mp": spawn the others
         rank = local = 0
-        store_dir = tempfile.mkdtemp(prefix="npuspec-tp-")  # 0700: only we can rendezvous
+        # 0700: only we can rendezvous (and map the shared-memory file); tmpfs when there is one
+        shm_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        store_dir = tempfile.mkdtemp(prefix="npuspec-tp-", dir=shm_root)
         init_method = "file://" + os.path.join(store_dir, "store")
+        shm = _shm_comm(device, 0, world, store_dir)  # before any worker opens it
         workers = _spawn(world, init_method, llm_kwargs)
     dev = device_for(device, local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     tp = TP(rank, world, launcher, dev, workers, store_dir)
+    if WORKER is not None:
+        shm = _shm_comm(device, rank, world, os.path.dirname(init_method[len("file://"):]))
+    elif launcher == "external_launcher":
+        shm = None  # torchrun's ranks may be on other hosts
+    if shm is not None:
+        shm.alive = tp.check_alive if rank == 0 else _parent_alive(os.getppid())
     try:
         if workers:
             _init_watching(tp, backend, init_method, world)
@@ -288,12 +301,35 @@ def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> 
         finally:
             tp.shutdown()
         raise
-    collectives.set_group(torch.distributed.group.WORLD)
+    collectives.set_group(torch.distributed.group.WORLD, shm)
+    tp.shm = shm
     if device.type == "cpu" and launcher == "mp":
         # N ranks on one host share its cores: without this each would run one thread per
         # core and they would stall each other (OpenMP spin-waits)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return tp
+
+
+SHM_CAP = 16 << 20  # bytes per rank and op: a batch of 16 x (K+1) rows of 48k-vocab logits
+
+
+def _shm_comm(device: torch.device, rank: int, world: int, d: str):
+    """Same-host CPU ranks' shared-memory collectives, or None (gloo) when NPUSPEC_TP_CPU_COMM
+    says gloo, the device is not the CPU, or the kernel cannot be built (logged once)."""
+    from npuspec import envs
+    from npuspec.kernels import shm_collectives
+    if device.type != "cpu" or envs.tp_cpu_comm() != "shm" or not shm_collectives.available():
+        return None
+    return shm_collectives.ShmComm(os.path.join(d, "shm"), rank, world, SHM_CAP,
+                                   create=rank == 0, alive=None, timeout=_timeout())
+
+
+def _parent_alive(ppid: int):
+    """A worker's check while it waits on its peers: rank 0 (its parent) still runs."""
+    def check():
+        if os.getppid() != ppid:
+            raise WorkerDied("tensor-parallel rank 0 exited; this worker stops")
+    return check
 
 
 def _spawn(world: int, init_method: str, llm_kwargs: dict) -> list[Worker]:

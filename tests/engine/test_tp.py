@@ -92,12 +92,14 @@ def test_step_api_mirrors_add_abort_step():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL")
 def test_dead_worker_fails_the_call_naming_its_rank_not_a_hang():
-    llm = _llm(2, SPECS["ngram"])
+    llm = LLM("tiny", speculative_config=SPECS["ngram"], tensor_parallel_size=2,
+              max_model_len=2048, max_num_seqs=4, compilation_config=EAGER)
     pid = llm.tp.workers[0].proc.pid
     t_kill = []
 
-    def kill():
-        time.sleep(1.0)
+    def kill():  # once the requests decode
+        while not llm._sched.running:
+            time.sleep(0.001)
         t_kill.append(time.monotonic())
         os.kill(pid, signal.SIGKILL)
 
@@ -114,15 +116,23 @@ def test_dead_worker_fails_the_call_naming_its_rank_not_a_hang():
 
 
 def _llm_generate_forever(llm, params):
-    llm.generate(["def fib(n):"] * 3, params)  # 2000 tokens: far longer than the kill's 1 s
+    llm.generate(["def fib(n):"] * 3, params)  # 2000 tokens: the kill comes first
     return llm
 
 
-def test_a_second_tp_llm_after_shutdown():
+def test_a_second_tp_llm_after_shutdown_and_gloo_collectives_agree(monkeypatch):
+    """The second engine's CPU ranks exchange through gloo instead of shared memory
+    (NPUSPEC_TP_CPU_COMM, inherited by the spawned worker): same tokens."""
     with _llm(2, None) as llm:
+        assert llm.tp.shm is not None  # the default on the CPU
         first = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+    monkeypatch.setenv("NPUSPEC_TP_CPU_COMM", "gloo")
     with _llm(2, None) as llm:
+        assert llm.tp.shm is None
+        from npuspec.kernels import collectives
+        collectives.reset_comm()
         assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
+        assert collectives.COMM["all_reduce"] > 0 and collectives.COMM["shm"] == 0
 
 
 @pytest.mark.parametrize("kw, match", [
