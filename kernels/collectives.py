@@ -108,11 +108,3 @@ def tp_all_gather(x: torch.Tensor, world: int) -> torch.Tensor:
 def _(x, world):
     return x.new_empty((*x.shape[:-1], x.shape[-1] * world))
 
-
-def all_reduce_reference(parts: list[torch.Tensor]) -> torch.Tensor:
-    """What tp_all_reduce returns on every rank, given each rank's input (for tests)."""
-    return torch.stack(parts).sum(0)
-
-
-def all_gather_reference(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(parts, dim=-1)
