@@ -193,6 +193,11 @@ def tp_cpu_comm() -> str:
     return "shm" if v is None else v
 
 
+def set_tp_cpu_comm(v: str) -> None:
+    """Set NPUSPEC_TP_CPU_COMM for this process and the ranks it spawns (bench tp --cpu-comm)."""
+    os.environ["NPUSPEC_TP_CPU_COMM"] = _parse_comm("NPUSPEC_TP_CPU_COMM", v)
+
+
 def _parse_bool(name: str, v: str) -> bool:
     s = v.strip().lower()
     if s in ("1", "true", "yes", "on"):

@@ -91,7 +91,8 @@ def run(args) -> int:
     from npuspec.cli import common
     from npuspec.cli.prompts import load_prompts
 
-    os.environ["NPUSPEC_TP_CPU_COMM"] = args.cpu_comm  # the spawned ranks inherit it
+    from npuspec import envs
+    envs.set_tp_cpu_comm(args.cpu_comm)  # the spawned ranks inherit it
     mdir = common.model_dir(args.model)
     prompts = load_prompts(args.prompts, model=mdir)
     cores = os.cpu_count() or 1

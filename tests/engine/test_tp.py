@@ -152,14 +152,14 @@ def test_bad_tp_arguments_fail_before_any_process_starts(kw, match):
     assert not dist.is_initialized()
 
 
-def test_torchrun_external_launcher_ranks_agree_with_one_device():
+def test_torchrun_external_launcher_ranks_agree_with_one_device(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     main = os.path.join(os.path.dirname(__file__), "tp_torchrun_main.py")
     spec = SPECS["ngram"]
-    r = subprocess.run([torchrun, "--nproc-per-node", "2", main, json.dumps(spec)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", main, json.dumps(spec),
+                        str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    lines = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert sorted(x["rank"] for x in lines) == [0, 1]
     assert all(x["launcher"] == "external_launcher" for x in lines)
     ref = _tokens(_llm(1, spec).generate(["def fib(n):", "The quick brown fox"],
