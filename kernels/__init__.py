@@ -14,8 +14,8 @@ from npuspec.kernels import accept  # noqa: F401,E402  (registers npuspec::greed
 
 @functools.lru_cache(maxsize=None)
 def prebuild_cpu_kernels() -> None:
-    """Compile the CPU kernels' C++ (packed linear, add+RMSNorm, paged attention, fused verify)
-    on two background threads.
+    """Compile the CPU kernels' C++ (packed linear, add+RMSNorm, paged attention, fused verify,
+    the suffix proposer) on two background threads.
 
     Each library compiles on first use (g++, 1-4 s apiece once Inductor's precompiled
     cpp_prefix.h exists; the first build makes it, ~8 s, kernels/cpp_build.py). An engine
@@ -32,7 +32,8 @@ def prebuild_cpu_kernels() -> None:
     import torch._inductor.cpp_builder  # noqa: F401
     import torch._inductor.cpu_vec_isa  # noqa: F401
     # two g++ runs at a time (these machines have 2+ cores)
-    for chain in (("linear_packed_cpu", "paged_attention_cpu"), ("rms_norm_cpu", "verify_cpu")):
+    for chain in (("linear_packed_cpu", "paged_attention_cpu"),
+                  ("rms_norm_cpu", "verify_cpu", "suffix_cpu")):
         threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",
                          daemon=True).start()
 

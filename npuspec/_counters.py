@@ -17,6 +17,7 @@ KNOWN = (
     "cache_hits",
     "cache_misses",
     "cache_rejected",
+    "suffix_native_fallback",  # a SuffixProposer that runs the Python reference (no library)
 )
 
 

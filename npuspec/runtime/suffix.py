@@ -1,5 +1,11 @@
 """Suffix decoding (SuffixDecoding, arXiv 2411.04975; Arctic Inference), pure Python.
 
+`SuffixProposerReference` below is the reference implementation. The public `SuffixProposer`
+(npuspec/runtime/suffix_native.py; also importable from here) runs a C++ port of exactly this
+algorithm (kernels/suffix_cpu_source.py) whose drafts and probabilities are bitwise equal to
+these (tests/runtime/test_suffix_native.py), and falls back to this class when the port cannot
+be compiled. A change to the algorithm here must be made there too.
+
 What it computes (the quantities of Arctic Inference's suffix trees, DESIGN.md §4):
   * two "trees": one per request over its own tokens (prompt + what it emitted so far), and one
     global tree over the responses of previous and running requests, FIFO-evicted once more than
@@ -37,6 +43,7 @@ the search stops after _WORK occurrence-tokens, so propose stays bounded (~1 ms 
 from __future__ import annotations
 
 import gc
+import math
 from typing import Sequence
 
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
@@ -49,6 +56,8 @@ _SEARCH = ((_LONG, 256), (_H - 1, 256))
 _WORK = 2048  # occurrences x tokens walked by _path per tree and propose; then shorter matches
 #               are skipped (the exact 1..2-token table still answers)
 _LEVELS = tuple(sorted(k for k, _ in _SEARCH))
+_COMPACT_MIN = 4096  # the global tree drops evicted references once they outnumber both
+#                      this and the live tokens (until then windows still count them)
 _B = 32  # bits per token in a packed string key: key(s + t) = key(s) << _B | t, key(()) = 1
 _MASK = (1 << _B) - 1
 _HJ = [1 << (_B * j) for j in range(_LONG + 1)]  # key(s) = _HJ[len(s)] | packed tokens of s
@@ -282,7 +291,7 @@ class _Tree:
             tl = cur[:_H]
         self.live -= len(seq)
         self.dead += len(seq)
-        if self.dead > max(self.live, 4096):
+        if self.dead > max(self.live, _COMPACT_MIN):
             self._compact()
 
     def _compact(self) -> None:
@@ -312,6 +321,11 @@ class _Tree:
 
 def _age(r):
     return r[1]
+
+
+def _budget(x: float, K: int) -> int:
+    """max(0, min(K, int(x))) without int()'s OverflowError when m * f overflows to inf."""
+    return K if x >= K else (int(x) if x >= 1 else 0)
 
 
 def _path(refs, seqs, need: int, denom: int, min_prob: float):
@@ -352,27 +366,38 @@ def _path(refs, seqs, need: int, denom: int, min_prob: float):
     return toks, probs
 
 
-class SuffixProposer:
+def check_params(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob,
+                 max_spec_offset) -> None:
+    """The constructor checks both implementations share (same errors, same messages)."""
+    if not isinstance(max_tree_depth, int) or isinstance(max_tree_depth, bool) \
+            or max_tree_depth < 1:
+        raise ValueError(f"SuffixProposer: max_tree_depth={max_tree_depth!r} must be an "
+                         "int >= 1 (default 24)")
+    if not isinstance(max_cached_requests, int) or isinstance(max_cached_requests, bool) \
+            or max_cached_requests < 0:
+        raise ValueError(f"SuffixProposer: max_cached_requests={max_cached_requests!r} must "
+                         "be an int >= 0 (0 disables the global tree; default 10000)")
+    # finite: an infinite factor or offset made int(m * f + off) raise inside propose
+    if not isinstance(max_spec_factor, (int, float)) or not 0 < max_spec_factor < math.inf:
+        raise ValueError(f"SuffixProposer: max_spec_factor={max_spec_factor!r} must be a "
+                         "finite number > 0 (default 1.0)")
+    if not isinstance(min_token_prob, (int, float)) or not 0 <= min_token_prob <= 1:
+        raise ValueError(f"SuffixProposer: min_token_prob={min_token_prob!r} must be in "
+                         "[0, 1] (default 0.1)")
+    if not isinstance(max_spec_offset, (int, float)) or not math.isfinite(max_spec_offset):
+        raise ValueError(f"SuffixProposer: max_spec_offset={max_spec_offset!r} must be a "
+                         "finite number (default 0.0)")
+
+
+class SuffixProposerReference:
+    """The pure-Python suffix proposer: the oracle of the compiled `SuffixProposer`, and what
+    that runs when its library cannot be built."""
+
     def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
                  max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
                  max_spec_offset: float = 0.0):
-        if not isinstance(max_tree_depth, int) or isinstance(max_tree_depth, bool) \
-                or max_tree_depth < 1:
-            raise ValueError(f"SuffixProposer: max_tree_depth={max_tree_depth!r} must be an "
-                             "int >= 1 (default 24)")
-        if not isinstance(max_cached_requests, int) or isinstance(max_cached_requests, bool) \
-                or max_cached_requests < 0:
-            raise ValueError(f"SuffixProposer: max_cached_requests={max_cached_requests!r} must "
-                             "be an int >= 0 (0 disables the global tree; default 10000)")
-        if not isinstance(max_spec_factor, (int, float)) or not max_spec_factor > 0:
-            raise ValueError(f"SuffixProposer: max_spec_factor={max_spec_factor!r} must be a "
-                             "number > 0 (default 1.0)")
-        if not isinstance(min_token_prob, (int, float)) or not 0 <= min_token_prob <= 1:
-            raise ValueError(f"SuffixProposer: min_token_prob={min_token_prob!r} must be in "
-                             "[0, 1] (default 0.1)")
-        if not isinstance(max_spec_offset, (int, float)) or max_spec_offset != max_spec_offset:
-            raise ValueError(f"SuffixProposer: max_spec_offset={max_spec_offset!r} must be a "
-                             "number (default 0.0)")
+        check_params(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob,
+                     max_spec_offset)
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = float(max_spec_factor)
@@ -442,6 +467,12 @@ class SuffixProposer:
         ks = per_request_k(req_ids, max_tokens)
         return [self.propose_with_probs(r, k)[0] for r, k in zip(req_ids, ks)]
 
+    def propose_batch_with_probs(self, req_ids: Sequence[str], max_tokens: int | Sequence[int]
+                                 ) -> list[tuple[list[int], list[float]]]:
+        """`propose_with_probs` for each request: [(tokens, probs), ...]."""
+        ks = per_request_k(req_ids, max_tokens)
+        return [self.propose_with_probs(r, k) for r, k in zip(req_ids, ks)]
+
     def propose_with_probs(self, req_id: str, k: int) -> tuple[list[int], list[float]]:
         """Draft for one request plus each token's estimated probability (non-increasing;
         prob_j / prob_{j-1} is the per-position confidence a dynamic-K budget can use)."""
@@ -468,7 +499,7 @@ class SuffixProposer:
         lim = self._lim.get(K)
         if lim is None:
             D, f, off = self.max_tree_depth, self.max_spec_factor, self.max_spec_offset
-            need = [max(0, min(K, int(m * f + off + 1e-6))) for m in range(D + 1)]
+            need = [_budget(m * f + off + 1e-6, K) for m in range(D + 1)]
             caps = [min(need[m], D - m) for m in range(D + 1)]
             span = [[0] * (D + 1) for _ in range(D + 1)]
             for lo in range(D + 1):
@@ -600,3 +631,12 @@ class SuffixProposer:
             if score > best:
                 best, best_t, best_p = score, t_, p_
         return best_t, best_p, best
+
+
+def __getattr__(name):
+    # the public SuffixProposer (compiled, falling back to the reference above) lives in
+    # suffix_native, which imports this module: a lazy attribute keeps the import acyclic
+    if name == "SuffixProposer":
+        from npuspec.runtime.suffix_native import SuffixProposer
+        return SuffixProposer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
