@@ -1,4 +1,8 @@
-"""NgramProposer and SuffixProposer: edge cases, and equality with brute-force references."""
+"""NgramProposer and SuffixProposer: edge cases, and equality with brute-force references.
+
+The suffix tests run on both implementations: the public (compiled) SuffixProposer and the
+Python SuffixProposerReference; those that read the trees' internals run on the reference
+(tests/runtime/test_suffix_native.py checks that the two agree exactly)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +13,9 @@ from hypothesis import given, settings, strategies as st
 
 from npuspec.runtime import NgramProposer, Proposer, SuffixProposer
 from npuspec.runtime import suffix as suffix_mod
+from npuspec.runtime.suffix import SuffixProposerReference
+
+SUFFIX = [SuffixProposer, SuffixProposerReference]
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True)
 
@@ -77,7 +84,7 @@ def suffix_reference(local, responses, ctx, K, D, f, pmin):
 
 
 # -- shared API behaviour -----------------------------------------------------------------
-@pytest.mark.parametrize("make", [NgramProposer, SuffixProposer])
+@pytest.mark.parametrize("make", [NgramProposer, *SUFFIX])
 def test_protocol_and_lifecycle_errors(make):
     p = make()
     assert isinstance(p, Proposer)
@@ -100,7 +107,7 @@ def test_protocol_and_lifecycle_errors(make):
     p.start_request("a", [4])  # an id may be reused after stop_request
 
 
-@pytest.mark.parametrize("make", [NgramProposer, SuffixProposer])
+@pytest.mark.parametrize("make", [NgramProposer, *SUFFIX])
 def test_empty_context_and_k_zero(make):
     p = make(1, 1) if make is NgramProposer else make()
     p.start_request("e", [])
@@ -121,20 +128,25 @@ def test_constructor_errors_name_the_value():
         NgramProposer(prompt_lookup_min=0)
     with pytest.raises(ValueError, match="prompt_lookup_min=4 > prompt_lookup_max=2"):
         NgramProposer(4, 2)
-    with pytest.raises(ValueError, match="max_tree_depth=0"):
-        SuffixProposer(max_tree_depth=0)
-    with pytest.raises(ValueError, match="max_cached_requests=-1"):
-        SuffixProposer(max_cached_requests=-1)
-    with pytest.raises(ValueError, match="max_spec_factor=0"):
-        SuffixProposer(max_spec_factor=0)
-    with pytest.raises(ValueError, match="min_token_prob=1.5"):
-        SuffixProposer(min_token_prob=1.5)
-    p = SuffixProposer()
-    with pytest.raises(ValueError, match="token id -3"):
-        p.start_request("a", [1, -3])
-    p.start_request("a", [1])
-    with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
-        p.extend("a", [2 ** 32])
+    for make in SUFFIX:
+        with pytest.raises(ValueError, match="max_tree_depth=0"):
+            make(max_tree_depth=0)
+        with pytest.raises(ValueError, match="max_cached_requests=-1"):
+            make(max_cached_requests=-1)
+        with pytest.raises(ValueError, match="max_spec_factor=0"):
+            make(max_spec_factor=0)
+        with pytest.raises(ValueError, match="max_spec_factor=inf must be a finite"):
+            make(max_spec_factor=float("inf"))
+        with pytest.raises(ValueError, match="max_spec_offset=-inf must be a finite"):
+            make(max_spec_offset=float("-inf"))
+        with pytest.raises(ValueError, match="min_token_prob=1.5"):
+            make(min_token_prob=1.5)
+        p = make()
+        with pytest.raises(ValueError, match="token id -3"):
+            p.start_request("a", [1, -3])
+        p.start_request("a", [1])
+        with pytest.raises(ValueError, match=r"token id 4294967296 is outside \[0, 2\*\*32\)"):
+            p.extend("a", [2 ** 32])
 
 
 # -- ngram --------------------------------------------------------------------------------
@@ -180,16 +192,17 @@ def test_ngram_matches_brute_force(data):
 
 
 # -- suffix -------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", SUFFIX)
 @SETTINGS
 @given(st.data())
-def test_suffix_matches_brute_force(data):
+def test_suffix_matches_brute_force(make, data):
     V = data.draw(st.integers(2, 5))
     D = data.draw(st.sampled_from([2, 3, 5, 9, 24]))
     f = data.draw(st.sampled_from([0.5, 1.0, 2.0]))
     pmin = data.draw(st.sampled_from([0.0, 0.1, 0.4]))
     use_global = data.draw(st.booleans())
-    p = SuffixProposer(max_tree_depth=D, max_cached_requests=100 if use_global else 0,
-                       max_spec_factor=f, min_token_prob=pmin)
+    p = make(max_tree_depth=D, max_cached_requests=100 if use_global else 0,
+             max_spec_factor=f, min_token_prob=pmin)
     responses = [] if use_global else None
     for r in range(data.draw(st.integers(1, 3))):  # requests run one after another
         rid = f"r{r}"
@@ -212,8 +225,9 @@ def test_suffix_matches_brute_force(data):
         p.stop_request(rid)
 
 
-def test_suffix_counts_and_adaptive_length():
-    p = SuffixProposer(max_cached_requests=0, min_token_prob=0.4)
+@pytest.mark.parametrize("make", SUFFIX)
+def test_suffix_counts_and_adaptive_length(make):
+    p = make(max_cached_requests=0, min_token_prob=0.4)
     # "1 2" occurred 3 times before the context's own tail (which is not counted): followed by
     # 3, 3 and 4; no longer suffix ("7 1 2", ...) occurred before, so m = 2 with a budget of
     # min(K, 2 * factor) = 2 tokens; the second, "1 2 3" -> 9 or 8, has 1/3 < 0.4
@@ -222,30 +236,32 @@ def test_suffix_counts_and_adaptive_length():
     assert toks == [3] and probs == [pytest.approx(2 / 3)]
     p.extend("a", [3])  # "1 2 3": 9 and 8 tie at 1/2 and 9 reached the count first; a budget
     assert p.propose_with_probs("a", 8) == ([9, 1, 2], [0.5] * 3)  # of 3 tokens for m = 3
-    q = SuffixProposer(max_cached_requests=0, min_token_prob=0.0, max_spec_factor=0.5)
+    q = make(max_cached_requests=0, min_token_prob=0.0, max_spec_factor=0.5)
     q.start_request("b", list(range(10)) + list(range(6)))
     toks, _ = q.propose_with_probs("b", 16)  # match of 6 tokens: budget 6 * 0.5 = 3
     assert toks == [6, 7, 8]
 
 
-def test_suffix_max_tree_depth_caps_match_plus_draft():
+@pytest.mark.parametrize("make", SUFFIX)
+def test_suffix_max_tree_depth_caps_match_plus_draft(make):
     seq = list(range(30)) * 3
     for D in (1, 2, 4, 24):
-        p = SuffixProposer(max_tree_depth=D, max_cached_requests=0, max_spec_factor=100.0)
+        p = make(max_tree_depth=D, max_cached_requests=0, max_spec_factor=100.0)
         p.start_request("a", seq[:45])
         toks = p.propose(["a"], 40)[0]
         assert len(toks) <= max(0, D - 1)  # a match has >= 1 token; match + draft <= depth
         assert toks == seq[45:45 + len(toks)]
         if D == 24:  # 1..2-token matches draft <= 3 tokens (count table), so m = 3 wins
             assert len(toks) == 21
-    p = SuffixProposer(max_tree_depth=24, max_cached_requests=0, max_spec_factor=1.0)
+    p = make(max_tree_depth=24, max_cached_requests=0, max_spec_factor=1.0)
     p.start_request("a", seq[:45])
     assert p.propose(["a"], 40) == [seq[45:57]]  # m = 12: budget 12 * factor = depth left
 
 
-def test_suffix_global_tree_fifo_eviction_and_disable():
+@pytest.mark.parametrize("make", SUFFIX)
+def test_suffix_global_tree_fifo_eviction_and_disable(make):
     resp = {r: [100 + 10 * r + i for i in range(8)] for r in range(3)}
-    p = SuffixProposer(max_cached_requests=2, min_token_prob=0.0)
+    p = make(max_cached_requests=2, min_token_prob=0.0)
     for r in range(3):
         p.start_request(f"r{r}", [1, 2])
         p.extend(f"r{r}", resp[r])
@@ -256,14 +272,16 @@ def test_suffix_global_tree_fifo_eviction_and_disable():
     assert p.propose(["q"], 4) == [[]]  # r0 and r1 are gone from the global tree
     p.extend("q", resp[2][:4])
     assert p.propose(["q"], 4) == [resp[2][4:8]]  # r2 is still cached
-    # eviction undoes the counts exactly: the count table equals one built from the survivors
-    fresh = suffix_mod._Tree(evictable=True)
-    for sid in sorted(p._global.seqs):
-        fresh.add_seq(sid, list(p._global.seqs[sid]))
-    assert p._global.cnt == fresh.cnt
-    assert {k: sorted(v) for k, v in p._global.kids.items()} == \
-        {k: sorted(v) for k, v in fresh.kids.items()}
-    off = SuffixProposer(max_cached_requests=0)
+    if make is SuffixProposerReference:
+        # eviction undoes the counts exactly: the count table equals one built from the
+        # survivors
+        fresh = suffix_mod._Tree(evictable=True)
+        for sid in sorted(p._global.seqs):
+            fresh.add_seq(sid, list(p._global.seqs[sid]))
+        assert p._global.cnt == fresh.cnt
+        assert {k: sorted(v) for k, v in p._global.kids.items()} == \
+            {k: sorted(v) for k, v in fresh.kids.items()}
+    off = make(max_cached_requests=0)
     off.start_request("a", [1])
     off.extend("a", resp[0])
     off.stop_request("a")
@@ -272,7 +290,7 @@ def test_suffix_global_tree_fifo_eviction_and_disable():
 
 
 def test_suffix_eviction_compacts_the_index():
-    p = SuffixProposer(max_cached_requests=3, min_token_prob=0.0)
+    p = SuffixProposerReference(max_cached_requests=3, min_token_prob=0.0)
     for r in range(40):
         p.start_request(f"r{r}", [1])
         p.extend(f"r{r}", [(r * 7 + i) % 50 for i in range(300)])
@@ -290,7 +308,7 @@ def test_suffix_eviction_compacts_the_index():
 
 
 def test_suffix_counts_match_scans():
-    p = SuffixProposer(max_cached_requests=0)
+    p = SuffixProposerReference(max_cached_requests=0)
     seq = [1, 2, 1, 2, 3, 1, 2, 1, 3, 3, 2, 1]
     p.start_request("a", seq)
     tree = p._local["a"]
