@@ -12,10 +12,16 @@ traces of one file in order with one instance, so the global suffix tree sees ea
 Printed per file and proposer: tokens/step (= mean acceptance length), accepted/step, steps,
 median us per propose call and per extended token (for ours: the proposer API calls; for the
 peers: the library call a serving engine makes, with inputs already in the library's format).
-Peers when installed: Arctic Inference's SuffixDecodingCache ("arctic-suffix", same parameters)
-and HF transformers' PromptLookupCandidateGenerator ("hf-lookup", max n = prompt_lookup_max).
+Drafters: "ngram", "suffix" (the public SuffixProposer: the compiled port, or the Python
+reference if it could not be built, as its row then says), "suffix-ref" (the Python
+SuffixProposerReference), and the peers when installed: Arctic Inference's
+SuffixDecodingCache ("arctic-suffix", same parameters) and HF transformers'
+PromptLookupCandidateGenerator ("hf-lookup", max n = prompt_lookup_max).
 
-A second table ("targets") times the issue's speed targets on 4096-token contexts.
+A second table ("targets") times the issue's speed targets on 4096-token contexts, including
+the host time of one propose step for a batch of --batch requests (ours: one `propose` call;
+Arctic, which has no batch API: one `speculate` call per request, as vLLM makes them). A third
+puts the suffix drafters side by side.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import time
 from npuspec.bench.make_traces import TRACE_FILES, TRACES_DIR
 from npuspec.bench.table import print_table
 from npuspec.runtime.ngram import NgramProposer
-from npuspec.runtime.suffix import SuffixProposer
+from npuspec.runtime.suffix import SuffixProposer, SuffixProposerReference
 
 
 def load_traces(path: str, limit: int | None = None) -> list[dict]:
@@ -76,6 +82,7 @@ class ArcticSuffix:
         self.a = a
         self.c = SuffixDecodingCache(max_tree_depth=a.max_tree_depth,
                                      max_cached_requests=a.max_cached_requests)
+        self.offset = getattr(a, "max_spec_offset", 0.0)
         self.buf, self.n = {}, {}
 
     def start(self, rid, prompt):
@@ -98,6 +105,7 @@ class ArcticSuffix:
         n = self.n[rid]
         ctx = self.buf[rid][max(0, n - self.a.max_tree_depth):n]
         return self.c.speculate(rid, ctx, max_spec_tokens=k, max_spec_factor=self.a.max_spec_factor,
+                                max_spec_offset=self.offset,
                                 min_token_prob=self.a.min_token_prob).token_ids
 
     def stop(self, rid):
@@ -140,12 +148,20 @@ class HFLookup:
         del self.buf[rid], self.n[rid]
 
 
+def suffix_args(a) -> tuple:
+    return (a.max_tree_depth, a.max_cached_requests, a.max_spec_factor, a.min_token_prob,
+            getattr(a, "max_spec_offset", 0.0))
+
+
+SUFFIX_DRAFTERS = ("suffix", "suffix-ref", "arctic-suffix")
+
+
 def drafters(a, k_max: int, only=()) -> dict:
     """name -> factory of a fresh adapter; peers only when importable (and wanted)."""
     out = {
         "ngram": lambda: Ours(NgramProposer(a.prompt_lookup_min, a.prompt_lookup_max)),
-        "suffix": lambda: Ours(SuffixProposer(a.max_tree_depth, a.max_cached_requests,
-                                              a.max_spec_factor, a.min_token_prob)),
+        "suffix": lambda: Ours(SuffixProposer(*suffix_args(a))),
+        "suffix-ref": lambda: Ours(SuffixProposerReference(*suffix_args(a))),
     }
     try:
         if not only or "arctic-suffix" in only:
@@ -195,7 +211,8 @@ def replay(adapter, traces: list[dict], k: int) -> dict:
         adapter.stop(rid)
     return {"tokens/step": emitted / max(steps, 1), "accepted/step": accepted / max(steps, 1),
             "steps": steps, "us/propose": statistics.median(t_prop) / 1e3 if t_prop else 0.0,
-            "us/extend-token": statistics.median(t_ext) / 1e3 if t_ext else 0.0}
+            "us/extend-token": statistics.median(t_ext) / 1e3 if t_ext else 0.0,
+            "_t_prop": t_prop, "_t_ext": t_ext}
 
 
 # -- speed targets ------------------------------------------------------------------------
@@ -247,21 +264,46 @@ def targets(a, k: int, corpus: list[int], names: dict, n_req: int = 256) -> list
                 row(f"{label}: extend, per token", ext),
                 row(f"{label}: start_request, per prompt token", start)]
 
-    for name in ("ngram", "hf-lookup", "suffix", "arctic-suffix"):
+    for name in ("ngram", "hf-lookup", "suffix", "suffix-ref", "arctic-suffix"):
         if name in names:
             rows += per_request(names[name](), name)
-    for name, p in (("ngram", NgramProposer(a.prompt_lookup_min, a.prompt_lookup_max)),
-                    ("suffix", SuffixProposer(a.max_tree_depth, a.max_cached_requests,
-                                              a.max_spec_factor, a.min_token_prob))):
-        if name not in names:
-            continue
-        ids = [f"b{i}" for i in range(len(ctxs))]
-        for rid, c in zip(ids, ctxs):
-            p.start_request(rid, c[:ctx_len])
-        p.propose(ids, k)
-        rows.append(row(f"{name}: propose, batch of {len(ids)}, ctx 4096",
-                        [timed(lambda: p.propose(ids, k)) for _ in range(20)]))
+    for name in ("ngram", "suffix", "suffix-ref", "arctic-suffix"):
+        if name in names:
+            rows.append(batch_step(names[name](), name, k, ctxs, ctx_len, timed, row))
     return rows
+
+
+def batch_step(ad, name: str, k: int, ctxs: list, ctx_len: int, timed, row) -> dict:
+    """Host time of one propose step over len(ctxs) running requests (median of 20)."""
+    ids = [f"b{i}" for i in range(len(ctxs))]
+    for rid, c in zip(ids, ctxs):
+        ad.start(rid, c[:ctx_len])
+    if isinstance(ad, Ours):
+        p = ad.p
+        step, how = (lambda: p.propose(ids, k)), "one call"
+    else:
+        step, how = (lambda: [ad.propose(rid, k) for rid in ids]), "a call per request"
+    step()
+    r = row(f"{name}: propose, batch of {len(ids)}, ctx 4096 ({how})",
+            [timed(step) for _ in range(20)])
+    for rid in ids:
+        ad.stop(rid)
+    return r
+
+
+def side_by_side(results: dict, target_rows: list[dict], batch: int) -> list[dict]:
+    """One row per suffix drafter: tokens/step over all files, median us per propose call and
+    per extended token over all replayed steps, and the batch step in ms (targets table)."""
+    out = []
+    for name, (emitted, steps, t_prop, t_ext) in results.items():
+        r = {"drafter": name, "tokens/step": emitted / max(steps, 1),
+             "propose us": statistics.median(t_prop) / 1e3 if t_prop else float("nan"),
+             "extend us/token": statistics.median(t_ext) / 1e3 if t_ext else float("nan")}
+        for t in target_rows:
+            if t["what"].startswith(f"{name}: propose, batch of {batch}"):
+                r[f"batch-{batch} step ms"] = t["us"] / 1e3
+        out.append(r)
+    return out
 
 
 def main(argv=None):
@@ -278,6 +320,7 @@ def main(argv=None):
     ap.add_argument("--max-cached-requests", type=int, default=10000)
     ap.add_argument("--max-spec-factor", type=float, default=1.0)
     ap.add_argument("--min-token-prob", type=float, default=0.1)
+    ap.add_argument("--max-spec-offset", type=float, default=0.0)
     a = ap.parse_args(argv)
     try:
         ks = [int(x) for x in a.k.split(",")]
@@ -292,30 +335,54 @@ def main(argv=None):
         if unknown:
             ap.error(f"--only {unknown}: known (installed) drafters are {sorted(names)}")
         names = {n: f for n, f in names.items() if n in want}
+    if "suffix" in names and not SuffixProposer().native:
+        print("note: the compiled suffix proposer could not be built (see the warning above); "
+              "'suffix' runs the Python reference")
     data = {p: load_traces(p, a.limit) for p in paths}
+    first: dict = {}
     for k in ks:
-        rows = []
-        tot: dict[str, list[float]] = {n: [0, 0] for n in names}
-        for path, traces in data.items():
-            for name, make in names.items():
-                r = replay(make(), traces, k)
-                tot[name][0] += r["tokens/step"] * r["steps"]
-                tot[name][1] += r["steps"]
-                rows.append({"traces": os.path.basename(path), "drafter": name, **r})
-        for name in names:
-            e, s = tot[name]
-            rows.append({"traces": "all", "drafter": name, "tokens/step": e / max(s, 1),
-                         "accepted/step": e / max(s, 1) - 1, "steps": int(s)})
-        print_table(rows, ["traces", "drafter", "tokens/step", "accepted/step", "steps",
-                           "us/propose", "us/extend-token"],
-                    title=f"oracle greedy replay, K={k} (depth {a.max_tree_depth}, factor "
-                          f"{a.max_spec_factor}, min prob {a.min_token_prob}, ngram "
-                          f"{a.prompt_lookup_min}..{a.prompt_lookup_max})")
+        tot = replay_table(a, k, data, names)
+        first = first or tot
+    target_rows = []
     if not a.no_targets:
         corpus = [t for traces in data.values() for tr in traces
                   for t in list(tr["prompt"]) + list(tr["response"])]
-        print_table(targets(a, ks[0], corpus, names, a.batch), ["what", "us", "cpu us"],
+        target_rows = targets(a, ks[0], corpus, names, a.batch)
+        print_table(target_rows, ["what", "us", "cpu us"],
                     title=f"targets (K={ks[0]}; median wall / thread-CPU us)")
+    peers = {n: v for n, v in first.items() if n in SUFFIX_DRAFTERS}
+    if peers:
+        cols = ["drafter", "tokens/step", "propose us", "extend us/token"]
+        cols += [] if a.no_targets else [f"batch-{a.batch} step ms"]
+        print_table(side_by_side(peers, target_rows, a.batch), cols,
+                    title=f"suffix drafters side by side (K={ks[0]}; all traces; median us "
+                          f"per replayed call)")
+
+
+def replay_table(a, k: int, data: dict, names: dict) -> dict:
+    """Replay every file with every drafter at K = k and print the table; returns name ->
+    (tokens emitted, steps, propose ns samples, extend ns-per-token samples)."""
+    rows = []
+    tot: dict[str, list] = {n: [0, 0, [], []] for n in names}
+    for path, traces in data.items():
+        for name, make in names.items():
+            r = replay(make(), traces, k)
+            t = tot[name]
+            t[0] += r["tokens/step"] * r["steps"]
+            t[1] += r["steps"]
+            t[2] += r.pop("_t_prop")
+            t[3] += r.pop("_t_ext")
+            rows.append({"traces": os.path.basename(path), "drafter": name, **r})
+    for name in names:
+        e, s = tot[name][:2]
+        rows.append({"traces": "all", "drafter": name, "tokens/step": e / max(s, 1),
+                     "accepted/step": e / max(s, 1) - 1, "steps": int(s)})
+    print_table(rows, ["traces", "drafter", "tokens/step", "accepted/step", "steps",
+                       "us/propose", "us/extend-token"],
+                title=f"oracle greedy replay, K={k} (depth {a.max_tree_depth}, factor "
+                      f"{a.max_spec_factor}, offset {a.max_spec_offset}, min prob "
+                      f"{a.min_token_prob}, ngram {a.prompt_lookup_min}..{a.prompt_lookup_max})")
+    return tot
 
 
 if __name__ == "__main__":
