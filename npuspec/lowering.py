@@ -15,7 +15,8 @@ Lowerings (options["lowering"]):
 Small-M linears (Inductor lowering, CPU, inference graphs): `SmallMLinearPass`, Inductor's
 `post_grad_custom_pre_pass`, replaces `mm(x, w.T)` / `addmm(b, x, w.T)` on an fp32 CPU weight
 that is a graph input (a parameter) by `npuspec::linear_rows(x, w, b)`, which streams the weight
-once for the few rows of a decode step and calls MKL for more than `SMALL_M_MAX` rows
+once for the few rows of a decode step and calls MKL for more than `SMALL_M_MAX` rows (and for
+one row). A static row count outside 2..SMALL_M_MAX is left to Inductor's own mm
 (npuspec/kernels/linear_cpu.py; docs/graphs.md, "Compiled step vs eager on a real model").
 
 Why ATen and not the Dynamo graph: Dynamo keeps every user spelling (`x == y`, `torch.eq`,
@@ -60,6 +61,16 @@ def _is_weight_t(node: Any) -> Any:
     return w
 
 
+def _rows_may_use_kernel(rows: Any) -> bool:
+    """False for a static row count the kernel never takes (HF's one-token decode graph, a
+    long prefill): there the op would only wrap torch.mm in a Python custom-op call (~20-45 us
+    each, 150+ per SmolLM2 token) and hide the mm from Inductor. A symbolic count is kept: one
+    graph serves every batch size and the op picks per call."""
+    if isinstance(rows, torch.SymInt):
+        return True
+    return linear_cpu.SMALL_M_MIN <= int(rows) <= linear_cpu.SMALL_M_MAX
+
+
 class SmallMLinearPass(CustomInferenceAwareGraphPass):
     """mm(x, w.T) / addmm(b, x, w.T) -> npuspec::linear_rows(x, w, b) on inference graphs
     whose weight w is an fp32 CPU graph input. The op picks the kernel or MKL per call from
@@ -89,6 +100,8 @@ class SmallMLinearPass(CustomInferenceAwareGraphPass):
                 continue
             if w.meta["val"].numel() * 4 < SMALL_M_MIN_WEIGHT_BYTES:
                 continue
+            if not _rows_may_use_kernel(xv.shape[0]):
+                continue
             with graph.inserting_before(node):
                 new = graph.call_function(torch.ops.npuspec.linear_rows.default, (x, w, bias))
             new.meta.update(node.meta)
@@ -107,7 +120,7 @@ class SmallMLinearPass(CustomInferenceAwareGraphPass):
 def small_m_linear_uuid() -> str:
     """Hash of the pass, the kernel and its row limit (Inductor's FX cache and npuspec's key)."""
     from npuspec.passes.patterns import _source_hash
-    src = _source_hash(SmallMLinearPass, _is_weight_t, linear_cpu.uses_kernel) + linear_cpu._SOURCE
+    src = _source_hash(SmallMLinearPass, _is_weight_t, _rows_may_use_kernel, linear_cpu.uses_kernel) + linear_cpu._SOURCE
     limits = f"{linear_cpu.SMALL_M_MIN}|{linear_cpu.SMALL_M_MAX}|{SMALL_M_MIN_WEIGHT_BYTES}"
     return hashlib.sha256(f"{src}|{limits}".encode()).hexdigest()
 

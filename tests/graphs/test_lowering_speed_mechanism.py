@@ -87,3 +87,21 @@ def test_small_weights_stay_mkl(delta, fresh_dynamo):
         x = torch.randn(1, 3, 24)
         torch.testing.assert_close(fn(x), m(x), rtol=1e-5, atol=1e-5)
     assert "small_m_linears" not in delta()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,rewritten", [(1, False), (3, True), (20, False)])
+def test_static_rows_outside_the_kernel_stay_inductors_mm(rows, rewritten, monkeypatch, delta,
+                                                          fresh_dynamo):
+    """HF's one-token decode graph has a static row count of 1: the op would only wrap torch.mm
+    in a Python call there (0.91x Inductor on SmolLM2 under HF generate before this)."""
+    monkeypatch.setattr(lowering, "SMALL_M_MIN_WEIGHT_BYTES", 0)
+    torch.manual_seed(0)
+    m = _Block().eval()
+    fn = torch.compile(m, backend="npuspec", options={"capture": False, "lowering": "inductor"},
+                       dynamic=False)
+    with torch.inference_mode(), torch._inductor.config.patch(force_disable_caches=True):
+        x = torch.randn(1, rows, 24)
+        torch.testing.assert_close(fn(x), m(x), rtol=1e-5, atol=1e-5)
+    assert delta().get("small_m_linears", 0) == (2 if rewritten else 0)
+    assert lowering._rows_may_use_kernel(rows) == rewritten
