@@ -129,10 +129,15 @@ def available() -> bool:
     return _compiled() is not None
 
 
+def kernel_takes_rows(m: int) -> bool:
+    """Whether the kernel takes M rows: one row is MKL's GEMV, more than SMALL_M_MAX its GEMM."""
+    return SMALL_M_MIN <= m <= SMALL_M_MAX
+
+
 def uses_kernel(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
     """Whether `linear_rows(x, w, bias)` runs the kernel (else torch.mm / addmm)."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32
-            and x.dim() == 2 and w.dim() == 2 and SMALL_M_MIN <= x.shape[0] <= SMALL_M_MAX
+            and x.dim() == 2 and w.dim() == 2 and kernel_takes_rows(x.shape[0])
             and x.shape[1] == w.shape[1] and x.is_contiguous() and w.is_contiguous()
             and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1
                                   and bias.is_contiguous() and bias.shape[0] == w.shape[0]))

@@ -66,9 +66,7 @@ def _rows_may_use_kernel(rows: Any) -> bool:
     long prefill): there the op would only wrap torch.mm in a Python custom-op call (~20-45 us
     each, 150+ per SmolLM2 token) and hide the mm from Inductor. A symbolic count is kept: one
     graph serves every batch size and the op picks per call."""
-    if isinstance(rows, torch.SymInt):
-        return True
-    return linear_cpu.SMALL_M_MIN <= int(rows) <= linear_cpu.SMALL_M_MAX
+    return isinstance(rows, torch.SymInt) or linear_cpu.kernel_takes_rows(int(rows))
 
 
 class SmallMLinearPass(CustomInferenceAwareGraphPass):
@@ -120,7 +118,8 @@ class SmallMLinearPass(CustomInferenceAwareGraphPass):
 def small_m_linear_uuid() -> str:
     """Hash of the pass, the kernel and its row limit (Inductor's FX cache and npuspec's key)."""
     from npuspec.passes.patterns import _source_hash
-    src = _source_hash(SmallMLinearPass, _is_weight_t, _rows_may_use_kernel, linear_cpu.uses_kernel) + linear_cpu._SOURCE
+    src = (_source_hash(SmallMLinearPass, _is_weight_t, _rows_may_use_kernel, linear_cpu.uses_kernel,
+                       linear_cpu.kernel_takes_rows) + linear_cpu._SOURCE)
     limits = f"{linear_cpu.SMALL_M_MIN}|{linear_cpu.SMALL_M_MAX}|{SMALL_M_MIN_WEIGHT_BYTES}"
     return hashlib.sha256(f"{src}|{limits}".encode()).hexdigest()
 

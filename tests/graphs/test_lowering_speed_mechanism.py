@@ -94,7 +94,7 @@ def test_small_weights_stay_mkl(delta, fresh_dynamo):
 def test_static_rows_outside_the_kernel_stay_inductors_mm(rows, rewritten, monkeypatch, delta,
                                                           fresh_dynamo):
     """HF's one-token decode graph has a static row count of 1: the op would only wrap torch.mm
-    in a Python call there (0.91x Inductor on SmolLM2 under HF generate before this)."""
+    in a Python custom-op call there."""
     monkeypatch.setattr(lowering, "SMALL_M_MIN_WEIGHT_BYTES", 0)
     torch.manual_seed(0)
     m = _Block().eval()
