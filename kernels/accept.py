@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from npuspec.kernels.verify import ACCEPT_MODES
+
 NORMALIZE = ("none", "row", "all")  # residual normalisation: none, r / r.sum(-1, keepdim), r / r.sum()
 SAMPLERS = ("race", "gumbel")  # argmax(r / E) ; argmax(log(r) + G)
 
@@ -89,15 +91,10 @@ def _at_ids(p: Tensor, ids: Tensor) -> Tensor:
     return p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
-# How a position's test is written, as the accept predicate over (ratio, u). Each is evaluated
-# exactly as written, so NaN goes where it goes in eager: `u <= ratio` / `ratio >= u` rejects a
-# NaN, while `~(u > ratio)` (code that keeps the rejections) accepts it.
-ACCEPT_MODES = {
-    "ge": lambda r, u: r >= u,          # u <= ratio         (Leviathan et al., HF, vLLM v1)
-    "gt": lambda r, u: r > u,           # u < ratio          (vLLM v0, vllm-ascend)
-    "not_lt": lambda r, u: ~(u > r),    # rejected: u > ratio (lucidrains, gpt-fast)
-    "not_le": lambda r, u: ~(u >= r),   # rejected: u >= ratio
-}
+# How a position's test is written: ACCEPT_MODES, the accept predicate over (ratio, u), shared
+# with the verify op's probability mode. Each is evaluated exactly as written, so NaN goes where
+# it goes in eager: `u <= ratio` / `ratio >= u` rejects a NaN, while `~(u > ratio)` (code that
+# keeps the rejections) accepts it.
 
 
 @torch.library.custom_op("npuspec::ratio_accept", mutates_args=())

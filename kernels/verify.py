@@ -305,8 +305,19 @@ def _emit(xpad: Tensor, n_acc: Tensor, st: RowStats, greedy_rows: Tensor, bad: T
 # Probability-input mode (target_is_probs=True): the user's own p, plain PyTorch
 # --------------------------------------------------------------------------------------------
 
+# the accept test of `accept_mode` on ratio r [B, K] and uniforms u [B, K], as the user writes
+# it: each is one comparison (and a `~`), so NaN and inf behave exactly as in their code
+ACCEPT_MODES = {
+    "ge": lambda r, u: r >= u,          # u <= ratio         (Leviathan et al., HF, vLLM v1)
+    "gt": lambda r, u: r > u,           # u < ratio          (vLLM v0, vllm-ascend)
+    "not_lt": lambda r, u: ~(u > r),    # rejected: u > ratio (lucidrains, gpt-fast)
+    "not_le": lambda r, u: ~(u >= r),   # rejected: u >= ratio
+}
+
+
 def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
-                 exponentials: Tensor) -> tuple[Tensor, Tensor]:
+                 exponentials: Tensor, accept_mode: str = "ge",
+                 ratio_cap: bool = False) -> tuple[Tensor, Tensor]:
     """Standard verify on already-normalised target probabilities; its own reference.
 
     p [B, K+1, V] (the user's softmax, after their temperature/top-k/top-p), drafts int [B, K]
@@ -316,6 +327,9 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     reciprocal, no clamp of E), so the decisions are bit-identical to that idiom:
       accept x_i iff x_i is a draft and p_i(x_i) / q_i(x_i) >= u_i   (one-hot: p_i(x_i) >= u_i;
           one division: q(x) = 0 < p(x) gives inf and accepts, 0/0 gives NaN and rejects)
+          `accept_mode` names the comparison (ACCEPT_MODES: "gt" is `u < ratio`, "not_lt" a
+          kept rejection `~(u > ratio)`, under which a NaN ratio accepts); `ratio_cap` first
+          takes min(ratio, 1) as gpt-fast and vLLM v0 write it (NaN stays NaN)
       row n = the first rejection: argmax_v max(p_n - q_n, 0) / E_n   (one-hot: p_n with x_n
           set to 0, / E_n); a -1 draft or the bonus row n = K: argmax_v p_n / E_n
     argmax takes the first index among ties (and the first NaN), as torch.argmax does.
@@ -329,7 +343,9 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     xs = x.clamp_min(0)[..., None]                              # [B, K, 1]
     px = p[:, :K].gather(-1, xs).squeeze(-1)                    # [B, K]
     ratio = px if q is None else px / q.float().gather(-1, xs).squeeze(-1)
-    n = _leading(has & (ratio >= uniforms.float()))             # [B]
+    if ratio_cap:
+        ratio = ratio.clamp(max=1.0)
+    n = _leading(has & ACCEPT_MODES[accept_mode](ratio, uniforms.float()))   # [B]
     b = torch.arange(B, device=p.device)
     pn = p[b, n]                                                # [B, V] p at row n (a copy)
     e = exponentials.float()
@@ -344,6 +360,17 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     out = torch.where(pos < n[:, None], xpad, -1)
     out = torch.where(pos == n[:, None], tok[:, None], out)
     return out.to(torch.int32), (n + 1).to(torch.int32)
+
+
+def _check_accept_mode(accept_mode: str, ratio_cap: bool, target_is_probs: bool) -> None:
+    if accept_mode not in ACCEPT_MODES:
+        raise ValueError(f"accept_mode={accept_mode!r}: choose one of "
+                         f"{', '.join(map(repr, ACCEPT_MODES))}")
+    if (accept_mode != "ge" or ratio_cap) and not target_is_probs:
+        raise ValueError(f"accept_mode={accept_mode!r}, ratio_cap={ratio_cap}: other accept "
+                         f"tests than the default (\"ge\", no cap) apply to the probability "
+                         f"mode only; pass target_is_probs=True with your probabilities, or "
+                         f"the defaults with logits")
 
 
 def _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
@@ -545,18 +572,21 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
                          uniforms: Optional[Tensor], exponentials: Optional[Tensor],
                          block_verify: bool, posterior_threshold: Optional[float],
                          posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor],
-                         *, target_is_probs: bool = False) -> tuple[Tensor, Tensor]:
+                         *, target_is_probs: bool = False, accept_mode: str = "ge",
+                         ratio_cap: bool = False) -> tuple[Tensor, Tensor]:
     """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
 
     Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
     calls); missing draws come from the default generator."""
+    _check_accept_mode(accept_mode, ratio_cap, target_is_probs)
     if target_is_probs:  # plain PyTorch on every device (probs_verify is its own reference)
         B, K1, V = target_logits.shape
         _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
                           synthetic_rates, exponentials, B, K1, V)
         u = draw_uniforms(B, K1 - 1, target_logits.device) if uniforms is None else uniforms
         e = draw_exponentials(B, V, target_logits.device) if exponentials is None else exponentials
-        return probs_verify(target_logits, draft_token_ids, draft_probs, u, e)
+        return probs_verify(target_logits, draft_token_ids, draft_probs, u, e, accept_mode,
+                            ratio_cap)
     impl = _pick_impl(target_logits.device)
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, block_verify, posterior_threshold, posterior_alpha,
@@ -566,7 +596,7 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
 @_rejection_sample_op.register_fake
 def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
       exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates, *,
-      target_is_probs=False):
+      target_is_probs=False, accept_mode="ge", ratio_cap=False):
     B, K1, _ = target_logits.shape
     return (target_logits.new_empty((B, K1), dtype=torch.int32),
             target_logits.new_empty((B,), dtype=torch.int32))
@@ -574,8 +604,9 @@ def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, un
 
 def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs=False):
+              target_is_probs=False, accept_mode="ge", ratio_cap=False):
     """Shape/dtype checks (metadata only: no host syncs)."""
+    _check_accept_mode(accept_mode, ratio_cap, target_is_probs)
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits: expected [B, K+1, V], got shape "
                          f"{tuple(target_logits.shape)}")
@@ -634,7 +665,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      entropy_verify: Optional[Sequence[float]] = None,
                      synthetic_rates: Optional[Tensor] = None,
                      uniforms: Optional[Tensor] = None, exponentials: Optional[Tensor] = None,
-                     target_is_probs: bool = False) -> tuple[Tensor, Tensor]:
+                     target_is_probs: bool = False, accept_mode: str = "ge",
+                     ratio_cap: bool = False) -> tuple[Tensor, Tensor]:
     """Verify K drafts per request (DESIGN.md §3.3). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
 
@@ -642,7 +674,10 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     [B, K+1, V] (their temperature/top-k/top-p already applied); every row is sampled by
     standard verification with exactly the eager arithmetic (`probs_verify`), and temperature,
     top_k, top_p, block_verify, entropy_verify and synthetic_rates are refused. exponentials
-    may then also be [B, K+1, V] (one vector per row).
+    may then also be [B, K+1, V] (one vector per row). With it, `accept_mode` picks the
+    accept test's comparison as the caller writes it ("ge": u <= p/q, the default; "gt":
+    u < p/q; "not_lt": not u > p/q; "not_le": not u >= p/q, which differ from the first two
+    only at NaN ratios), and `ratio_cap=True` compares min(p/q, 1) instead of p/q.
 
     Draws not given are made here: uniforms [B, K] (float64 U[0,1) cast to float32) and
     exponentials [B, V] (float32 Exp(1)), from `generators[row]` for seeded rows (uniforms
@@ -650,7 +685,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     custom op `torch.ops.npuspec.rejection_sample` runs."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs)
+              target_is_probs, accept_mode, ratio_cap)
     B, K1, V = target_logits.shape
     dev = target_logits.device
     sampled = temperature is not None or target_is_probs
@@ -665,7 +700,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     return torch.ops.npuspec.rejection_sample(
         target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
         exponentials, bool(block_verify), thr, alpha, synthetic_rates,
-        target_is_probs=bool(target_is_probs))
+        target_is_probs=bool(target_is_probs), accept_mode=accept_mode,
+        ratio_cap=bool(ratio_cap))
 
 
 def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
@@ -677,19 +713,21 @@ def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
                                synthetic_rates: Optional[Tensor] = None,
                                uniforms: Optional[Tensor] = None,
                                exponentials: Optional[Tensor] = None,
-                               impl: str = "reference", target_is_probs: bool = False
+                               impl: str = "reference", target_is_probs: bool = False,
+                               accept_mode: str = "ge", ratio_cap: bool = False
                                ) -> tuple[Tensor, Tensor]:
     """The op computed directly (no dispatcher) with the chosen row-statistics implementation;
     `impl="reference"` is the specification. Raises ValueError on non-finite logits.
     target_is_probs=True runs `probs_verify` (one implementation, its own reference)."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs)
+              target_is_probs, accept_mode, ratio_cap)
     if target_is_probs:
         B, K1, V = target_logits.shape
         u = draw_uniforms(B, K1 - 1, target_logits.device) if uniforms is None else uniforms
         e = draw_exponentials(B, V, target_logits.device) if exponentials is None else exponentials
-        return probs_verify(target_logits, draft_token_ids, draft_probs, u, e)
+        return probs_verify(target_logits, draft_token_ids, draft_probs, u, e, accept_mode,
+                            ratio_cap)
     thr, alpha = (None, None) if entropy_verify is None else entropy_verify
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, bool(block_verify), thr, alpha, synthetic_rates, impl)
