@@ -3,6 +3,8 @@
     manager = PassManager()                  # default_patterns(), in this order:
         1. greedy_verify   (whole greedy step   -> npuspec::rejection_sample)
         2. sample_verify   (whole sampling step -> npuspec::rejection_sample(target_is_probs=True))
+           sample_verify   (the same with the other accept comparisons: `u < r`, `~(u > r)`,
+                            `~(u >= r)`; compiled only for a graph that holds one)
         3. greedy_accept   (prefix length       -> npuspec::greedy_accept)
         4. ratio_accept    (standard test       -> npuspec::ratio_accept)
         5. residual        (residual resample   -> npuspec::residual_sample / residual_probs)
@@ -192,6 +194,8 @@ class PassManager:
             if views == "split":  # a merged view shared with outside code then blocks nothing
                 canonical.split_views(graph)
             for p in self.patterns:
+                if not p.applies(graph):
+                    continue
                 n = compiled(p, flavor).pass_.apply(graph)
                 if n:
                     found[p.name] = found.get(p.name, 0) + n

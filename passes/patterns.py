@@ -173,6 +173,11 @@ class VerifyPattern:
     def extra_check(self, match) -> bool:
         raise NotImplementedError
 
+    def applies(self, graph) -> bool:
+        """False when no spelling can match `graph`: the manager then skips (and never
+        compiles) this family for it."""
+        return True
+
     def uuid(self) -> str:
         """Hash of this family's source (class and this module) and its config."""
         cfg = json.dumps(dataclasses.asdict(self.config), sort_keys=True, default=str)
@@ -462,6 +467,19 @@ class RatioAccept(VerifyPattern):
 
         ex_hf = lambda: [torch.rand(1, 5, 9), torch.rand(1, 4, 9), torch.randint(0, 9, (1, 4))]  # noqa: E731
         out.append(Spelling("hf_speculative_sampling", s_hf, r_hf, ex_hf))
+
+        # ... and with its draw made from literals (picks.canonical_picks turns a static-shape
+        # `rand_like(ratio)` into `rand(shape)`, so the ratio has one user and u is an input)
+        def s_hf_u(p, q, ids, r_i):
+            probability_ratio = _index_hf(p, ids) / _index_hf(q, ids)
+            return ((~(r_i <= probability_ratio)).cumsum(dim=-1) < 1).sum()
+
+        def r_hf_u(p, q, ids, r_i):
+            k = ids.shape[1]
+            return npuspec_ops.ratio_accept(p[:, :k], q, ids, r_i.view(1, k)).sum()
+
+        out.append(Spelling("hf_speculative_sampling_u", s_hf_u, r_hf_u,
+                            lambda: ex_hf() + [torch.rand(4)]))
         out += self._mode_spellings(ex)
         return out
 
@@ -623,8 +641,10 @@ def _noise_fits(noise, p) -> bool:
 
 # The library, supersets first (the manager's order).
 def default_patterns() -> list[VerifyPattern]:
-    from npuspec.passes.patterns_sample import SampleVerify  # it builds on this module
-    return [GreedyVerify(), SampleVerify(), GreedyAccept(), RatioAccept(), Residual()]
+    from npuspec.passes.patterns_sample import OTHER_MODES, SampleVerify, SampleVerifyConfig
+    other = SampleVerifyConfig(modes=OTHER_MODES, ratios=("plain", "min", "clamp", "full1"))
+    return [GreedyVerify(), SampleVerify(), SampleVerify(other), GreedyAccept(), RatioAccept(),
+            Residual()]
 
 
 __all__ = ["VerifyPattern", "Spelling", "GreedyVerify", "GreedyAccept", "RatioAccept", "Residual",

@@ -16,8 +16,12 @@ vector per request as vLLM draws them, or [B, K+1, V], one per row). The idiom:
                              #   then `where(pos == n, tok, ...)`) and n
 
 The ratio test may also be gpt-fast's `u <= torch.minimum(torch.ones(()), px / qx)` or
-`u <= (px / qx).clamp(max=1)`; the replacement then passes `where(u <= 1, u, nan)` as the
-uniforms, which accepts exactly when `u <= min(1, ratio)` does (a NaN anywhere rejects in both).
+`u <= (px / qx).clamp(max=1)` (the op's `ratio_cap=True`: it takes min(ratio, 1) itself; with
+the other comparisons also vLLM v0's `torch.minimum(r, torch.full((1,), 1))`), and
+any comparison direction the op's `accept_mode` names: `u < r` ("gt", vLLM v0), a kept
+rejection `~(u > r)` ("not_lt", gpt-fast and lucidrains; a NaN ratio accepts there) or
+`~(u >= r)` ("not_le"). The op evaluates that same comparison, so NaN and inf decide as in the
+user's code (`~(u > min(1, inf))` rejects u = 1.5; no rewrite of u alone could say that).
 
 The bonus row may also come from a residual over all K+1 rows against q with a zero row appended
 (`torch.cat([q, torch.zeros_like(q[:, :1])], 1)` or `F.pad(q, (0, 0, 0, 1))`, race with E [B, V],
@@ -39,25 +43,22 @@ import itertools
 
 import torch
 
-from npuspec.passes.patterns import (TAILS, Spelling, VerifyPattern, _bind, _eq_shape,
-                                     _bounded, _gather_at, _is_random, _static_shape, _tail_out,
-                                     _unbounded_u, _val, npuspec_ops)
+from npuspec.passes.patterns import (MODE_SPELLINGS, TAILS, Spelling, VerifyPattern, _bind,
+                                     _bounded, _eq_shape, _gather_at, _is_random, _static_shape,
+                                     _tail_out, _val, npuspec_ops)
 
 
-# the ratio test, [B, K] bool: px [B, K] target prob of the draft, qx draft prob or None
-def _ok_plain(px, qx, u):
-    return (px if qx is None else px / qx) >= u
+# the ratio test, [B, K] bool: px [B, K] target prob of the draft, qx draft prob or None; the
+# ratio as written (plain, gpt-fast's min(1, r), a clamp(max=1)), then the comparison of the
+# op's accept_mode as it reads after canonical.canonicalize (`u < r` is written `r > u` there)
+TESTS = {"ge": lambda r, u: r >= u, **MODE_SPELLINGS}
 
 
-def _ok_min(px, qx, u):            # gpt-fast
-    return _bounded(px / qx, "min") >= u
+def _ok(px, qx, u, ratio, mode):
+    r = px if qx is None else px / qx
+    return TESTS[mode](r if ratio == "plain" else _bounded(r, ratio), u)
 
 
-def _ok_clamp(px, qx, u):
-    return _bounded(px / qx, "clamp") >= u
-
-
-RATIOS = {"plain": _ok_plain, "min": _ok_min, "clamp": _ok_clamp}
 aten = torch.ops.aten
 
 
@@ -70,18 +71,18 @@ def _race_rows(p, q, ids, e, per_row):
     return (r / e[:, None, :]).argmax(dim=-1), (p[:, -1] / e).argmax(dim=-1)
 
 
-def _step(p, q, ids, u, e, ratio, tail, per_row, out):
-    ok = RATIOS[ratio](_gather_at(p[:, :-1], ids), None if q is None else _gather_at(q, ids), u)
+def _step(p, q, ids, u, e, ratio, mode, tail, per_row, out):
+    ok = _ok(_gather_at(p[:, :-1], ids), None if q is None else _gather_at(q, ids), u, ratio, mode)
     n = tail(ok)                                                    # [B]
     rec, bonus = _race_rows(p, q, ids, e, per_row)
     tok = torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1)   # [B]
     return _emitted(p, ids, n, tok, out)
 
 
-def _step_zero_row(p, q, ids, u, e, ratio, tail, pad, out):
+def _step_zero_row(p, q, ids, u, e, ratio, mode, tail, pad, out):
     """The residual over all K+1 rows against q with a zero row appended (the bonus row's
     residual is then p_K itself), and the row at n picked out."""
-    n = tail(RATIOS[ratio](_gather_at(p[:, :-1], ids), _gather_at(q, ids), u))     # [B]
+    n = tail(_ok(_gather_at(p[:, :-1], ids), _gather_at(q, ids), u, ratio, mode))   # [B]
     qz = (torch.cat([q, torch.zeros_like(q[:, :1])], dim=1) if pad == "cat"
           else torch.nn.functional.pad(q, (0, 0, 0, 1)))                         # [B, K+1, V]
     race = (torch.clamp(p - qz, min=0) / e[:, None, :]).argmax(dim=-1)            # [B, K+1]
@@ -96,11 +97,11 @@ def _emitted(p, ids, n, tok, out):
     return torch.where(pos == n[:, None], tok[:, None], emitted), n
 
 
-def _op(p, q, ids, u, e, ratio, tail, out):
-    if ratio != "plain":   # u <= min(1, r)  <=>  u <= 1 and r >= u (NaN u or r: false in both)
-        u = _unbounded_u(u)
+def _op(p, q, ids, u, e, ratio, mode, tail, out):
+    # the op evaluates the user's test itself: their comparison, and min(ratio, 1) when capped
     tokens, num = npuspec_ops.rejection_sample(p, ids, q, None, None, None, u, e, False, None,
-                                               None, None, target_is_probs=True)
+                                               None, None, target_is_probs=True,
+                                               accept_mode=mode, ratio_cap=ratio != "plain")
     n = _tail_out(tail, num.to(torch.int64) - 1)
     tokens = tokens.to(torch.int64)
     if out == "token":
@@ -112,13 +113,22 @@ def _op(p, q, ids, u, e, ratio, tail, out):
 class SampleVerifyConfig:
     enabled: bool = True
     tails: tuple = ("cumprod", "cumprod_long", "cumsum_not")
-    ratios: tuple = ("plain", "min", "clamp")   # min/clamp only with draft probs
+    ratios: tuple = ("plain", "min", "clamp")   # min/clamp/full1 only with draft probs
+    # the op's accept_mode: `ratio >= u` ("ge", every tail above), or the other comparisons
+    # with the cumprod tail only (prefix.prove_prefix_counts rewrites the others into it);
+    # default_patterns() holds one instance for "ge" and one for the others (OTHER_MODES),
+    # which is compiled only for graphs that hold such a comparison (`applies`)
+    modes: tuple = ("ge",)
     one_hot: bool = True
     forms: tuple = ("padded", "token")          # padded first: it contains the token form's nodes
     zero_row_q: tuple = ("cat", "pad")          # q with a zero bonus row: cat zeros_like / F.pad
     zero_row_tails: tuple = ("cumprod", "cumsum_not")
     e_shapes: tuple = ("request", "row")        # E [B, V] broadcast over rows, or E [B, K+1, V]
     max_k: int = 64
+
+
+OTHER_MODES = ("gt", "not_lt", "not_le")
+_CMP = (aten.gt.Tensor, aten.ge.Tensor)
 
 
 class SampleVerify(VerifyPattern):
@@ -136,47 +146,76 @@ class SampleVerify(VerifyPattern):
         c = self.config
         out = []
         combos = [(r, True) for r in c.ratios] + ([("plain", False)] if c.one_hot else [])
+        for mode in c.modes:
+            tails = c.tails if mode == "ge" else tuple(t for t in c.tails if t == "cumprod")
+            out += self._race_spellings(mode, combos, tails)
+            ztails = c.zero_row_tails if mode == "ge" else tuple(
+                t for t in c.zero_row_tails if t == "cumprod")
+            out += self._zero_row_spellings(mode, ztails)
+        return out
+
+    def _race_spellings(self, mode, combos, tails):
+        c = self.config
+        out = []
         for (ratio, has_q), tail, per_row, form in itertools.product(
-                combos, c.tails, [e == "row" for e in c.e_shapes], c.forms):
+                combos, tails, [e == "row" for e in c.e_shapes], c.forms):
             e_name = "erow" if per_row else "ereq"
-            name = f"{'q' if has_q else 'onehot'}_{ratio}_{tail}_{e_name}_{form}"
-            fixed = dict(ratio=ratio, tail=TAILS[tail], per_row=per_row, out=form)
-            rfix = dict(ratio=ratio, tail=tail, out=form)
+            m = "" if mode == "ge" else f"_{mode}"
+            name = f"{'q' if has_q else 'onehot'}_{ratio}{m}_{tail}_{e_name}_{form}"
+            fixed = dict(ratio=ratio, mode=mode, tail=TAILS[tail], per_row=per_row, out=form)
+            rfix = dict(ratio=ratio, mode=mode, tail=tail, out=form)
             eshape = (2, 5, 11) if per_row else (2, 11)
             if has_q:
-                def s(p, q, ids, u, e, ratio, tail, per_row, out):
-                    return _step(p, q, ids, u, e, ratio, tail, per_row, out)
+                def s(p, q, ids, u, e, ratio, mode, tail, per_row, out):
+                    return _step(p, q, ids, u, e, ratio, mode, tail, per_row, out)
 
-                def r(p, q, ids, u, e, ratio, tail, out):
-                    return _op(p, q, ids, u, e, ratio, tail, out)
+                def r(p, q, ids, u, e, ratio, mode, tail, out):
+                    return _op(p, q, ids, u, e, ratio, mode, tail, out)
 
                 ex = (lambda es: lambda: [torch.rand(2, 5, 11), torch.rand(2, 4, 11),  # noqa: E731
                                           torch.randint(0, 11, (2, 4)), torch.rand(2, 4),
                                           torch.rand(es) + 0.1])(eshape)
             else:
-                def s(p, ids, u, e, ratio, tail, per_row, out):
-                    return _step(p, None, ids, u, e, ratio, tail, per_row, out)
+                def s(p, ids, u, e, ratio, mode, tail, per_row, out):
+                    return _step(p, None, ids, u, e, ratio, mode, tail, per_row, out)
 
-                def r(p, ids, u, e, ratio, tail, out):
-                    return _op(p, None, ids, u, e, ratio, tail, out)
+                def r(p, ids, u, e, ratio, mode, tail, out):
+                    return _op(p, None, ids, u, e, ratio, mode, tail, out)
 
                 ex = (lambda es: lambda: [torch.rand(2, 5, 11), torch.randint(0, 11, (2, 4)),  # noqa: E731
                                           torch.rand(2, 4), torch.rand(es) + 0.1])(eshape)
             out.append(Spelling(name, _bind(s, **fixed), _bind(r, **rfix), ex))
-        for ratio, tail, pad, form in itertools.product(c.ratios, c.zero_row_tails,
-                                                        c.zero_row_q, c.forms):
-            def s(p, q, ids, u, e, ratio, tail, pad, out):
-                return _step_zero_row(p, q, ids, u, e, ratio, tail, pad, out)
+        return out
 
-            def r(p, q, ids, u, e, ratio, tail, out):
-                return _op(p, q, ids, u, e, ratio, tail, out)
+    def _zero_row_spellings(self, mode, tails):
+        c = self.config
+        out = []
+        for ratio, tail, pad, form in itertools.product(c.ratios, tails, c.zero_row_q, c.forms):
+            def s(p, q, ids, u, e, ratio, mode, tail, pad, out):
+                return _step_zero_row(p, q, ids, u, e, ratio, mode, tail, pad, out)
+
+            def r(p, q, ids, u, e, ratio, mode, tail, out):
+                return _op(p, q, ids, u, e, ratio, mode, tail, out)
 
             ex = lambda: [torch.rand(2, 5, 11), torch.rand(2, 4, 11),  # noqa: E731
                           torch.randint(0, 11, (2, 4)), torch.rand(2, 4), torch.rand(2, 11) + 0.1]
-            out.append(Spelling(f"zero_row_{pad}_{ratio}_{tail}_{form}",
-                                _bind(s, ratio=ratio, tail=TAILS[tail], pad=pad, out=form),
-                                _bind(r, ratio=ratio, tail=tail, out=form), ex))
+            m = "" if mode == "ge" else f"{mode}_"
+            out.append(Spelling(f"zero_row_{pad}_{ratio}_{m}{tail}_{form}",
+                                _bind(s, ratio=ratio, mode=mode, tail=TAILS[tail], pad=pad,
+                                      out=form),
+                                _bind(r, ratio=ratio, mode=mode, tail=tail, out=form), ex))
         return out
+
+    def applies(self, graph) -> bool:
+        """Whether `graph` (canonical) can hold one of this instance's accept tests: any graph
+        for "ge"; a tensor `>` or a negated tensor `>=` for the other modes. Tracing their
+        108 spellings takes seconds, so graphs without one never pay for them."""
+        if "ge" in self.config.modes:
+            return True
+        calls = graph.find_nodes
+        return bool(calls(op="call_function", target=aten.gt.Tensor)) or any(
+            getattr(n.args[0], "target", None) in _CMP
+            for n in calls(op="call_function", target=aten.bitwise_not.default))
 
     def extra_check(self, match) -> bool:
         if not self.config.enabled:

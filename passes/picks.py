@@ -4,16 +4,18 @@ Codebases read p(x) at the drafted ids in several ways that move the same data:
 
     p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)             # the form the families match
     p[batch_idx, pos_idx, ids]    # vLLM v0, vllm-ascend: arange(B)[:, None], arange(K), int32 too
+                                  # (on p [B, K+1, V] it reads p[:, :K]: a slice is put first)
     p.gather(-1, ids3).reshape(B, K)                         # lucidrains: ids3 [B, K, 1], einops
-    p.gather(-1, ids3)[..., 0]
+    p.gather(-1, ids3)[..., 0]                               # also p.gather(-1, ids[..., None])[..., 0]
 
 `canonical_picks` rewrites the others into the first. It also removes two things that hide a
 pick from the families without changing any value: `x * 1` on a float (a lenience factor at
-its default), and `zeros_like(x)` (or ones/empty) of a contiguous x, remade from x's shape,
-so a draw `zeros_like(q).uniform_()` no longer counts as a second user of q. Each rewrite is pure data movement with
+its default), and `zeros_like(x)` (or ones/empty/rand/randn) of a contiguous x, remade from
+x's shape, so a draw `zeros_like(q).uniform_()` or `rand_like(ratio)` no longer counts as a
+second user of q or of the ratio. Each rewrite is pure data movement with
 the same values: advanced indexing with `arange` rows and columns reads p[b, k, ids[b, k]],
 which is what gather reads; int32 ids are widened to int64 (gather's index type), which
-changes no id; a reshape that drops a trailing 1 is that squeeze. The arange operands are
+changes no id; a reshape that drops a trailing 1, or `[..., 0]` on it, is that squeeze. The arange operands are
 checked by evaluating them (they are computed from constants only), so any spelling of
 arange(B)[:, None] / arange(K) is recognised and nothing else is.
 """
@@ -87,7 +89,9 @@ def _gather_pick(graph: Graph, p: Node, ids: Node, like: Node, flavor: str) -> N
 
 
 def _index_pick(n: Node) -> Optional[tuple]:
-    """(p, ids) when n is p[arange(B)[:, None], arange(K), ids] on p [B, K, V]."""
+    """(p, ids, rows) when n is p[arange(B)[:, None], arange(K), ids] with ids [B, K] on p
+    [B, K, V], or on p [B, rows, V] with rows > K (the target's K+1 rows: the first K are
+    picked, as from p[:, :K])."""
     if n.target is not aten.index.Tensor or len(n.args) != 2 or len(n.args[1]) != 3:
         return None
     p, (i0, i1, ids) = n.args[0], n.args[1]
@@ -96,17 +100,20 @@ def _index_pick(n: Node) -> Optional[tuple]:
     if (pv is None or iv is None or pv.dim() != 3 or iv.dim() != 2 or not _static(pv.shape)
             or not _static(iv.shape)):
         return None
-    B, K = pv.shape[0], pv.shape[1]
-    if iv.dtype not in (torch.int32, torch.int64) or tuple(iv.shape) != (B, K):
+    B, K = iv.shape
+    if (iv.dtype not in (torch.int32, torch.int64) or pv.shape[0] != B or pv.shape[1] < K):
         return None
     if not (_is_arange(i0, B, (B, 1)) and _is_arange(i1, K, (K,))):
         return None
-    return p, ids
+    return p, ids, pv.shape[1]
 
 
 def _trailing_one_view(n: Node) -> bool:
-    """A view/reshape of a [B, K, 1] gather to [B, K]: the squeeze of its last dim."""
-    if n.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    """A view/reshape of a [B, K, 1] gather to [B, K], or its `[..., 0]` (select of index 0
+    on the last dim): the squeeze of its last dim."""
+    if n.target is aten.select.int and len(n.args) == 3 and n.args[1:] in ((2, 0), (-1, 0)):
+        pass
+    elif n.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
         return False
     x, out = n.args[0], _val(n)
     xv = _val(x)
@@ -137,8 +144,12 @@ def _unit_scale(n: Node) -> bool:
             and _static(out.shape) and tuple(out.shape) == tuple(xv.shape))
 
 
+# rand_like / randn_like too: `empty_like(x).uniform_()` and `empty(shape).uniform_()` draw the
+# same numbers from the same generator state for a contiguous x (gpt-fast draws its uniforms
+# as `torch.rand_like(accept_draft_prob)`, which would otherwise block the ratio's match)
 _LIKE = {aten.zeros_like.default: aten.zeros.default, aten.ones_like.default: aten.ones.default,
-         aten.empty_like.default: aten.empty.memory_format}
+         aten.empty_like.default: aten.empty.memory_format,
+         aten.rand_like.default: aten.rand.default, aten.randn_like.default: aten.randn.default}
 
 
 def _shape_only_user(n: Node) -> bool:
@@ -175,11 +186,16 @@ def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
             continue
         if _shape_only_user(n):
             n.replace_all_uses_with(_fresh_like(graph, n))
+            graph.erase_node(n)  # a random op is impure: dead code elimination could keep it
             done += 1
             continue
         pick = _index_pick(n)
         if pick is not None:
-            new = _gather_pick(graph, *pick, n, flavor)
+            p, ids, rows = pick
+            K = _val(ids).shape[1]
+            if rows > K:  # the slice canonical.canonicalize writes for p[:, :K]
+                p = _new(graph, aten.slice.Tensor, (p, 1, 0, K), n)
+            new = _gather_pick(graph, p, ids, n, flavor)
         elif _bare_index(n):
             idx = n.args[2]
             ids = _new(graph, aten.squeeze.dim, (idx, 2), n)

@@ -136,12 +136,68 @@ def _medusa_inputs(seed):
     return p.log(), torch.cat([torch.zeros(B, 1, dtype=torch.long), ids], 1)
 
 
+# vLLM v0's accept test from `_get_accepted` as written (advanced indexing with aranges, a strict
+# `<` under torch.minimum(ratio, torch.full((1,), 1))), completed into a whole step with the
+# recovered/bonus exponential race over the unnormalised residual (vLLM v0 divides the residual
+# by its sum first, which the op does not reproduce bit for bit, so that part is v1's)
+def vllm_v0_accept_whole_step(target_probs, draft_probs, draft_token_ids, uniform_rand, q):
+    batch_size, k, _ = draft_probs.shape
+    batch_indices = torch.arange(batch_size, device=target_probs.device)[:, None]
+    probs_indicies = torch.arange(k, device=target_probs.device)
+    selected_draft_probs = draft_probs[batch_indices, probs_indicies, draft_token_ids]
+    selected_target_probs = target_probs[batch_indices, probs_indicies, draft_token_ids]
+    capped_ratio = torch.minimum(selected_target_probs / selected_draft_probs,
+                                 torch.full((1,), 1, device=target_probs.device))
+    accepted = uniform_rand < capped_ratio
+    num_accepted = accepted.cumprod(dim=1).sum(dim=1)
+    recovered = (torch.clamp(target_probs[:, :k] - draft_probs, min=0) / q[:, None]).argmax(-1)
+    bonus = (target_probs[:, -1] / q).argmax(-1)
+    token = torch.cat([recovered, bonus[:, None]], 1).gather(1, num_accepted[:, None]).squeeze(1)
+    return token, num_accepted
+
+
+# gpt-fast, generate.py (`speculative_decode`), batched: its rejection test kept as written
+# (`torch.rand_like(accept_draft_prob) > accept_draft_prob` under min(1, q/p); gpt-fast names
+# the draft distribution p and the target q), the first rejection found as a count of leading
+# Falses instead of `.nonzero()`, and the recovered/bonus token by the exponential race gpt-fast
+# samples with (`multinomial_sample_one_no_sync`: argmax(probs / Exp(1)))
+def gpt_fast_rejected_whole_step(draft_probs, target_probs, draft_tokens, exp_noise):
+    speculate_k = draft_tokens.shape[1]
+    p = draft_probs.gather(-1, draft_tokens[..., None])[..., 0]
+    q = target_probs[:, :speculate_k].gather(-1, draft_tokens[..., None])[..., 0]
+    accept_draft_prob = torch.minimum(torch.ones(()), q / p)
+    rejected = torch.rand_like(accept_draft_prob) > accept_draft_prob
+    accept_length = (rejected.cumsum(dim=1) == 0).sum(dim=1)
+    new = torch.clamp(target_probs[:, :speculate_k] - draft_probs, min=0)
+    recovered = torch.argmax(new / exp_noise[:, None], dim=-1)
+    bonus = torch.argmax(target_probs[:, -1] / exp_noise, dim=-1)
+    next_token = torch.cat([recovered, bonus[:, None]], 1).gather(1, accept_length[:, None])
+    return next_token.squeeze(1), accept_length
+
+
+def _whole_inputs(seed):
+    p, q, ids = _probs(seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    u = torch.rand(B, K, generator=g)
+    u[0] = 0.0                                    # one request takes the bonus row
+    q[1, 0, ids[1, 0]] = 0.0                      # an inf ratio: capped to 1
+    u[1, 0] = 1.0
+    return p, q, ids, u, torch.empty(B, V).exponential_(generator=g)
+
+
+def _gpt_fast_whole_inputs(seed):
+    p, q, ids, _, e = _whole_inputs(seed)
+    return q, p, ids, e
+
+
 MATCHED = [
     (lucidrains_speculative, _lucidrains_inputs, {"ratio_accept": 1}),
     (vllm_v0_get_accepted, _vllm_v0_inputs, {"ratio_accept": 1}),
     (vllm_ascend_pytorch, _ascend_inputs, {"ratio_accept": 1, "residual": 1}),
     (strict_ratio, _vllm_v0_inputs, {"ratio_accept": 1}),
     (medusa_typical, _medusa_inputs, {"ratio_accept": 1}),
+    (vllm_v0_accept_whole_step, _whole_inputs, {"sample_verify": 1}),
+    (gpt_fast_rejected_whole_step, _gpt_fast_whole_inputs, {"sample_verify": 1}),
 ]
 
 MISSES = [
@@ -152,8 +208,9 @@ MISSES = [
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
 @pytest.mark.parametrize("fn,make,families", MATCHED, ids=[m[0].__name__ for m in MATCHED])
 def test_codebase_spelling_matches(fn, make, families, lowering, no_fx_cache):
+    ops = {"residual": "residual_sample", "sample_verify": "rejection_sample"}
     three_way(fn, make(3), matched=sum(families.values()), lowering=lowering, seed=5,
-              appear=[f"npuspec.{'residual_sample' if f == 'residual' else f}" for f in families])
+              appear=[f"npuspec.{ops.get(f, f)}" for f in families])
     delta = three_way.last_delta
     for family, n in families.items():
         assert delta.get(f"verify_patterns_matched.{family}") == n, delta
@@ -168,7 +225,7 @@ def test_share_of_this_corpus_matched():
     """Reported in the docs: matched over all entries here and in test_corpus.py."""
     import test_corpus
     matched = len(MATCHED) + len(test_corpus.CORPUS) + 2  # + its two HF transformers entries
-    assert matched / (matched + len(MISSES)) >= 0.85
+    assert matched / (matched + len(MISSES)) >= 0.9  # the issue's target share
 
 
 def test_symbolic_batch_compiles_and_stays_eager_equal():

@@ -30,7 +30,8 @@ def _args(seed=0):
 
 def test_order_is_supersets_first():
     assert [p.name for p in default_patterns()] == [
-        "greedy_verify", "sample_verify", "greedy_accept", "ratio_accept", "residual"]
+        "greedy_verify", "sample_verify", "sample_verify", "greedy_accept", "ratio_accept",
+        "residual"]  # sample_verify twice: the default accept test, then the other modes
     # the whole step wins over the narrow count when both could apply
     gm = aten_graph(step, *_args())
     assert PassManager().run(gm, flavor="aten") == {"greedy_verify": 1}
@@ -138,3 +139,18 @@ def test_pass_uuids_for_cache_keys(monkeypatch):
     edited = [GreedyAccept(dataclasses.replace(GreedyAccept().config, tails=("cumprod",)))]
     monkeypatch.setattr(manager, "default_patterns", lambda: edited)
     assert pass_uuids()[0] != u[0]
+
+
+def test_a_family_that_does_not_apply_is_never_compiled(monkeypatch):
+    """The other-modes sample_verify instance (108 spellings) is skipped, and never traced,
+    for a graph without a tensor `>` or a negated `>=`: here a greedy step."""
+    from npuspec.passes import manager
+    from npuspec.passes.patterns_sample import OTHER_MODES
+    other = default_patterns()[2]
+    assert other.name == "sample_verify" and other.config.modes == OTHER_MODES
+    seen = []
+    real = manager.compiled
+    monkeypatch.setattr(manager, "compiled", lambda p, fl: (seen.append(p), real(p, fl))[1])
+    gm = aten_graph(step, *_args())
+    assert PassManager([GreedyAccept(), other]).run(gm, flavor="aten") == {"greedy_accept": 1}
+    assert other not in seen and seen

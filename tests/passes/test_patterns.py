@@ -123,7 +123,7 @@ def res_multinomial(p, q, ids):
 
 
 @pytest.mark.parametrize("fn,op,draw", [(res_race, "npuspec.residual_sample", "aten.exponential"),
-                                        (res_gumbel_row, "npuspec.residual_sample", "aten.rand_like"),
+                                        (res_gumbel_row, "npuspec.residual_sample", "aten.rand"),
                                         (res_multinomial, "npuspec.residual_probs", "aten.multinomial")])
 def test_residual(fn, op, draw):
     out, graphs = three_way(fn, _probs(2), family="residual", appear=[op, draw],

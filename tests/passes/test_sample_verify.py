@@ -144,13 +144,6 @@ def test_sample_verify_inductor_lowering(no_fx_cache, fn, make):
 
 
 # --- near misses: not the whole-step op, and still what the user wrote ------------------------
-def nm_strict(p, q, ids, u, e):                        # > instead of >=
-    n = (_at(p[:, :K], ids) / _at(q, ids) > u).cumprod(dim=-1).sum(dim=-1)
-    rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
-    bonus = (p[:, K] / e).argmax(dim=-1)
-    return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
-
-
 def nm_wrong_dim(p, q, ids, u, e):                     # prefix product over the batch
     n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(dim=0).sum(dim=-1)
     rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
@@ -177,17 +170,9 @@ def nm_normalised(p, q, ids, u, e):                    # residual / its sum: not
     return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
 
 
-def nm_gpt_fast_reject(p, q, ids, u, e):               # ~(u > min(1, r)): a NaN r accepts
-    acc = torch.minimum(torch.ones(()), _at(p[:, :K], ids) / _at(q, ids))
-    n = (~(u > acc)).cumprod(dim=-1).sum(dim=-1)
-    rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
-    bonus = (p[:, K] / e).argmax(dim=-1)
-    return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
-
-
 def nm_late_draw_dependent(p, q, ids, u, e):           # a draw that uses n, before E is drawn
     n = (_at(p[:, :K], ids) / _at(q, ids) >= u).cumprod(dim=-1).sum(dim=-1)
-    noise = torch.rand_like(n, dtype=torch.float32)   # random, and a user of n
+    noise = torch.normal(n.float(), 1.0)              # random, and reads n's values
     e = torch.empty(B, V).exponential_()
     rec = (torch.clamp(p[:, :K] - q, min=0) / e[:, None, :]).argmax(dim=-1)
     bonus = (p[:, K] / e).argmax(dim=-1)
@@ -209,8 +194,10 @@ def nm_e_depends_on_n(p, q, ids, u, e):               # E made from n: no place 
     return torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1), n
 
 
-NEAR = [nm_e_depends_on_n, nm_zero_row_not_softmax, nm_strict, nm_wrong_dim, nm_extra_use, nm_float64_u,
-        nm_normalised, nm_gpt_fast_reject, nm_late_draw_dependent]
+# (`>` in place of `>=` and gpt-fast's `~(u > min(1, r))` were near misses here; they are the
+# op's accept modes now: test_sample_verify_modes.py)
+NEAR = [nm_e_depends_on_n, nm_zero_row_not_softmax, nm_wrong_dim, nm_extra_use, nm_float64_u,
+        nm_normalised, nm_late_draw_dependent]
 
 
 @pytest.mark.parametrize("fn", NEAR, ids=[f.__name__ for f in NEAR])
