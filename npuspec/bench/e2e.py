@@ -117,15 +117,18 @@ class Runner:
         return statistics.median(self.times)
 
 
-def run_interleaved(runners: Sequence[Runner], repeats: int, progress=None) -> None:
+def run_interleaved(runners: Sequence[Runner], repeats: int, progress=None,
+                    rotate: bool = False) -> None:
     """Warm every row up, then time them round-robin `repeats` times, so a change in machine
-    load hits every row alike (medians are taken per row)."""
+    load hits every row alike (medians are taken per row). `rotate`: round i starts at row i
+    (mod the row count), so no row always runs right after the same one."""
     for r in runners:
         r.warm_up()
         if progress:
             progress.update()
-    for _ in range(repeats):
-        for r in runners:
+    for i in range(repeats):
+        j = i % len(runners) if rotate and runners else 0
+        for r in list(runners[j:]) + list(runners[:j]):
             r.timed()
             if progress:
                 progress.update()

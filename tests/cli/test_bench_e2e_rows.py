@@ -165,3 +165,22 @@ def test_max_model_len_flag(tiny_available, prompts_file, stub_bandwidth, tmp_pa
     assert all(r["identical_to_own_greedy"] for r in doc["rows"]), doc["rows"]
     text, doc = _run(["--prompts", prompts_file], tmp_path, capsys)
     assert doc["max_model_len"] is None and "max_model_len: the engine's default" in text
+
+
+@pytest.mark.parametrize("rotate,want", [
+    (False, "abc abc abc abc"), (True, "abc bca cab abc")])
+def test_interleaved_rounds_rotate(rotate, want):
+    """`rotate=True` (bench hf): round i starts at row i, so no row always follows the same
+    one; without it every round runs in the rows' order."""
+    from npuspec.bench.e2e import Runner, run_interleaved
+
+    seen = []
+
+    def setup(name):
+        return lambda: (lambda: seen.append(name) or {"tokens": 1})
+
+    rows = [Runner(n, "m", 0, setup(n)) for n in "abc"]
+    run_interleaved(rows, 4, rotate=rotate)
+    got = "".join(seen)[3:]  # after the warm-ups (in row order)
+    assert " ".join(got[i:i + 3] for i in range(0, 12, 3)) == want
+    assert all(len(r.times) == 4 for r in rows)
