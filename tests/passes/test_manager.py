@@ -154,3 +154,17 @@ def test_a_family_that_does_not_apply_is_never_compiled(monkeypatch):
     gm = aten_graph(step, *_args())
     assert PassManager([GreedyAccept(), other]).run(gm, flavor="aten") == {"greedy_accept": 1}
     assert other not in seen and seen
+
+
+def test_sample_verify_gates():
+    """A model forward (no argmax, no count) holds no sampling step: neither sample_verify
+    instance applies. A greedy step (argmax + cumprod, no `>`) takes the default one only."""
+    ge, other = default_patterns()[1:3]
+
+    def forward(x, w):
+        return torch.softmax(x @ w, dim=-1)
+
+    fwd = aten_graph(forward, torch.randn(3, 8), torch.randn(8, 5)).graph
+    assert not ge.applies(fwd) and not other.applies(fwd)
+    greedy = aten_graph(step, *_args()).graph
+    assert ge.applies(greedy) and not other.applies(greedy)
