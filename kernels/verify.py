@@ -315,9 +315,24 @@ ACCEPT_MODES = {
 }
 
 
+# How the accept tests give the count n of accepted drafts:
+#   "prefix":     the leading passes (the first failure ends the run; the standard rule)
+#   "cumulative": vllm-ascend's PyTorch block verify: position k passes when
+#                 q(x_k) > 0 and cmp(prod_{i<=k} ratio_i, prod_{i<=k} u_i) (torch.cumprod of
+#                 each), and n is 1 + the last passing k (0 if none), so a failure before it
+#                 is overridden. A different rule from the logits mode's block_verify (Sun et al.)
+ACCEPT_RULES = ("prefix", "cumulative")
+
+
+def _last_pass(ok: Tensor) -> Tensor:
+    """int64 [B]: 1 + the index of the last True of a bool [B, K], 0 when there is none."""
+    K = ok.shape[1]
+    return torch.where(ok.any(dim=1), K - ok.flip(dims=[1]).to(torch.int64).argmax(dim=1), 0)
+
+
 def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
-                 exponentials: Tensor, accept_mode: str = "ge",
-                 ratio_cap: bool = False) -> tuple[Tensor, Tensor]:
+                 exponentials: Tensor, accept_mode: str = "ge", ratio_cap: bool = False,
+                 accept_rule: str = "prefix") -> tuple[Tensor, Tensor]:
     """Standard verify on already-normalised target probabilities; its own reference.
 
     p [B, K+1, V] (the user's softmax, after their temperature/top-k/top-p), drafts int [B, K]
@@ -329,7 +344,8 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
           one division: q(x) = 0 < p(x) gives inf and accepts, 0/0 gives NaN and rejects)
           `accept_mode` names the comparison (ACCEPT_MODES: "gt" is `u < ratio`, "not_lt" a
           kept rejection `~(u > ratio)`, under which a NaN ratio accepts); `ratio_cap` first
-          takes min(ratio, 1) as gpt-fast and vLLM v0 write it (NaN stays NaN)
+          takes min(ratio, 1) as gpt-fast and vLLM v0 write it (NaN stays NaN);
+          `accept_rule` how the passes give the count (ACCEPT_RULES)
       row n = the first rejection: argmax_v max(p_n - q_n, 0) / E_n   (one-hot: p_n with x_n
           set to 0, / E_n); a -1 draft or the bonus row n = K: argmax_v p_n / E_n
     argmax takes the first index among ties (and the first NaN), as torch.argmax does.
@@ -345,7 +361,14 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     ratio = px if q is None else px / q.float().gather(-1, xs).squeeze(-1)
     if ratio_cap:
         ratio = ratio.clamp(max=1.0)
-    n = _leading(has & ACCEPT_MODES[accept_mode](ratio, uniforms.float()))   # [B]
+    test = ACCEPT_MODES[accept_mode]
+    if accept_rule == "prefix":
+        n = _leading(has & test(ratio, uniforms.float()))                   # [B]
+    else:  # running products, as the block idiom computes them (torch.cumprod: same values)
+        ok = test(torch.cumprod(ratio, dim=-1), torch.cumprod(uniforms.float(), dim=-1))
+        if q is not None:
+            ok = ok & (q.float().gather(-1, xs).squeeze(-1) > 0)
+        n = _last_pass(has & ok)                                            # [B]
     b = torch.arange(B, device=p.device)
     pn = p[b, n]                                                # [B, V] p at row n (a copy)
     e = exponentials.float()
@@ -362,15 +385,20 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     return out.to(torch.int32), (n + 1).to(torch.int32)
 
 
-def _check_accept_mode(accept_mode: str, ratio_cap: bool, target_is_probs: bool) -> None:
+def _check_accept_mode(accept_mode: str, ratio_cap: bool, target_is_probs: bool,
+                       accept_rule: str = "prefix") -> None:
     if accept_mode not in ACCEPT_MODES:
         raise ValueError(f"accept_mode={accept_mode!r}: choose one of "
                          f"{', '.join(map(repr, ACCEPT_MODES))}")
-    if (accept_mode != "ge" or ratio_cap) and not target_is_probs:
-        raise ValueError(f"accept_mode={accept_mode!r}, ratio_cap={ratio_cap}: other accept "
-                         f"tests than the default (\"ge\", no cap) apply to the probability "
-                         f"mode only; pass target_is_probs=True with your probabilities, or "
-                         f"the defaults with logits")
+    if accept_rule not in ACCEPT_RULES:
+        raise ValueError(f"accept_rule={accept_rule!r}: choose one of "
+                         f"{', '.join(map(repr, ACCEPT_RULES))}")
+    if (accept_mode != "ge" or ratio_cap or accept_rule != "prefix") and not target_is_probs:
+        raise ValueError(f"accept_mode={accept_mode!r}, ratio_cap={ratio_cap}, "
+                         f"accept_rule={accept_rule!r}: other accept tests than the default "
+                         f"(\"ge\", no cap, \"prefix\") apply to the probability mode only; "
+                         f"pass target_is_probs=True with your probabilities, or the defaults "
+                         f"with logits (block_verify=True for block verification)")
 
 
 def _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
@@ -573,12 +601,13 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
                          block_verify: bool, posterior_threshold: Optional[float],
                          posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor],
                          *, target_is_probs: bool = False, accept_mode: str = "ge",
-                         ratio_cap: bool = False) -> tuple[Tensor, Tensor]:
+                         ratio_cap: bool = False, accept_rule: str = "prefix"
+                         ) -> tuple[Tensor, Tensor]:
     """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
 
     Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
     calls); missing draws come from the default generator."""
-    _check_accept_mode(accept_mode, ratio_cap, target_is_probs)
+    _check_accept_mode(accept_mode, ratio_cap, target_is_probs, accept_rule)
     if target_is_probs:  # plain PyTorch on every device (probs_verify is its own reference)
         B, K1, V = target_logits.shape
         _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
@@ -586,7 +615,7 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
         u = draw_uniforms(B, K1 - 1, target_logits.device) if uniforms is None else uniforms
         e = draw_exponentials(B, V, target_logits.device) if exponentials is None else exponentials
         return probs_verify(target_logits, draft_token_ids, draft_probs, u, e, accept_mode,
-                            ratio_cap)
+                            ratio_cap, accept_rule)
     impl = _pick_impl(target_logits.device)
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, block_verify, posterior_threshold, posterior_alpha,
@@ -596,7 +625,7 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
 @_rejection_sample_op.register_fake
 def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
       exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates, *,
-      target_is_probs=False, accept_mode="ge", ratio_cap=False):
+      target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix"):
     B, K1, _ = target_logits.shape
     return (target_logits.new_empty((B, K1), dtype=torch.int32),
             target_logits.new_empty((B,), dtype=torch.int32))
@@ -604,9 +633,9 @@ def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, un
 
 def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs=False, accept_mode="ge", ratio_cap=False):
+              target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix"):
     """Shape/dtype checks (metadata only: no host syncs)."""
-    _check_accept_mode(accept_mode, ratio_cap, target_is_probs)
+    _check_accept_mode(accept_mode, ratio_cap, target_is_probs, accept_rule)
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits: expected [B, K+1, V], got shape "
                          f"{tuple(target_logits.shape)}")
@@ -666,7 +695,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      synthetic_rates: Optional[Tensor] = None,
                      uniforms: Optional[Tensor] = None, exponentials: Optional[Tensor] = None,
                      target_is_probs: bool = False, accept_mode: str = "ge",
-                     ratio_cap: bool = False) -> tuple[Tensor, Tensor]:
+                     ratio_cap: bool = False, accept_rule: str = "prefix"
+                     ) -> tuple[Tensor, Tensor]:
     """Verify K drafts per request (DESIGN.md §3.3). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
 
@@ -677,7 +707,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     may then also be [B, K+1, V] (one vector per row). With it, `accept_mode` picks the
     accept test's comparison as the caller writes it ("ge": u <= p/q, the default; "gt":
     u < p/q; "not_lt": not u > p/q; "not_le": not u >= p/q, which differ from the first two
-    only at NaN ratios), and `ratio_cap=True` compares min(p/q, 1) instead of p/q.
+    only at NaN ratios), `ratio_cap=True` compares min(p/q, 1) instead of p/q, and
+    `accept_rule="cumulative"` counts as vllm-ascend's PyTorch block verify does (ACCEPT_RULES).
 
     Draws not given are made here: uniforms [B, K] (float64 U[0,1) cast to float32) and
     exponentials [B, V] (float32 Exp(1)), from `generators[row]` for seeded rows (uniforms
@@ -685,7 +716,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     custom op `torch.ops.npuspec.rejection_sample` runs."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs, accept_mode, ratio_cap)
+              target_is_probs, accept_mode, ratio_cap, accept_rule)
     B, K1, V = target_logits.shape
     dev = target_logits.device
     sampled = temperature is not None or target_is_probs
@@ -701,7 +732,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
         target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
         exponentials, bool(block_verify), thr, alpha, synthetic_rates,
         target_is_probs=bool(target_is_probs), accept_mode=accept_mode,
-        ratio_cap=bool(ratio_cap))
+        ratio_cap=bool(ratio_cap), accept_rule=accept_rule)
 
 
 def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
@@ -714,20 +745,20 @@ def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,
                                uniforms: Optional[Tensor] = None,
                                exponentials: Optional[Tensor] = None,
                                impl: str = "reference", target_is_probs: bool = False,
-                               accept_mode: str = "ge", ratio_cap: bool = False
-                               ) -> tuple[Tensor, Tensor]:
+                               accept_mode: str = "ge", ratio_cap: bool = False,
+                               accept_rule: str = "prefix") -> tuple[Tensor, Tensor]:
     """The op computed directly (no dispatcher) with the chosen row-statistics implementation;
     `impl="reference"` is the specification. Raises ValueError on non-finite logits.
     target_is_probs=True runs `probs_verify` (one implementation, its own reference)."""
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs, accept_mode, ratio_cap)
+              target_is_probs, accept_mode, ratio_cap, accept_rule)
     if target_is_probs:
         B, K1, V = target_logits.shape
         u = draw_uniforms(B, K1 - 1, target_logits.device) if uniforms is None else uniforms
         e = draw_exponentials(B, V, target_logits.device) if exponentials is None else exponentials
         return probs_verify(target_logits, draft_token_ids, draft_probs, u, e, accept_mode,
-                            ratio_cap)
+                            ratio_cap, accept_rule)
     thr, alpha = (None, None) if entropy_verify is None else entropy_verify
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, bool(block_verify), thr, alpha, synthetic_rates, impl)
