@@ -23,6 +23,10 @@ rejection `~(u > r)` ("not_lt", gpt-fast and lucidrains; a NaN ratio accepts the
 `~(u >= r)` ("not_le"). The op evaluates that same comparison, so NaN and inf decide as in the
 user's code (`~(u > min(1, inf))` rejects u = 1.5; no rewrite of u alone could say that).
 
+The count may also be vllm-ascend's PyTorch block verify (`_block_count`: running products of
+min(1, p/q) against running products of u, legal where q(x) > 0, 1 + the last legal position),
+the op's `accept_rule="cumulative"`, which computes the same torch.cumprod values.
+
 The bonus row may also come from a residual over all K+1 rows against q with a zero row appended
 (`torch.cat([q, torch.zeros_like(q[:, :1])], 1)` or `F.pad(q, (0, 0, 0, 1))`, race with E [B, V],
 then `.gather(1, n[:, None])`), but only when p is a softmax output in the graph: the zero row's
@@ -89,6 +93,29 @@ def _step_zero_row(p, q, ids, u, e, ratio, mode, tail, pad, out):
     return _emitted(p, ids, n, race.gather(1, n[:, None]).squeeze(1), out)
 
 
+def _block_count(px, qx, u, cap):
+    """vllm-ascend's PyTorch block verify (`rejection_random_sample_block_verify_pytorch`),
+    on [B, K]: running products of min(1, p/q) against running products of u, a position
+    legal only where q(x) > 0, and the count 1 + the last legal position (0 if none)."""
+    pi = px / qx
+    if cap:
+        pi = pi.clamp(max=1.0)
+    pi = torch.cumprod(pi, dim=-1)
+    uc = torch.cumprod(u, dim=-1)
+    legal = (qx > 0) & (pi >= uc)
+    k = legal.shape[-1]
+    last = torch.where(legal.any(dim=-1, keepdim=True),
+                       k - legal.flip(dims=[-1]).float().argmax(dim=-1, keepdim=True) - 1, -1)
+    return (last + 1).squeeze(-1)                                   # [B]
+
+
+def _step_block(p, q, ids, u, e, cap, per_row, out):
+    n = _block_count(_gather_at(p[:, :-1], ids), _gather_at(q, ids), u, cap)
+    rec, bonus = _race_rows(p, q, ids, e, per_row)
+    tok = torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1)   # [B]
+    return _emitted(p, ids, n, tok, out)
+
+
 def _emitted(p, ids, n, tok, out):
     if out == "token":
         return tok, n
@@ -97,11 +124,12 @@ def _emitted(p, ids, n, tok, out):
     return torch.where(pos == n[:, None], tok[:, None], emitted), n
 
 
-def _op(p, q, ids, u, e, ratio, mode, tail, out):
+def _op(p, q, ids, u, e, ratio, mode, tail, out, rule="prefix"):
     # the op evaluates the user's test itself: their comparison, and min(ratio, 1) when capped
     tokens, num = npuspec_ops.rejection_sample(p, ids, q, None, None, None, u, e, False, None,
                                                None, None, target_is_probs=True,
-                                               accept_mode=mode, ratio_cap=ratio != "plain")
+                                               accept_mode=mode, ratio_cap=ratio != "plain",
+                                               accept_rule=rule)
     n = _tail_out(tail, num.to(torch.int64) - 1)
     tokens = tokens.to(torch.int64)
     if out == "token":
@@ -124,6 +152,7 @@ class SampleVerifyConfig:
     zero_row_q: tuple = ("cat", "pad")          # q with a zero bonus row: cat zeros_like / F.pad
     zero_row_tails: tuple = ("cumprod", "cumsum_not")
     e_shapes: tuple = ("request", "row")        # E [B, V] broadcast over rows, or E [B, K+1, V]
+    block: bool = True                          # vllm-ascend's block verify count (with "ge")
     max_k: int = 64
 
 
@@ -152,6 +181,30 @@ class SampleVerify(VerifyPattern):
             ztails = c.zero_row_tails if mode == "ge" else tuple(
                 t for t in c.zero_row_tails if t == "cumprod")
             out += self._zero_row_spellings(mode, ztails)
+        if c.block and "ge" in c.modes:
+            out += self._block_spellings()
+        return out
+
+    def _block_spellings(self):
+        """vllm-ascend's block verify count (the op's accept_rule="cumulative"), with draft
+        probabilities, its clamp(max=1) or without it."""
+        c = self.config
+        out = []
+        for cap, per_row, form in itertools.product((True, False),
+                                                    [e == "row" for e in c.e_shapes], c.forms):
+            def s(p, q, ids, u, e, cap, per_row, out):
+                return _step_block(p, q, ids, u, e, cap, per_row, out)
+
+            def r(p, q, ids, u, e, ratio, out):
+                return _op(p, q, ids, u, e, ratio, "ge", "cumprod", out, rule="cumulative")
+
+            eshape = (2, 5, 11) if per_row else (2, 11)
+            ex = (lambda es: lambda: [torch.rand(2, 5, 11), torch.rand(2, 4, 11),  # noqa: E731
+                                      torch.randint(0, 11, (2, 4)), torch.rand(2, 4),
+                                      torch.rand(es) + 0.1])(eshape)
+            name = f"block_{'clamp' if cap else 'plain'}_{'erow' if per_row else 'ereq'}_{form}"
+            out.append(Spelling(name, _bind(s, cap=cap, per_row=per_row, out=form),
+                                _bind(r, ratio="clamp" if cap else "plain", out=form), ex))
         return out
 
     def _race_spellings(self, mode, combos, tails):

@@ -190,6 +190,9 @@ def _gpt_fast_whole_inputs(seed):
     return q, p, ids, e
 
 
+# vllm-ascend's PyTorch block verify, batched (test_sample_verify_modes.py has the transcription)
+from test_sample_verify_modes import _block_inputs, step_ascend_block  # noqa: E402
+
 MATCHED = [
     (lucidrains_speculative, _lucidrains_inputs, {"ratio_accept": 1}),
     (vllm_v0_get_accepted, _vllm_v0_inputs, {"ratio_accept": 1}),
@@ -198,6 +201,7 @@ MATCHED = [
     (medusa_typical, _medusa_inputs, {"ratio_accept": 1}),
     (vllm_v0_accept_whole_step, _whole_inputs, {"sample_verify": 1}),
     (gpt_fast_rejected_whole_step, _gpt_fast_whole_inputs, {"sample_verify": 1}),
+    (step_ascend_block, _block_inputs, {"sample_verify": 1}),
 ]
 
 MISSES = [

@@ -6,7 +6,8 @@ The inputs hold the rows where the spellings disagree: a NaN ratio (0/0: `>=` an
 `~(u > r)` accepts), an inf ratio (q(x) = 0) with u = 1.5 (capped: rejected under every mode),
 u equal to the ratio (`>=` accepts, `>` rejects) and u = 1 against a capped ratio of 1.
 Before the op had these modes, each of these steps stayed as written (nm_strict and
-nm_gpt_fast_reject were near misses in test_sample_verify.py)."""
+nm_gpt_fast_reject were near misses in test_sample_verify.py). Last, vllm-ascend's PyTorch block
+verify count, the op's accept_rule="cumulative"."""
 import pytest
 import torch
 
@@ -138,3 +139,72 @@ def test_bad_accept_mode_names_the_value():
     with pytest.raises(ValueError, match="ratio_cap=True.*target_is_probs=True"):
         rejection_sample(p.log(), ids, q, temperature=torch.ones(B), uniforms=u,
                          ratio_cap=True)
+
+
+# --- vllm-ascend's block verify count: the op's accept_rule="cumulative" ------------------------
+def step_ascend_block(p, q, ids, u, e):
+    """vllm-ascend, sample/rejection_sampler.py (`rejection_random_sample_block_verify_pytorch`),
+    batched [B, K] (ours: no ragged flattening): pi = cumprod(min(1, p/q)) against cumprod(u),
+    legal only where q(x) > 0, accepted up to the last legal position, the recovered token
+    there (here the exponential race over max(p - q, 0)), the bonus when all K are accepted."""
+    target_token_probs, draft_token_probs = _at(p[:, :K], ids), _at(q, ids)
+    pi = target_token_probs / draft_token_probs
+    pi = pi.clamp(max=1.0)
+    pi = torch.cumprod(pi, dim=-1)
+    uniform_token_probs = torch.cumprod(u, dim=-1)
+    legal_mask = (draft_token_probs > 0) & (pi >= uniform_token_probs)
+    max_spec_len = legal_mask.shape[-1]
+    last_accept_pos = torch.where(
+        legal_mask.any(dim=-1, keepdim=True),
+        max_spec_len - legal_mask.flip(dims=[-1]).float().argmax(dim=-1, keepdim=True) - 1, -1)
+    return _finish(p, q, ids, e, (last_accept_pos + 1).squeeze(-1))
+
+
+def _block_inputs(seed=0):
+    """Rows where the block count differs from the prefix count: a failure followed by a later
+    position whose running product passes again, and q(x) = 0 in the middle."""
+    p, q, ids, u, e = _inputs(seed)
+    r = _at(p[:, :K], ids) / _at(q, ids)
+    u[5] = torch.stack([r[5, 0] * 1.5, torch.tensor(0.9), torch.tensor(1.0), torch.tensor(1.0)])
+    q[6, 1, ids[6, 1]] = 0.0
+    u[6] = torch.tensor([0.0, 0.0, 0.0, 1.0])
+    return p, q, ids, u, e
+
+
+def _block_reference(p, q, ids, u):
+    """The block count request by request: a Python loop over the running products."""
+    out = []
+    for b in range(ids.shape[0]):
+        r = (p[b, torch.arange(K), ids[b]] / q[b, torch.arange(K), ids[b]]).clamp(max=1.0)
+        pis, us = torch.cumprod(r, 0), torch.cumprod(u[b], 0)
+        last = -1
+        for k in range(K):
+            if q[b, k, ids[b, k]] > 0 and pis[k] >= us[k]:
+                last = k
+        out.append(last + 1)
+    return torch.tensor(out)
+
+
+def test_block_rule_differs_from_prefix_on_these_inputs():
+    p, q, ids, u, e = _block_inputs(0)
+    _, n_block = probs_verify(p, ids, q, u, e, "ge", True, "cumulative")
+    _, n_prefix = probs_verify(p, ids, q, u, e, "ge", True)
+    assert torch.equal(n_block.long() - 1, _block_reference(p, q, ids, u))
+    assert (n_block > n_prefix).any(), (n_block, n_prefix)
+
+
+def test_ascend_block_step_three_way():
+    three_way(step_ascend_block, _block_inputs(0), family="sample_verify", appear=OP + [
+        "accept_rule: cumulative"], gone=["aten.cumprod", "aten.flip", "aten.argmax"], seed=1)
+
+
+def test_ascend_block_step_under_inductor(no_fx_cache):
+    three_way(step_ascend_block, _block_inputs(1), lowering="inductor", family="sample_verify",
+              appear=OP, gone=["aten.cumprod", "aten.flip"], seed=1)
+
+
+def test_bad_accept_rule_names_the_value():
+    p, q, ids, u, e = _inputs(0)
+    with pytest.raises(ValueError, match="accept_rule='last'.*'prefix', 'cumulative'"):
+        rejection_sample(p, ids, q, uniforms=u, exponentials=e, target_is_probs=True,
+                         accept_rule="last")
