@@ -254,6 +254,8 @@ def server_argv(mdir: str, spec: Optional[dict], args, max_model_len: Optional[i
         argv += ["--compilation-config", args.compilation_config]
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
+    if getattr(args, "stream_interval", 1) != 1:
+        argv += ["--stream-interval", str(args.stream_interval)]
     return argv
 
 
@@ -665,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the server's --compilation-config, e.g. '{\"backend\": \"eager\"}' (default: "
                         "the engine's, Inductor lowering)")
     add_threads_flag(p)
+    p.add_argument("--stream-interval", type=positive, default=1, metavar="N",
+                   help="the servers' --stream-interval (default 1: a message every step)")
     p.add_argument("--server-timeout", type=float, default=900.0, metavar="S",
                    help="seconds to wait for each server's /health (load + compile; default 900)")
     p.add_argument("--offline", action="store_true",

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     p.add_argument("--seed", type=int, default=0, help="seed of requests that send none")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
+    p.add_argument("--stream-interval", type=positive, default=1, metavar="N",
+                   help="send streamed tokens every N engine steps (first tokens and ends at "
+                        "once): smoother streams at 1, more throughput above it")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level")
 

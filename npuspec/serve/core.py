@@ -15,6 +15,13 @@ engine -> HTTP process:
     ("ready", info dict) | ("failed", ErrorInfo)                 # once, after the load
     ("step", [Out...], Gauges, [(req_id, reason) aborted...], [(req_id, message) refused...])
     ("dead", message)               # a step raised: nothing after it is trusted
+
+With `--stream-interval N` (SGLang's flag; default 1) a "step" message goes out every N engine
+steps, carrying each request's tokens of those steps, and at once whenever a request gets its
+first token, finishes, is aborted or refused, or the engine goes idle. Why: on a 2-vCPU VM each
+message's wake-up of the HTTP process cost the engine ~10% of its one-client speed (a
+constant 40-byte message per step: 0.86-0.90x an engine that sends none; every 4th step:
+0.92x), so fewer, larger messages trade smooth streaming for throughput.
 """
 from __future__ import annotations
 
@@ -80,7 +87,7 @@ def engine_main(conn, args) -> None:
                          "eos_ids": sorted(llm.eos_ids), "max_num_seqs": llm.max_num_seqs,
                          "spec": llm.spec.method if llm.spec else "none"}))
     try:
-        _loop(conn, llm)
+        _loop(conn, llm, getattr(args, "stream_interval", 1))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the HTTP process is gone: nothing to answer
     finally:
@@ -94,10 +101,49 @@ def _error_info(e: BaseException) -> ErrorInfo:
                      isinstance(e, USER_ERRORS), traceback.format_exc())
 
 
-def _loop(conn, llm) -> None:
+class Coalescer:
+    """Each request's outputs since the last message, and whether one is due (module doc)."""
+
+    def __init__(self, interval: int):
+        assert interval >= 1, interval
+        self.interval = interval
+        self.pending: dict[str, Out] = {}
+        self.steps = 0
+        self.urgent = False
+        self.sent: set[str] = set()   # requests that have had a token sent
+
+    def add(self, outs: list[Out]) -> None:
+        self.steps += 1
+        for o in outs:
+            prev = self.pending.get(o.req_id)
+            if prev is not None:
+                o = o._replace(token_ids=prev.token_ids + o.token_ids)
+            self.pending[o.req_id] = o
+            if o.finish_reason is not None or (o.token_ids and o.req_id not in self.sent):
+                self.urgent = True
+
+    def due(self, force: bool) -> bool:
+        return force or self.urgent or self.steps >= self.interval
+
+    def take(self) -> list[Out]:
+        outs = list(self.pending.values())
+        for o in outs:
+            if o.finish_reason is not None:
+                self.sent.discard(o.req_id)
+            elif o.token_ids:  # a prefill-only share sends nothing the client sees
+                self.sent.add(o.req_id)
+        self.pending, self.steps, self.urgent = {}, 0, False
+        return outs
+
+    def forget(self, req_id: str) -> None:
+        self.sent.discard(req_id)
+
+
+def _loop(conn, llm, interval: int = 1) -> None:
     stopping = False
     aborted: list[tuple[str, str]] = []
     refused: list[tuple[str, str]] = []
+    batch = Coalescer(interval)
     while True:
         idle = not llm.has_unfinished_requests()
         if stopping and idle:
@@ -116,6 +162,8 @@ def _loop(conn, llm) -> None:
             elif op == "abort":
                 if llm.abort_request(msg[1]):
                     aborted.append((msg[1], msg[2]))
+                batch.pending.pop(msg[1], None)  # the HTTP side has dropped its sink
+                batch.forget(msg[1])
             elif op == "stop":
                 stopping = True
             idle = not llm.has_unfinished_requests()
@@ -127,8 +175,10 @@ def _loop(conn, llm) -> None:
                 log.exception("npuspec serve: the engine step failed")
                 conn.send(("dead", f"the engine step failed: {type(e).__name__}: {e}"))
                 return
-        conn.send(("step", _outs(llm, outs), _gauges(llm), aborted, refused))
-        aborted, refused = [], []
+        batch.add(_outs(llm, outs))
+        if batch.due(bool(aborted or refused) or not llm.has_unfinished_requests()):
+            conn.send(("step", batch.take(), _gauges(llm), aborted, refused))
+            aborted, refused = [], []
 
 
 def _outs(llm, outs) -> list[Out]:
