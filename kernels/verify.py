@@ -358,7 +358,8 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
     x, has = xpad[:, :K], xpad[:, :K] >= 0                      # [B, K]
     xs = x.clamp_min(0)[..., None]                              # [B, K, 1]
     px = p[:, :K].gather(-1, xs).squeeze(-1)                    # [B, K]
-    ratio = px if q is None else px / q.float().gather(-1, xs).squeeze(-1)
+    qx = None if q is None else q.float().gather(-1, xs).squeeze(-1)
+    ratio = px if qx is None else px / qx
     if ratio_cap:
         ratio = ratio.clamp(max=1.0)
     test = ACCEPT_MODES[accept_mode]
@@ -366,8 +367,8 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
         n = _leading(has & test(ratio, uniforms.float()))                   # [B]
     else:  # running products, as the block idiom computes them (torch.cumprod: same values)
         ok = test(torch.cumprod(ratio, dim=-1), torch.cumprod(uniforms.float(), dim=-1))
-        if q is not None:
-            ok = ok & (q.float().gather(-1, xs).squeeze(-1) > 0)
+        if qx is not None:
+            ok = ok & (qx > 0)
         n = _last_pass(has & ok)                                            # [B]
     b = torch.arange(B, device=p.device)
     pn = p[b, n]                                                # [B, V] p at row n (a copy)

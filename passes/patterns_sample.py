@@ -77,7 +77,11 @@ def _race_rows(p, q, ids, e, per_row):
 
 def _step(p, q, ids, u, e, ratio, mode, tail, per_row, out):
     ok = _ok(_gather_at(p[:, :-1], ids), None if q is None else _gather_at(q, ids), u, ratio, mode)
-    n = tail(ok)                                                    # [B]
+    return _token_at(p, q, ids, e, tail(ok), per_row, out)
+
+
+def _token_at(p, q, ids, e, n, per_row, out):
+    """The race's token at row n [B] (recovered, or the bonus at n = K), in the `out` form."""
     rec, bonus = _race_rows(p, q, ids, e, per_row)
     tok = torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1)   # [B]
     return _emitted(p, ids, n, tok, out)
@@ -111,9 +115,7 @@ def _block_count(px, qx, u, cap):
 
 def _step_block(p, q, ids, u, e, cap, per_row, out):
     n = _block_count(_gather_at(p[:, :-1], ids), _gather_at(q, ids), u, cap)
-    rec, bonus = _race_rows(p, q, ids, e, per_row)
-    tok = torch.cat([rec, bonus[:, None]], dim=1).gather(1, n[:, None]).squeeze(1)   # [B]
-    return _emitted(p, ids, n, tok, out)
+    return _token_at(p, q, ids, e, n, per_row, out)
 
 
 def _emitted(p, ids, n, tok, out):

@@ -89,7 +89,7 @@ def _gather_pick(graph: Graph, p: Node, ids: Node, like: Node, flavor: str) -> N
 
 
 def _index_pick(n: Node) -> Optional[tuple]:
-    """(p, ids, rows) when n is p[arange(B)[:, None], arange(K), ids] with ids [B, K] on p
+    """(p, ids) when n is p[arange(B)[:, None], arange(K), ids] with ids [B, K] on p
     [B, K, V], or on p [B, rows, V] with rows > K (the target's K+1 rows: the first K are
     picked, as from p[:, :K])."""
     if n.target is not aten.index.Tensor or len(n.args) != 2 or len(n.args[1]) != 3:
@@ -105,15 +105,15 @@ def _index_pick(n: Node) -> Optional[tuple]:
         return None
     if not (_is_arange(i0, B, (B, 1)) and _is_arange(i1, K, (K,))):
         return None
-    return p, ids, pv.shape[1]
+    return p, ids
 
 
 def _trailing_one_view(n: Node) -> bool:
     """A view/reshape of a [B, K, 1] gather to [B, K], or its `[..., 0]` (select of index 0
     on the last dim): the squeeze of its last dim."""
-    if n.target is aten.select.int and len(n.args) == 3 and n.args[1:] in ((2, 0), (-1, 0)):
-        pass
-    elif n.target not in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+    select0 = n.target is aten.select.int and len(n.args) == 3 and n.args[1:] in ((2, 0), (-1, 0))
+    if not select0 and n.target not in (aten.view.default, aten.reshape.default,
+                                        aten._unsafe_view.default):
         return False
     x, out = n.args[0], _val(n)
     xv = _val(x)
@@ -191,9 +191,9 @@ def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
             continue
         pick = _index_pick(n)
         if pick is not None:
-            p, ids, rows = pick
+            p, ids = pick
             K = _val(ids).shape[1]
-            if rows > K:  # the slice canonical.canonicalize writes for p[:, :K]
+            if _val(p).shape[1] > K:  # the slice canonical.canonicalize writes for p[:, :K]
                 p = _new(graph, aten.slice.Tensor, (p, 1, 0, K), n)
             new = _gather_pick(graph, p, ids, n, flavor)
         elif _bare_index(n):

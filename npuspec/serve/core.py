@@ -135,7 +135,9 @@ class Coalescer:
         self.pending, self.steps, self.urgent = {}, 0, False
         return outs
 
-    def forget(self, req_id: str) -> None:
+    def drop(self, req_id: str) -> None:
+        """An aborted request: the HTTP side has dropped its sink."""
+        self.pending.pop(req_id, None)
         self.sent.discard(req_id)
 
 
@@ -162,8 +164,7 @@ def _loop(conn, llm, interval: int = 1) -> None:
             elif op == "abort":
                 if llm.abort_request(msg[1]):
                     aborted.append((msg[1], msg[2]))
-                batch.pending.pop(msg[1], None)  # the HTTP side has dropped its sink
-                batch.forget(msg[1])
+                batch.drop(msg[1])
             elif op == "stop":
                 stopping = True
             idle = not llm.has_unfinished_requests()
