@@ -2,6 +2,7 @@
 backend="npuspec", warm, in one run.
 
     npuspec bench hf [--model PATH] [--prompts code-edit|FILE] [--max-tokens 64] [--repeats 3]
+    npuspec bench hf --start [...]        start-up instead: cold and warm-started child processes
 
     model.forward = torch.compile(model.forward, backend=B)    # B = inductor | npuspec
     model.generate(ids, do_sample=False, ...)                   # one prompt at a time
@@ -23,6 +24,8 @@ import argparse
 import functools
 import sys
 
+from npuspec.bench import hf_start
+
 MODES = ("greedy", "prompt lookup", "static cache", "assisted")
 SYSTEMS = ("eager", "inductor", "npuspec")
 
@@ -43,7 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per row (median)")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ", ".join(MODES))
+    p.add_argument("--start", action="store_true",
+                   help="time start-up instead: per mode and system, a cold child process on new, "
+                        "empty caches, then a warm-started one on the caches it left")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument(hf_start.CHILD_FLAG, default=None, help=argparse.SUPPRESS)
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
     return p
 
@@ -105,6 +112,15 @@ def run(args) -> int:
     extra = {"greedy": {}, "prompt lookup": {"prompt_lookup_num_tokens": args.k},
              "static cache": {"cache_implementation": "static"},
              "assisted": {"assistant_model": assistant}}
+    child = getattr(args, "start_child", None)
+    if child is not None:  # one (system, mode) of --start, in its own process
+        system, mode = child.split(":", 1)
+        model = functools.partial(compiled_model, lambda: load_hf(mdir), system)
+        k = args.k if mode in ("prompt lookup", "assisted") else 0
+        return hf_start.child(args, Runner(system, mode, k, hf_runner(model, ids, args.max_tokens,
+                                                                       eos, **extra[mode])))
+    if args.start:
+        return _report_start(args, modes, mdir, threads)
     runners = []
     for system in SYSTEMS:
         model = functools.lru_cache(None)(functools.partial(compiled_model, lambda: load_hf(mdir), system))
@@ -129,6 +145,39 @@ def run(args) -> int:
                      "prompts": len(ids)})
     print_table(rows, title=f"HF generate, compiled forward ({os.path.basename(mdir.rstrip('/'))}, "
                             f"{threads} threads, {args.max_tokens} new tokens, median of {args.repeats})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": mdir, "threads": threads, "rows": rows}, f, indent=1)
+    bad = [r for r in rows if r["identical"] != r["prompts"]]
+    for r in bad:
+        print(f"{r['system']} {r['mode']}: {r['prompts'] - r['identical']} of {r['prompts']} "
+              f"outputs differ from eager", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _child_argv(args, modes: list[str]) -> list[str]:
+    """The parent's settings as flags for its --start children (ids are rebuilt there alike)."""
+    out = ["--prompts", args.prompts, "--num-prompts", str(args.num_prompts),
+           "--max-tokens", str(args.max_tokens), "-k", str(args.k), "--modes", ",".join(modes)]
+    for flag, v in (("--model", args.model), ("--draft-model", args.draft_model),
+                    ("--threads", args.threads)):
+        if v is not None:
+            out += [flag, str(v)]
+    return out
+
+
+def _report_start(args, modes: list[str], mdir: str, threads: int) -> int:
+    import json
+    import os
+
+    from npuspec.bench.table import print_table
+    from npuspec.cli import common
+
+    with common.Progress("bench hf --start", len(modes) * (1 + 2 * len(hf_start.COMPILED))) as bar:
+        rows = hf_start.run_start(_child_argv(args, modes), modes, bar)
+    print_table(rows, title=f"HF generate start-up, seconds of the first run "
+                            f"({os.path.basename(mdir.rstrip('/'))}, {threads} threads, "
+                            f"{args.num_prompts} prompts x {args.max_tokens} new tokens)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": mdir, "threads": threads, "rows": rows}, f, indent=1)

@@ -1,0 +1,84 @@
+"""`npuspec bench hf --start`: the start-up cost of a compiled forward under HF generate.
+
+The timed bench warms every row up in one process, one system after another, so the warm-up
+figures there depend on which system ran first and on what Inductor's caches already held.
+Here each (mode, system) runs in child processes of its own, on its own new, empty cache
+directories (TORCHINDUCTOR_CACHE_DIR and NPUSPEC_CACHE_DIR):
+
+    cold        first child: empty caches; its first run compiles everything
+    warm start  second child on the caches the first one left: a restarted deployment
+    steady      the second child's second run (nothing left to compile)
+
+A run is one generate() per prompt. Tokens are compared with the eager child of the mode.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CHILD_FLAG = "--start-child"
+COMPILED = ("inductor", "npuspec")
+
+
+def child(args, runner) -> int:
+    """In the child: load and compile (runner.warm_up is setup + the first run), run again,
+    print one JSON line."""
+    t0 = time.perf_counter()
+    run = runner._setup()
+    t1 = time.perf_counter()
+    first = run()
+    t2 = time.perf_counter()
+    run()
+    t3 = time.perf_counter()
+    print(json.dumps({"load_s": t1 - t0, "first_s": t2 - t1, "steady_s": t3 - t2,
+                      "token_ids": first["token_ids"], "tokens": first["tokens"]}))
+    return 0
+
+
+def _spawn(argv: list[str], system: str, mode: str, cache: str) -> dict:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+               NPUSPEC_CACHE_DIR=os.path.join(cache, "npuspec"))
+    cmd = [sys.executable, "-m", "npuspec.bench.hf", *argv, CHILD_FLAG, f"{system}:{mode}"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        raise RuntimeError(f"bench hf --start: the {system} / {mode} child failed (exit "
+                           f"{p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def run_start(argv: list[str], modes: list[str], progress) -> list[dict]:
+    """Rows: per mode, eager once, then each compiled system cold and warm-started."""
+    rows = []
+    for mode in modes:
+        with tempfile.TemporaryDirectory(prefix="npuspec-start-") as tmp:
+            ref = _spawn(argv, "eager", mode, os.path.join(tmp, "eager"))
+            progress.update()
+            rows.append(_row(mode, "eager", ref, ref, ref))
+            for system in COMPILED:
+                cache = os.path.join(tmp, system)
+                cold = _spawn(argv, system, mode, cache)
+                progress.update()
+                warm = _spawn(argv, system, mode, cache)
+                progress.update()
+                rows.append(_row(mode, system, cold, warm, ref))
+    by = {(r["mode"], r["system"]): r for r in rows}
+    for r in rows:  # start-up time relative to Inductor's (eager compiles nothing: "-")
+        ind = by[(r["mode"], "inductor")]
+        compiled = r["system"] != "eager"
+        r["cold_vs_inductor"] = r["cold_first_s"] / ind["cold_first_s"] if compiled else "-"
+        r["warm_vs_inductor"] = r["warm_first_s"] / ind["warm_first_s"] if compiled else "-"
+    return rows
+
+
+def _row(mode: str, system: str, cold: dict, warm: dict, ref: dict) -> dict:
+    same = sum(a == b for a, b in zip(cold["token_ids"], ref["token_ids"]))
+    same_warm = sum(a == b for a, b in zip(warm["token_ids"], ref["token_ids"]))
+    return {"mode": mode, "system": system, "cold_first_s": cold["first_s"],
+            "warm_first_s": warm["first_s"], "steady_s": warm["steady_s"],
+            "load_s": warm["load_s"], "tokens": cold["tokens"],
+            "identical": min(same, same_warm), "prompts": len(ref["token_ids"])}
