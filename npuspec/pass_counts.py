@@ -23,7 +23,7 @@ from npuspec import counters
 
 log = logging.getLogger("npuspec.backend")
 
-PASS_COUNTERS = ("verify_patterns_matched", "small_m_linears")
+PASS_COUNTERS = ("verify_patterns_matched", "verify_patterns_unmatched", "small_m_linears")
 DIRNAME = "npuspec-pass-counts"
 
 

@@ -25,7 +25,9 @@ Before matching, in this order: `canonicalize` rewrites dim/slice literals into 
 in the graph and in the traced patterns); `picks.canonical_picks` puts every spelling of
 "p at the drafted ids" into the gather form; `prefix.prove_prefix_counts` proves every
 accepted-prefix count and rewrites it into the cumprod form. `counters["verify_patterns_matched"]` moves by the number of
-replacements (and `verify_patterns_matched.<family>` per family). With NPUSPEC_DEBUG_DUMP set,
+replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
+matched but which looks like a verify step is named once per source line
+(`passes/unmatched.py`, `counters["verify_patterns_unmatched"]`). With NPUSPEC_DEBUG_DUMP set,
 each run writes `NNNN_1_before.txt` / `NNNN_2_after.txt` there (numbered per process).
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical, picks, prefix
+from npuspec.passes import canonical, picks, prefix, unmatched
 from npuspec.passes.patterns import VerifyPattern, _source_hash, default_patterns
 
 log = logging.getLogger("npuspec.passes")
@@ -177,6 +179,8 @@ class PassManager:
             counters.bump("verify_patterns_matched", sum(found.values()))
             if graph.owning_module is not None:
                 graph.owning_module.recompile()
+        else:  # a verify-like step left as written is named once (passes/unmatched.py)
+            unmatched.note_unmatched(graph)
         if seq:
             _dump(graph, "2_after", seq)
         HISTORY.append((flavor, dict(found), str(graph)))
@@ -210,7 +214,8 @@ class PassManager:
         return found
 
     def uuid(self) -> str:
-        h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, picks, prefix).encode())
+        h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
+                                        unmatched).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()
