@@ -115,9 +115,7 @@ def run(args) -> int:
     if child is not None:  # one (system, mode) of --start, in its own process
         system, mode = child.split(":", 1)
         model = functools.partial(compiled_model, lambda: load_hf(mdir), system)
-        k = args.k if mode in ("prompt lookup", "assisted") else 0
-        return hf_start.child(args, Runner(system, mode, k, hf_runner(model, ids, args.max_tokens,
-                                                                       eos, **extra[mode])))
+        return hf_start.child(hf_runner(model, ids, args.max_tokens, eos, **extra[mode]))
     if args.start:
         return _report_start(args, modes, mdir, threads)
     runners = []

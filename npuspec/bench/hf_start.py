@@ -24,11 +24,11 @@ CHILD_FLAG = "--start-child"
 COMPILED = ("inductor", "npuspec")
 
 
-def child(args, runner) -> int:
-    """In the child: load and compile (runner.warm_up is setup + the first run), run again,
-    print one JSON line."""
+def child(setup) -> int:
+    """In the child: `setup()` (load, compile the forward), the first run (every compile),
+    a second run; prints one JSON line."""
     t0 = time.perf_counter()
-    run = runner._setup()
+    run = setup()
     t1 = time.perf_counter()
     first = run()
     t2 = time.perf_counter()
