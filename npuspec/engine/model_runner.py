@@ -17,6 +17,7 @@ from torch import nn
 
 from npuspec.config import SpeculativeConfig
 from npuspec.engine.block_manager import BlockManager, seat_blocks
+from npuspec.engine.compiled import CompiledBySignature
 from npuspec.engine.request import Request
 from npuspec.engine.scheduler import PrefillRow, pad_rows
 from npuspec.engine.step import PrefillStep, VerifyStep, fresh_prefill_fn, fresh_step_fn
@@ -161,8 +162,8 @@ class ModelRunner:
         if self._prefill_fn is None:
             opts = dict(self._options, speculative_config=None,
                         max_num_seqs=self.max_prefill_rows, capture_sizes=self.prefill_sizes)
-            self._prefill_fn = torch.compile(fresh_prefill_fn(self.prefill_module),
-                                             backend="npuspec", options=opts, dynamic=None)
+            self._prefill_fn = CompiledBySignature(lambda: fresh_prefill_fn(self.prefill_module),
+                                                   opts)
         return self._prefill_fn
 
     # -- verify --------------------------------------------------------------------------------
@@ -229,15 +230,14 @@ class ModelRunner:
     def _step_fn(self, inp: dict):
         """The compiled step for this input variant (which optional inputs are present).
 
-        Each variant gets its own code object (`fresh_step_fn`), so Dynamo's per-code cache
-        and recompile limit are per engine and per variant: graphs of one LLM never evict or
-        count against another's, and within a variant only K varies.
+        Each variant, and within it each input signature (each K), gets a compiled function
+        with its own code object (`fresh_step_fn`, `CompiledBySignature`), so graphs of one
+        LLM never evict or count against another's, and no Dynamo guard runs per call.
         """
         key = tuple(sorted(inp))
         fn = self._compiled.get(key)
         if fn is None:
-            fn = torch.compile(fresh_step_fn(self.step_module), backend="npuspec",
-                               options=self._options, dynamic=None)
+            fn = CompiledBySignature(lambda: fresh_step_fn(self.step_module), self._options)
             self._compiled[key] = fn
         return fn
 

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from npuspec.engine.compiled import CompiledBySignature
 from npuspec.engine.draft_step import DraftFirstPass, DraftLoop, MedusaStep, fresh_fn, sample_drafts
 from npuspec.runtime.draft_model import CONF_MIN, Drafts
 from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
@@ -93,8 +94,7 @@ class _HiddenStateProposer:
             return module(*args)
         fn = self._fns.get(key)
         if fn is None:
-            fn = torch.compile(fresh_fn(module, f"npuspec_{key[0]}"), backend="npuspec",
-                               options=opts, dynamic=None)
+            fn = CompiledBySignature(lambda: fresh_fn(module, f"npuspec_{key[0]}"), opts)
             self._fns[key] = fn
         from npuspec.graphs import mark_token_dim
         for a in args:
