@@ -47,3 +47,17 @@ class Counters(collections.Counter):
 
 
 counters = Counters()
+
+
+_first: set = set()
+_first_lock = threading.Lock()
+
+
+def first_time(key) -> bool:
+    """True the first time `key` comes in this process: for events logged once and counted
+    every time (a graph break's line, an unfused verify step's line)."""
+    with _first_lock:
+        if key in _first:
+            return False
+        _first.add(key)
+        return True

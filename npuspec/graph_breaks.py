@@ -15,15 +15,12 @@ choice to the user.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Optional
 
-from npuspec._counters import counters
+from npuspec._counters import counters, first_time
 
 log = logging.getLogger("npuspec")
 
-_seen: set = set()
-_lock = threading.Lock()
 
 
 def _break_of(gm) -> Optional[tuple[str, int, str]]:
@@ -52,10 +49,8 @@ def note_graph_break(gm) -> Optional[str]:
     if site is None:
         return None
     file, line, reason = site
-    with _lock:
-        if (file, line) in _seen:
-            return None
-        _seen.add((file, line))
+    if not first_time(("graph_break", file, line)):
+        return None
     counters.bump("graph_breaks")
     msg = (f"npuspec: Dynamo breaks the graph at {file}:{line}: {reason}. The code before and "
            f"after that line compiles as separate graphs, so a verify step spanning it is not "

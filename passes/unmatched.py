@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 from typing import Optional
 
 import torch
 
-from npuspec import counters
+from npuspec._counters import counters, first_time
 
 log = logging.getLogger("npuspec.passes")
 
-aten = torch.ops.aten
 _COUNTS = ("cumprod", "cumsum", "cummin", "cummax")
 _CMPS = ("eq", "ne", "lt", "le", "gt", "ge")
 _STEP_OPS = ("argmax", "gather", "rand", "rand_like", "uniform", "exponential", "bernoulli",
@@ -33,8 +31,6 @@ _STEP_OPS = ("argmax", "gather", "rand", "rand_like", "uniform", "exponential", 
 _HOPS = 4  # ops between the comparison and the count (casts, negations, products)
 _LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
-_seen: set = set()
-_lock = threading.Lock()
 
 
 def _op(n: torch.fx.Node) -> str:
@@ -75,11 +71,8 @@ def note_unmatched(graph: torch.fx.Graph) -> Optional[str]:
         return None
     counters.bump("verify_patterns_unmatched")
     site = next((s for s in map(_site, counts) if s is not None), None)
-    key = site or ("<no source line>", 0)
-    with _lock:
-        if key in _seen:
-            return None
-        _seen.add(key)
+    if not first_time(("unmatched_verify", *(site or ("<no source line>", 0)))):
+        return None
     where = f"the count at {site[0]}:{site[1]}" if site else "a running count"
     msg = (f"npuspec: a graph with the shape of a verify step ({where}, next to a comparison) "
            f"matched no verify pattern, so it runs as written: exact, but not fused into "

@@ -111,9 +111,8 @@ def run(args) -> int:
     extra = {"greedy": {}, "prompt lookup": {"prompt_lookup_num_tokens": args.k},
              "static cache": {"cache_implementation": "static"},
              "assisted": {"assistant_model": assistant}}
-    child = getattr(args, "start_child", None)
-    if child is not None:  # one (system, mode) of --start, in its own process
-        system, mode = child.split(":", 1)
+    if args.start_child is not None:  # one (system, mode) of --start, in its own process
+        system, mode = args.start_child.split(":", 1)
         model = functools.partial(compiled_model, lambda: load_hf(mdir), system)
         return hf_start.child(hf_runner(model, ids, args.max_tokens, eos, **extra[mode]))
     if args.start:

@@ -38,21 +38,22 @@ def signature(args: tuple, kwargs: dict) -> tuple:
             tuple(map(_part, args)), tuple((k, _part(v)) for k, v in kwargs.items()))
 
 
-def _own_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own. Dynamo keeps its compiled entries on the code
-    object, and without guards the first entry would serve every function sharing it."""
-    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+def own_code(fn: Callable, name: str | None = None) -> Callable:
+    """`fn` with a code object of its own (named `name`). Dynamo keeps its compiled entries,
+    and counts recompiles, on the code object: a function of its own has a cache of its own
+    (and without guards, the first entry would serve every function sharing the code)."""
+    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, name or fn.__name__,
                              fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     return new
 
 
 class CompiledBySignature:
-    """`make()` -> a plain function; each input signature compiles one, with a code object
-    of its own, with backend="npuspec" and `options`."""
+    """`fn` (a plain function) compiled with backend="npuspec" and `options` once per input
+    signature, each copy with a code object of its own."""
 
-    def __init__(self, make: Callable[[], Callable], options: dict):
-        self.make, self.options = make, dict(options)
+    def __init__(self, fn: Callable, options: dict):
+        self.fn, self.options = fn, dict(options)
         self.fns: dict[tuple, Callable] = {}
 
     def __call__(self, *args, **kwargs):
@@ -61,6 +62,6 @@ class CompiledBySignature:
         if fn is None:
             # torch.compile pops guard_filter_fn from the dict it is given: a new one each time
             opts = dict(self.options, guard_filter_fn=torch.compiler.skip_all_guards_unsafe)
-            fn = self.fns[key] = torch.compile(_own_code(self.make()), backend="npuspec", options=opts,
-                                               dynamic=None)
+            fn = self.fns[key] = torch.compile(own_code(self.fn), backend="npuspec",
+                                               options=opts, dynamic=None)
         return fn(*args, **kwargs)

@@ -17,11 +17,10 @@ the module's, so the captured graphs never copy the pool.
 """
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
+from npuspec.engine.compiled import own_code
 from npuspec.models.decoder import AttnMetadata, PagedKVCache
 
 
@@ -119,5 +118,4 @@ def fresh_fn(module: nn.Module, name: str):
     and recompile count are per drafter and per variant (as `fresh_step_fn` for the target)."""
     def run(*args):
         return module(*args)
-    return types.FunctionType(run.__code__.replace(), run.__globals__, name, run.__defaults__,
-                              run.__closure__)
+    return own_code(run, name)

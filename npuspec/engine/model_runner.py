@@ -162,8 +162,7 @@ class ModelRunner:
         if self._prefill_fn is None:
             opts = dict(self._options, speculative_config=None,
                         max_num_seqs=self.max_prefill_rows, capture_sizes=self.prefill_sizes)
-            self._prefill_fn = CompiledBySignature(lambda: fresh_prefill_fn(self.prefill_module),
-                                                   opts)
+            self._prefill_fn = CompiledBySignature(fresh_prefill_fn(self.prefill_module), opts)
         return self._prefill_fn
 
     # -- verify --------------------------------------------------------------------------------
@@ -237,7 +236,7 @@ class ModelRunner:
         key = tuple(sorted(inp))
         fn = self._compiled.get(key)
         if fn is None:
-            fn = CompiledBySignature(lambda: fresh_step_fn(self.step_module), self._options)
+            fn = CompiledBySignature(fresh_step_fn(self.step_module), self._options)
             self._compiled[key] = fn
         return fn
 

@@ -20,13 +20,13 @@ the graph runners never copy it; only the per-step inputs are copied into static
 """
 from __future__ import annotations
 
-import types
 from typing import Optional
 
 import torch
 from torch import nn
 
 import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
+from npuspec.engine.compiled import own_code
 from npuspec.models.decoder import AttnMetadata, KVCache, PagedKVCache
 
 
@@ -121,16 +121,14 @@ def fresh_step_fn(step: VerifyStep):
             block_table=None, seq_lens=None):
         return step(input_ids, positions, slots, draft_ids, draft_probs, temperature, top_k,
                     top_p, uniforms, exponentials, synthetic_rates, block_table, seq_lens)
-    return types.FunctionType(run.__code__.replace(), run.__globals__, "npuspec_step",
-                              run.__defaults__, run.__closure__)
+    return own_code(run, "npuspec_step")
 
 
 def fresh_prefill_fn(step: PrefillStep):
     """`fresh_step_fn` for the prefill step."""
     def run(input_ids, positions, slot_mapping, block_table, seq_lens):
         return step(input_ids, positions, slot_mapping, block_table, seq_lens)
-    return types.FunctionType(run.__code__.replace(), run.__globals__, "npuspec_prefill",
-                              run.__defaults__, run.__closure__)
+    return own_code(run, "npuspec_prefill")
 
 
 @torch.inference_mode()

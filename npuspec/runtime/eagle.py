@@ -94,7 +94,7 @@ class _HiddenStateProposer:
             return module(*args)
         fn = self._fns.get(key)
         if fn is None:
-            fn = CompiledBySignature(lambda: fresh_fn(module, f"npuspec_{key[0]}"), opts)
+            fn = CompiledBySignature(fresh_fn(module, f"npuspec_{key[0]}"), opts)
             self._fns[key] = fn
         from npuspec.graphs import mark_token_dim
         for a in args:

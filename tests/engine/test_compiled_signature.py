@@ -24,22 +24,17 @@ def _inputs(B, K, H=8, seed=0, with_t=False):
 
 def test_one_function_per_signature_and_eager_results():
     w = torch.randn(8, 8)
-    made = []
-
-    def make():
-        def run(x, w, t=None):
-            return step(x, w, t)
-        made.append(run)
-        return run
-
-    c = CompiledBySignature(make, OPTS)
+    # one plain function for every signature: each compiled copy must get a code object of
+    # its own, or without guards the first signature's graph would serve the others
+    c = CompiledBySignature(step, OPTS)
     for B, K, with_t in [(1, 4, False), (5, 4, False), (3, 4, False), (2, 2, False),
                          (7, 2, False), (3, 4, True), (1, 4, True), (4, 4, False)]:
         x, t = _inputs(B, K, seed=B * 10 + K, with_t=with_t)
         got = c(x, w, t)
         assert torch.equal(got, step(x, w, t)), (B, K, with_t)
     # K = 4, K = 2, and K = 4 with a temperature: three functions, whatever the row counts
-    assert len(made) == 3 and len(c.fns) == 3
+    assert len(c.fns) == 3
+    assert len({id(f._torchdynamo_orig_callable.__code__) for f in c.fns.values()}) == 3
 
 
 def test_the_key_reads_only_what_may_change_a_graph():

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import test_near_miss as nm
-from npuspec import counters
+from npuspec import _counters, counters
 from npuspec.passes import unmatched
 
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    monkeypatch.setattr(unmatched, "_seen", set())
+    monkeypatch.setattr(_counters, "_first", set())  # every line is new to each test
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
