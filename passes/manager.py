@@ -46,7 +46,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical, picks, prefix, unmatched
+from npuspec.passes import canonical, picks, prefix, rowlocal, unmatched
 from npuspec.passes.patterns import VerifyPattern, _source_hash, default_patterns
 
 log = logging.getLogger("npuspec.passes")
@@ -215,7 +215,7 @@ class PassManager:
 
     def uuid(self) -> str:
         h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
-                                        unmatched).encode())
+                                        rowlocal, unmatched).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()

@@ -26,6 +26,8 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
+from npuspec.passes.rowlocal import row_local
+
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
 
@@ -233,7 +235,7 @@ def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
             if kind is None:
                 continue
             order = closure(ok, n)
-            if order is None or _is_canonical(order, ok):
+            if order is None or _is_canonical(order, ok) or not row_local(order, ok, n):
                 continue
             leading = _proves(order, ok, kind, b)
             if leading is None:
