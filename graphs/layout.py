@@ -21,6 +21,7 @@ batch of 1 is served by the same Dynamo graph as every other size (docs/graphs.m
 from __future__ import annotations
 
 import dataclasses
+import re
 import math
 import operator
 from typing import Any, Optional, Sequence
@@ -193,12 +194,40 @@ def _grapharg_example(node: torch.fx.Node):
         return None
 
 
+def _source_name(node: torch.fx.Node) -> str:
+    src = getattr(node.meta.get("grapharg"), "source", None)
+    if src is None:
+        return node.name
+    name = src.name if isinstance(getattr(src, "name", None), str) else src.name()
+    local = re.fullmatch(r"L\['(\w+)'\]", name)  # a plain argument: its own name
+    return local.group(1) if local else name
+
+
+def check_token_groups(gm: torch.fx.GraphModule) -> None:
+    """Token dims marked in one group must have one size (they share one size symbol). Two
+    that differ end in Dynamo's "Guard failed on the same frame it was created" after this
+    compile; name both inputs and the fix here instead (a ValueError)."""
+    first: dict = {}  # group -> (input name, dim, size)
+    for n in gm.graph.find_nodes(op="placeholder"):
+        real = _grapharg_example(n)
+        dim, group = getattr(real, TOKEN_DIM_ATTR, None), getattr(real, GROUP_ATTR, None)
+        if dim is None or group is None:
+            continue
+        here = (_source_name(n), dim, int(real.shape[dim]))
+        other = first.setdefault(group, here)
+        if other[2] != here[2]:
+            raise ValueError(
+                f"npuspec: mark_token_dim: {other[0]} (dim {other[1]}, size {other[2]}) and "
+                f"{here[0]} (dim {here[1]}, size {here[2]}) are both in token group "
+                f"{group!r}, whose token dims must all have one size; give the one with "
+                f"another size a group of its own, e.g. mark_token_dim(x, group='tokens') "
+                f"for flat tokens [B*(K+1)] (docs/graphs.md, 'Size 1')")
+
+
 def _is_static_tensor(node: torch.fx.Node, example) -> bool:
     if isinstance(example, torch.nn.Parameter) or hasattr(example, "_dynamo_static_input_type"):
         return True
-    ga = node.meta.get("grapharg")
-    src = getattr(ga, "source", None)
-    name = src.name if isinstance(getattr(src, "name", None), str) else (src.name() if src is not None else "")
+    name = _source_name(node) if node.meta.get("grapharg") is not None else ""
     return "_parameters" in name or "_buffers" in name
 
 

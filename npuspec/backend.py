@@ -18,6 +18,7 @@ import torch
 
 from npuspec import envs
 from npuspec.config import SpeculativeConfig
+from npuspec.graphs.layout import check_token_groups
 from npuspec.platform import Platform, current_platform
 
 log = logging.getLogger("npuspec.backend")
@@ -134,10 +135,11 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
     note_graph_break(gm)  # a graph Dynamo ended at a break: say where, once per line
 
-    try:  # every check before any work (issue 16): bad env values and options
+    try:  # every check before any work (issue 16): bad env values, options, token groups
         envs.check_all()
         plat = current_platform()
         opts = BackendOptions.from_dict(options, mode=mode, platform=plat)
+        check_token_groups(gm)
     except ValueError as e:
         raise BackendUserError(str(e)) from e
     log.info("npuspec: compiling a graph of %d nodes on %s with lowering=%s capture=%s",
