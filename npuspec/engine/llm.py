@@ -378,7 +378,7 @@ class LLM:
         t3 = time.perf_counter()
         for b, r in enumerate(reqs):
             kept = r.append(res[b, :int(res[b, k + 1])].tolist())
-            if not r.finished and self.proposer is not None:
+            if self.proposer is not None:  # a finishing step too: the suffix cache keeps it
                 self.proposer.extend(r.req_id, kept)
         if self.runner.features is not None and self.proposer is not None:
             # the drafter's first pass on the step's rows

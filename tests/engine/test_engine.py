@@ -274,3 +274,28 @@ def test_json_speculative_config_and_synthetic_acceptance(ckpt, plain):
     out = llm.generate(PROMPTS[4], GREEDY[4])
     assert llm.metrics.num_drafted > 0 and llm.metrics.num_accepted == 0
     assert out[0].outputs[0].token_ids == plain[4]
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_proposer_sees_every_emitted_token(ckpt, method):
+    """extend() gets each verify step's kept tokens, the finishing step's too (issue 34, item
+    3: the suffix cache missed up to K+1 tokens of every response)."""
+    llm = LLM(ckpt, enforce_eager=True, max_model_len=128, max_num_seqs=2,
+              speculative_config=spec_for(method))
+    seen, stopped = {}, []
+    real_extend, real_stop = llm.proposer.extend, llm.proposer.stop_request
+
+    def extend(req_id, toks):
+        seen.setdefault(req_id, []).extend(toks)
+        real_extend(req_id, toks)
+
+    def stop(req_id):
+        stopped.append((req_id, list(seen.get(req_id, []))))
+        real_stop(req_id)
+
+    llm.proposer.extend, llm.proposer.stop_request = extend, stop
+    out = llm.generate(PROMPTS, GREEDY)
+    assert len(stopped) == len(PROMPTS)
+    by_id = dict(stopped)
+    for o in out:  # the prefill's token, then each verify step's, up to the last
+        assert by_id[o.request_id] == o.outputs[0].token_ids, o.request_id
