@@ -102,9 +102,24 @@ def cache_dir() -> Optional[str]:
     return _once("NPUSPEC_CACHE_DIR", parse_dir)
 
 
+def _parse_dump_dir(name: str, v: str) -> str:
+    """parse_dir, then the directory made and checked writable now: a dump is written in the
+    middle of a compile, where an OSError would surface as BackendCompilerFailed."""
+    p = parse_dir(name, v)
+    try:
+        os.makedirs(p, exist_ok=True)
+    except OSError as e:
+        raise EnvError(f"{name}={v!r}: cannot create {p} ({e.strerror}); set it to a directory "
+                       f"you can create and write, or unset it") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise EnvError(f"{name}={v!r}: {p} is not writable by this user; set it to a directory "
+                       f"you can write, or unset it")
+    return p
+
+
 def debug_dump() -> Optional[str]:
-    """NPUSPEC_DEBUG_DUMP: a directory for numbered before/after graph dumps."""
-    return _once("NPUSPEC_DEBUG_DUMP", parse_dir)
+    """NPUSPEC_DEBUG_DUMP: a directory for numbered before/after graph dumps (made if missing)."""
+    return _once("NPUSPEC_DEBUG_DUMP", _parse_dump_dir)
 
 
 def device() -> Optional[str]:

@@ -34,8 +34,9 @@ def test_unset_variables(monkeypatch):
 def test_paths_and_device(monkeypatch, tmp_path):
     monkeypatch.setenv("NPUSPEC_CACHE_DIR", str(tmp_path))
     assert envs.cache_dir() == str(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("NPUSPEC_DEBUG_DUMP", "~/dumps")
-    assert envs.debug_dump().endswith("/dumps") and "~" not in envs.debug_dump()
+    assert envs.debug_dump() == str(tmp_path / "dumps") and (tmp_path / "dumps").is_dir()
     for bad_name in ("NPUSPEC_CACHE_DIR", "NPUSPEC_DEBUG_DUMP"):
         monkeypatch.setenv(bad_name, "")
         with pytest.raises(ValueError, match=bad_name):
@@ -45,6 +46,20 @@ def test_paths_and_device(monkeypatch, tmp_path):
     monkeypatch.setenv("NPUSPEC_DEVICE", "tpu")
     with pytest.raises(ValueError, match="NPUSPEC_DEVICE='tpu'"):
         envs.device()
+
+
+def test_debug_dump_that_cannot_be_created_is_named(monkeypatch):
+    """Issue 34, item 5: it ended in BackendCompilerFailed ... FileNotFoundError mid-compile."""
+    import torch
+    bad = "/proc/npuspec-no-such-dir/dumps"  # /proc refuses new entries, even for root
+    monkeypatch.setenv("NPUSPEC_DEBUG_DUMP", bad)
+    with pytest.raises(ValueError, match=r"NPUSPEC_DEBUG_DUMP=.*cannot create"):
+        envs.debug_dump()
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x.argmax(-1), backend="npuspec", options={"lowering": "eager"})
+    with pytest.raises(ValueError, match="NPUSPEC_DEBUG_DUMP") as e:
+        f(torch.randn(2, 3))
+    assert type(e.value).__name__ == "BackendUserError"
 
 
 def test_bool_and_float_vars(monkeypatch):

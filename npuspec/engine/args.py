@@ -191,7 +191,27 @@ def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfi
         raise NotImplementedError(
             f"speculative_config.method={cfg.method!r} is not implemented yet in npuspec's "
             f"engine; use one of {', '.join(ENGINE_METHODS)} (or drop speculative_config)")
+    check_draft_path(cfg)
     return cfg
+
+
+def check_draft_path(cfg: SpeculativeConfig) -> None:
+    """The draft checkpoint named by speculative_config.model exists, checked before the
+    target loads, with an error that says it is the draft's path (not the target's)."""
+    from npuspec.engine.drafting import TINY_DRAFTS, resolve_draft
+    if cfg.model is None or cfg.method in ("mtp", "ngram", "suffix", "extract_hidden_states"):
+        return
+    path = os.path.expanduser(resolve_draft(cfg.model))
+    gguf_ok = cfg.method == "draft_model" and path.lower().endswith(".gguf")
+    if os.path.isdir(path) or (gguf_ok and os.path.isfile(path)):
+        return
+    what = "a local HF checkpoint directory (config.json + *.safetensors) or a .gguf file" \
+        if cfg.method == "draft_model" else \
+        f"the head's checkpoint directory, or a shipped head ({', '.join(TINY_DRAFTS)})"
+    raise FileNotFoundError(
+        f"speculative_config.model={cfg.model!r}: the draft model path "
+        f"{'does not exist' if not os.path.exists(path) else 'is not a directory'}; "
+        f"pass {what} for method {cfg.method!r}")
 
 
 DEFAULT_BLOCK_SIZE = {"npu": 128}  # FIA's paged layout wants 128; elsewhere 16 (vLLM's)

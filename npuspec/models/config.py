@@ -63,7 +63,13 @@ class ModelConfig:
             if d.get(key) is None:
                 raise ValueError(f"{source}: required key {key!r} is missing; "
                                  f"add it (HF {model_type} config) and retry.")
-            return d[key]
+            return positive(key, d[key])
+
+        def positive(key, v):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{source}: {key}={v!r} must be a positive integer; fix the "
+                                 f"config (HF {model_type} config) and retry.")
+            return v
 
         act = d.get("hidden_act", "silu")
         if act != "silu":
@@ -76,20 +82,28 @@ class ModelConfig:
         rope_theta = _rope_theta(d, source)
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
-        kv_heads = d.get("num_key_value_heads") or heads
+        kv_heads = positive("num_key_value_heads", d.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise ValueError(f"{source}: num_attention_heads={heads} is not a multiple of "
                              f"num_key_value_heads={kv_heads}; fix the config.")
-        head_dim = d.get("head_dim") or hidden // heads
+        head_dim = positive("head_dim", d.get("head_dim") or hidden // heads)
         if model_type == "qwen3" and d.get("head_dim") is None:
             head_dim = 128  # Qwen3Config's default, independent of hidden_size
+        if head_dim % 2:
+            raise ValueError(f"{source}: head_dim={head_dim} must be even (rotary embeddings "
+                             f"rotate pairs); fix the config.")
+        eps = d.get("rms_norm_eps", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"{source}: rms_norm_eps={eps!r} must be a number in (0, 1), "
+                             f"e.g. 1e-6; fix the config.")
         bias = bool(d.get("attention_bias", False))
         return cls(
             vocab_size=need("vocab_size"), hidden_size=hidden,
             num_layers=need("num_hidden_layers"), num_heads=heads, num_kv_heads=kv_heads,
             head_dim=head_dim, intermediate_size=need("intermediate_size"),
-            rope_theta=float(rope_theta), rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rope_theta=float(rope_theta), rms_norm_eps=float(eps),
+            max_position_embeddings=positive("max_position_embeddings",
+                                             d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
             attention_bias=True if model_type == "qwen2" else bias,
@@ -137,7 +151,11 @@ def _rope_theta(d: dict[str, Any], source: str) -> float:
                              f"RoPE is (set {key} to null or rope_type 'default').")
         if params.get("rope_theta") is not None:
             theta = params["rope_theta"]
-    return 10000.0 if theta is None else theta
+    theta = 10000.0 if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"{source}: rope_theta={theta!r} must be a positive number, e.g. "
+                         f"10000.0; fix the config.")
+    return theta
 
 
 def read_config_json(model_dir: str, missing: str) -> dict:

@@ -196,6 +196,13 @@ BAD_LLM = [
     ("model-int", {"model": 5}, TypeError, ["model=5", "'tiny'"]),
     ("model-missing", {"model": "/nonexistent/m"}, FileNotFoundError,
      ["/nonexistent/m", "HF checkpoint directory"]),
+    # issue 34, item 5: the draft's path is named as the draft's, not as the target's
+    ("draft-missing", {"speculative_config": {"method": "draft_model", "model": "/nonexistent/d",
+                                              "num_speculative_tokens": 2}}, FileNotFoundError,
+     ["speculative_config.model='/nonexistent/d'", "draft model path", ".gguf"]),
+    ("eagle3-head-missing", {"speculative_config": {"method": "eagle3", "model": "/nonexistent/h",
+                                                    "num_speculative_tokens": 2}},
+     FileNotFoundError, ["speculative_config.model='/nonexistent/h'", "draft", "tiny-eagle3"]),
     ("tp-str", {"tensor_parallel_size": "1"}, ValueError, ["tensor_parallel_size='1'", "integer"]),
     ("max_model_len-float", {"max_model_len": 64.0}, ValueError, ["max_model_len=64.0", "integer"]),
     ("max_model_len-over", {"max_model_len": 10**9}, ValueError,

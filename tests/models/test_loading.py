@@ -52,6 +52,16 @@ def test_config_from_hf_dict():
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"vocab_size": None}, "vocab_size"),
     ({"num_key_value_heads": 3}, "num_key_value_heads"),
+    # issue 34, item 5: these ended in torch's "Dimension size must be non-negative" and kin
+    ({"num_hidden_layers": -1}, "num_hidden_layers=-1 must be a positive integer"),
+    ({"hidden_size": 0}, "hidden_size=0"),
+    ({"intermediate_size": 2.5}, "intermediate_size=2.5"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads=-2"),
+    ({"head_dim": 7}, "head_dim=7 must be even"),
+    ({"vocab_size": True}, "vocab_size=True"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings=0"),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps=-1.0"),
+    ({"rope_theta": 0, "rope_parameters": None}, "rope_theta=0"),
 ])
 def test_config_errors_name_the_key(over, key):
     with pytest.raises(ValueError, match=key):
