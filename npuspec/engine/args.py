@@ -199,8 +199,9 @@ def check_draft_path(cfg: SpeculativeConfig) -> None:
     """The draft checkpoint named by speculative_config.model exists, checked before the
     target loads, with an error that says it is the draft's path (not the target's)."""
     from npuspec.engine.drafting import TINY_DRAFTS, resolve_draft
-    if cfg.model is None or cfg.method in ("mtp", "ngram", "suffix", "extract_hidden_states"):
-        return
+    if cfg.model in (None, "tiny") or cfg.method in ("mtp", "ngram", "suffix",
+                                                     "extract_hidden_states"):
+        return  # "tiny": the embedded model (a draft for itself, in tests and demos)
     path = os.path.expanduser(resolve_draft(cfg.model))
     gguf_ok = cfg.method == "draft_model" and path.lower().endswith(".gguf")
     if os.path.isdir(path) or (gguf_ok and os.path.isfile(path)):

@@ -12,7 +12,8 @@ collectives in the same order. Per step they exchange only
 Inside the step, the model's collectives (npuspec.kernels.collectives) carry the activations.
 
 Launchers (`distributed_executor_backend`):
-- "mp": `LLM(...)` in an ordinary process is rank 0. It spawns ranks 1..N-1 (tp_worker.main),
+- "mp": `LLM(...)` in an ordinary process is rank 0. It starts ranks 1..N-1 as
+  `python -m npuspec.engine.tp_worker` (never re-importing the user's `__main__`),
   each of which builds the same `LLM` and then mirrors rank 0's add_request / abort_request /
   step calls, sent over one pipe per worker. Rank 0 watches them: a dead worker fails the
   call in flight, and every later one, with an error naming its rank.
@@ -28,6 +29,8 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any, Optional
@@ -50,7 +53,7 @@ class WorkerDied(RuntimeError):
 @dataclasses.dataclass
 class Worker:
     rank: int
-    proc: Any                  # multiprocessing.Process
+    proc: Any                  # WorkerProcess
     conn: Any                  # rank 0's end of the worker's pipe
     error: Optional[str] = None  # what the worker reported before it exited
 
@@ -333,14 +336,52 @@ def _parent_alive(ppid: int):
 
 
 def _spawn(world: int, init_method: str, llm_kwargs: dict) -> list[Worker]:
-    from npuspec.engine import tp_worker
-    ctx = mp.get_context("spawn")  # never fork a process that has imported torch
+    """Start ranks 1..N-1 as `python -m npuspec.engine.tp_worker`, as torchrun starts its
+    ranks: nothing re-imports the user's `__main__`, so a script read from standard input,
+    `python -c` and notebooks work (multiprocessing's spawn re-runs `__main__` by its path,
+    and `<stdin>` has none). Each worker gets one end of a socket pair for its messages and
+    the write end of a pipe whose read end, here, becomes readable when it exits."""
     workers = []
+    env = dict(os.environ)  # the parent's import path, as multiprocessing's spawn passes it
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     for rank in range(1, world):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=tp_worker.main, name=f"npuspec-tp{rank}",
-                           args=(rank, world, init_method, llm_kwargs, child))
-        proc.start()
-        child.close()
+        parent, child = mp.Pipe(duplex=True)
+        alive_r, alive_w = os.pipe()
+        cmd = [sys.executable, "-m", "npuspec.engine.tp_worker", str(child.fileno()),
+               str(alive_w), str(rank)]
+        try:
+            popen = subprocess.Popen(cmd, pass_fds=(child.fileno(), alive_w), env=env,
+                                     start_new_session=False)
+        finally:
+            child.close()
+            os.close(alive_w)
+        proc = WorkerProcess(popen, alive_r)
+        parent.send((world, init_method, llm_kwargs))
         workers.append(Worker(rank, proc, parent))
     return workers
+
+
+class WorkerProcess:
+    """The few multiprocessing.Process members the TP code reads, over a subprocess."""
+
+    def __init__(self, popen: "subprocess.Popen", sentinel: int):
+        self.popen, self.sentinel, self.pid = popen, sentinel, popen.pid
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        return self.popen.poll()  # -N for a signal, as multiprocessing reports it
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def __del__(self):
+        try:
+            os.close(self.sentinel)
+        except OSError:
+            pass

@@ -1,6 +1,7 @@
 """A spawned tensor-parallel worker (ranks 1..N-1 of the "mp" launcher; see engine/tp.py).
 
-It builds the same `LLM` as rank 0 (which joins the group and loads this rank's shard), says
+Rank 0 starts it as `python -m npuspec.engine.tp_worker` (see `entry`). It builds the same
+`LLM` as rank 0 (which joins the group and loads this rank's shard), says
 "ready", then replays rank 0's calls from its pipe: "add" (a request, seed included, so its
 generator draws what rank 0's does), "abort", "step", "stop". It exits when the pipe closes
 (rank 0 is gone) or a call fails, after telling rank 0 why.
@@ -10,6 +11,20 @@ from __future__ import annotations
 import signal
 import sys
 import traceback
+from multiprocessing.connection import Connection
+
+
+def entry(argv: list[str]) -> None:
+    """`python -m npuspec.engine.tp_worker CONN_FD ALIVE_FD RANK`: rank 0's socket, and the
+    pipe end whose closing at exit tells rank 0 (held open, never written). The first message
+    is (world, init_method, llm_kwargs)."""
+    conn, rank = Connection(int(argv[0])), int(argv[2])
+    try:
+        world, init_method, llm_kwargs = conn.recv()
+    except Exception as e:  # noqa: BLE001 - an argument rank 0 pickled but this one cannot load
+        _report(conn, rank, e)
+        sys.exit(1)
+    main(rank, world, init_method, llm_kwargs, conn)
 
 
 def main(rank: int, world: int, init_method: str, llm_kwargs: dict, conn) -> None:
@@ -59,3 +74,7 @@ def _report(conn, rank: int, e: BaseException) -> None:
         pass
     print(f"npuspec tensor-parallel worker rank {rank} failed:\n{traceback.format_exc()}",
           flush=True)
+
+
+if __name__ == "__main__":
+    entry(sys.argv[1:])

@@ -176,15 +176,23 @@ def test_torchrun_external_launcher_ranks_agree_with_one_device(tmp_path):
 def test_a_worker_dying_at_start_up_is_named_not_waited_for(monkeypatch):
     """SIGKILL rank 1 as soon as it exists: LLM(...) raises WorkerDied naming it, long
     before NPUSPEC_TP_TIMEOUT (set high here so a wait would show)."""
-    import multiprocessing as mp
+    from npuspec.engine import tp as tp_mod
     monkeypatch.setenv("NPUSPEC_TP_TIMEOUT", "300")
     stop = threading.Event()
+    started = []
+    real_spawn = tp_mod._spawn
+
+    def spawn(*a, **kw):  # the workers as they are started (python -m ...tp_worker)
+        started.extend(real_spawn(*a, **kw))
+        return started
+
+    monkeypatch.setattr(tp_mod, "_spawn", spawn)
 
     def killer():
         while not stop.is_set():
-            for p in mp.active_children():
-                if p.name == "npuspec-tp1" and p.pid:
-                    os.kill(p.pid, signal.SIGKILL)
+            for w in started:
+                if w.rank == 1:
+                    os.kill(w.proc.pid, signal.SIGKILL)
                     return
             time.sleep(0.01)
 
@@ -198,3 +206,25 @@ def test_a_worker_dying_at_start_up_is_named_not_waited_for(monkeypatch):
     assert time.monotonic() - t0 < 60
     import torch.distributed as dist
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("how", ["stdin", "-c"])
+def test_tp_from_a_main_without_a_file(tmp_path, how):
+    """Issue 34, item 4: a script read from standard input or given with -c (no __main__
+    file for multiprocessing's spawn to re-run) starts its workers and decodes as TP=1."""
+    import subprocess
+    import sys
+    code = ("from npuspec import LLM, SamplingParams\n"
+            "sp = SamplingParams(max_tokens=8, temperature=0)\n"
+            "p = [{'prompt_token_ids': [5, 6, 7]}]\n"
+            "a = LLM('tiny', tensor_parallel_size=2, max_model_len=128, max_num_seqs=2, "
+            "enforce_eager=True).generate(p, sp)[0].outputs[0].token_ids\n"
+            "print('TOKENS', a)\n")
+    args = [sys.executable, "-"] if how == "stdin" else [sys.executable, "-c", code]
+    r = subprocess.run(args, input=code if how == "stdin" else None, capture_output=True,
+                       text=True, cwd=tmp_path, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [x for x in r.stdout.splitlines() if x.startswith("TOKENS")][-1]
+    ref = _llm(1, None).generate([{"prompt_token_ids": [5, 6, 7]}],
+                                 SamplingParams(max_tokens=8, temperature=0))
+    assert line == f"TOKENS {ref[0].outputs[0].token_ids}"
