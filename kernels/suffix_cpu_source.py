@@ -543,6 +543,23 @@ void path(Proposer& P, const Tree& tree, int64_t need, int64_t denom) {
   }
 }
 
+// Python's _past_table: the path after a short match's table draft `s` (kH tokens), over the
+// occurrences of s (its last kH - 1 tokens' list, windowed, preceded by s[0]); false if none
+bool past_table(Proposer& P, const Tree& tree, const uint32_t* s, int64_t need, int64_t denom) {
+  const std::vector<Ref>* lst = tree.trigram(s + 1);
+  if (!lst) return false;
+  P.key.clear();
+  const size_t n = lst->size(), w = size_t(P.window[1]);
+  for (size_t x = n > w ? n - w : 0; x < n; ++x) {
+    const Ref r = (*lst)[x];
+    const Seq& q = tree.seqs[r.seq];
+    if (q.alive && r.e >= kH - 1 && q.toks[r.e - (kH - 1)] == s[0]) P.key.push_back(r);
+  }
+  if (P.key.empty()) return false;
+  path(P, tree, need, denom);
+  return true;
+}
+
 void take(Draft& out, const uint32_t* t, const double* p, int64_t n, double score) {
   out.toks.assign(t, t + n);
   out.probs.assign(p, p + n);
@@ -655,6 +672,16 @@ void draft(Proposer& P, const Tree& tree, const std::vector<uint32_t>& ctx, cons
       if (p < P.pmin) break;
       P.tmp_t.push_back(tree.nodes[node].tok);
       P.tmp_p.push_back(p);
+    }
+    const int64_t all = std::min(need[m], D - m);
+    if (int64_t(P.tmp_t.size()) == kH - m && kH - m < all) {  // Python's _past_table
+      uint32_t s[kH];
+      for (int64_t x = 0; x < m; ++x) s[x] = ctx[T - m + x];
+      for (int64_t x = m; x < kH; ++x) s[x] = P.tmp_t[x - m];
+      if (past_table(P, tree, s, all - (kH - m), total)) {
+        P.tmp_t.insert(P.tmp_t.end(), P.toks.begin(), P.toks.end());
+        P.tmp_p.insert(P.tmp_p.end(), P.probs.begin(), P.probs.end());
+      }
     }
     const double score = sum_probs(P.tmp_p.data(), P.tmp_p.size(), P.neumaier);
     if (score > best) take(out, P.tmp_t.data(), P.tmp_p.data(), P.tmp_t.size(), score);

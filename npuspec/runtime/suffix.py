@@ -34,9 +34,8 @@ in CPython. Instead each tree keeps its token sequences and
     and derives the counts above from those occurrences.
 The search walks m from long to short and stops once min(K, m * factor + offset) cannot beat the
 best score so far, so a confident long match never reads the larger short-match sets. Results
-equal a brute-force scan of every occurrence (tests/runtime/test_proposers.py), with documented
-limits: a 1- or 2-token match drafts at most _H - m tokens (3 or 2), which binds only when
-max_spec_factor > 1 or max_spec_offset > 0; and on pathological contexts (an n-gram seen more
+equal a brute-force scan of every occurrence (tests/runtime/test_proposers.py), with a documented
+limit: on pathological contexts (an n-gram seen more
 than 256 times, e.g. a long run of one token) only its 256 most recent occurrences are read and
 the search stops after _WORK occurrence-tokens, so propose stays bounded (~1 ms worst seen).
 """
@@ -366,6 +365,29 @@ def _path(refs, seqs, need: int, denom: int, min_prob: float):
     return toks, probs
 
 
+def _past_table(tree: _Tree, s: list[int], need: int, denom: int, min_prob: float):
+    """The continuation of a short match s0 + its table draft, `s` (_H tokens), past the count
+    table: the occurrences of s are those of its last _H - 1 tokens (the 3-gram index, its
+    _SEARCH window) preceded by s[0]; `_path` over them, probabilities over `denom` = the
+    count of the match itself, so they continue the table's running ratios."""
+    node = tree.root
+    for t in s[1:]:
+        node = node[3].get(t)
+        if node is None:
+            return [], []
+    lst = node[4]
+    window = _SEARCH[1][1]
+    refs, seqs, first = [], tree.seqs, s[0]
+    for ref in (lst[-window:] if len(lst) > window else lst):  # oldest first
+        sid, e = ref >> 32, ref & 0xFFFFFFFF
+        seq = seqs.get(sid)
+        if seq is not None and e >= _H - 1 and seq[e - _H + 1] == first:
+            refs.append((sid, e))
+    if not refs:
+        return [], []
+    return _path(refs, seqs, need, denom, min_prob)
+
+
 def check_params(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob,
                  max_spec_offset) -> None:
     """The constructor checks both implementations share (same errors, same messages)."""
@@ -617,7 +639,8 @@ class SuffixProposerReference:
             if not total:
                 continue  # no occurrence of s here
             t_, p_ = [], []
-            for _ in range(min(need[m], D - m, _H - m)):
+            steps = min(need[m], D - m)
+            for _ in range(min(steps, _H - m)):
                 b = node[1]
                 if b is None:
                     break
@@ -627,6 +650,11 @@ class SuffixProposerReference:
                     break
                 t_.append(b)
                 p_.append(p)
+            if len(t_) == _H - m < steps:  # past the table: walk the occurrences (Arctic's budget)
+                more_t, more_p = _past_table(tree, ctx[T - m:] + t_, steps - len(t_), total,
+                                             pmin)
+                t_ += more_t
+                p_ += more_p
             score = sum(p_)
             if score > best:
                 best, best_t, best_p = score, t_, p_

@@ -38,13 +38,13 @@ def ngram_reference(toks, nmin, nmax, k):
     return []
 
 
-def suffix_tree_reference(seqs, ctx, K, D, f, pmin, own=None, off=0.0, short_cap=suffix_mod._H):
+def suffix_tree_reference(seqs, ctx, K, D, f, pmin, own=None, off=0.0):
     """(tokens, probs, score) of one tree by scanning every sequence for every match length.
 
     seqs are in time order; `own` (one of them) ends with the context, and that tail is not an
     occurrence; ties between equally frequent next tokens go to the token that reached that
-    count first; matches of 1.._H-2 tokens draft at most _H - m tokens (the count table's
-    documented depth)."""
+    count first; a match of m tokens drafts up to min(K, int(m * f + off), D - m) tokens
+    (Arctic's budget), short matches included."""
     best = ([], [], 0.0)
     for m in range(1, min(len(ctx), D)):
         s = ctx[-m:]
@@ -53,8 +53,6 @@ def suffix_tree_reference(seqs, ctx, K, D, f, pmin, own=None, off=0.0, short_cap
         if not occ:
             break
         n_max = min(K, int(m * f + off + 1e-6), D - m)
-        if m <= short_cap - 2:
-            n_max = min(n_max, short_cap - m)
         toks, probs, cur = [], [], occ
         for j in range(1, n_max + 1):
             counts, t, c = {}, None, 0
@@ -251,8 +249,8 @@ def test_suffix_max_tree_depth_caps_match_plus_draft(make):
         toks = p.propose(["a"], 40)[0]
         assert len(toks) <= max(0, D - 1)  # a match has >= 1 token; match + draft <= depth
         assert toks == seq[45:45 + len(toks)]
-        if D == 24:  # 1..2-token matches draft <= 3 tokens (count table), so m = 3 wins
-            assert len(toks) == 21
+        if D == 24:  # a 1-token match drafts 23 (= depth - 1) past the count table's depth
+            assert len(toks) == 23
     p = make(max_tree_depth=24, max_cached_requests=0, max_spec_factor=1.0)
     p.start_request("a", seq[:45])
     assert p.propose(["a"], 40) == [seq[45:57]]  # m = 12: budget 12 * factor = depth left
@@ -398,20 +396,34 @@ def test_replay_bench_runs_and_counts_steps(tmp_path, capsys):
         bench.load_traces(str(bad))
 
 
-def test_suffix_not_worse_than_arctic_on_shipped_traces():
+@pytest.mark.parametrize("make", SUFFIX)
+def test_suffix_short_match_gets_arctic_budget(make):
+    """Issue 34, item 6: a 2-token match at max_spec_factor 2 drafts floor(2 * 2) = 4 tokens,
+    as Arctic does (the count table's depth had capped it at 2)."""
+    p = make(max_spec_factor=2.0, max_cached_requests=0)
+    p.start_request("a", [1, 2, 3, 4, 5, 6, 7, 9, 1, 2])  # [9, 1, 2] never occurred before
+    assert p.propose(["a"], 8) == [[3, 4, 5, 6]]
+    q = make(max_spec_factor=2.0, max_cached_requests=0)
+    q.start_request("b", [7, 3, 4, 5, 6, 8, 3])  # a 1-token match: floor(1 * 2) = 2 tokens
+    assert q.propose(["b"], 8) == [[4, 5]]
+
+
+@pytest.mark.parametrize("factor", [1.0, 2.0])
+def test_suffix_not_worse_than_arctic_on_shipped_traces(factor):
     """The issue's bar: mean acceptance length over the shipped traces >= Arctic Inference's
-    SuffixDecodingCache with the same parameters (a peer, only when installed)."""
+    SuffixDecodingCache with the same parameters (a peer, only when installed); factor 2.0
+    is vLLM's recommended value, where short matches draft past the count table."""
     pytest.importorskip("arctic_inference.suffix_decoding")
     import argparse
     from npuspec.bench import propose as bench
     from npuspec.bench.make_traces import TRACE_FILES, TRACES_DIR
-    a = argparse.Namespace(max_tree_depth=24, max_cached_requests=10000, max_spec_factor=1.0,
-                           min_token_prob=0.1)
+    a = argparse.Namespace(max_tree_depth=24, max_cached_requests=10000,
+                           max_spec_factor=factor, min_token_prob=0.1)
     emitted = {"ours": 0.0, "arctic": 0.0}
     steps = {"ours": 0, "arctic": 0}
     for name in TRACE_FILES:
         traces = bench.load_traces(os.path.join(TRACES_DIR, name))
-        for who, adapter in (("ours", bench.Ours(SuffixProposer())),
+        for who, adapter in (("ours", bench.Ours(SuffixProposer(max_spec_factor=factor))),
                              ("arctic", bench.ArcticSuffix(a))):
             r = bench.replay(adapter, traces, 8)
             emitted[who] += r["tokens/step"] * r["steps"]
