@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from npuspec import counters
-from npuspec.graphs.runners import make_runner
+from npuspec.graphs.runners import clone_outputs, make_runner
 
 log = logging.getLogger("npuspec.graphs")
 
@@ -303,9 +303,9 @@ class GraphSet:
                 continue
             if c is not None and o.shape[d] != c * u:
                 o = o.narrow(d, 0, c * u)
-            if self.clone_outputs and isinstance(o, torch.Tensor):
-                o = o.clone()
             res.append(o)
+        if self.clone_outputs:  # outputs that are views of each other stay so (eager's aliasing)
+            res = clone_outputs(res, skip=alias)
         if self._out_type is None:
             return res[0]
         return res if self._out_type is list else tuple(res)

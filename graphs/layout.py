@@ -451,7 +451,10 @@ def concretize(layout: GraphLayout, key: tuple) -> KeyLayout:
             continue
         lin = _linear(o[1][dims[0]].subs(sub))
         if len(dims) > 1 or lin is None or lin[1] != 0:
+            # e.g. x[1:] ([B-1]): not coef*u rows, so never sliced; exact sizes return it whole
             exact = True
+            out_dims.append(None)
+            continue
         out_dims.append(dims[0])
     k = tpu = None
     if layout.verify_k is not None:

@@ -49,6 +49,44 @@ def _as_list(out) -> list:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
+def _storage_key(t) -> Optional[int]:
+    """The storage `t`'s memory lives in (None: not a tensor, or no memory to share)."""
+    if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+        return None
+    return t.untyped_storage().data_ptr()
+
+
+def shared_storages(outs: Sequence[Any], skip=()) -> dict[int, list[int]]:
+    """Storage -> indices of the outputs in it, for storages that hold two or more outputs
+    (a view returned next to its base: `return o, o[:, None]`). `skip`: indices left out."""
+    groups: dict[int, list[int]] = {}
+    for j, o in enumerate(outs):
+        k = _storage_key(o)
+        if k is not None and j not in skip:
+            groups.setdefault(k, []).append(j)
+    return {k: js for k, js in groups.items() if len(js) > 1}
+
+
+def clone_outputs(outs: Sequence[Any], skip=()) -> list:
+    """Copies of `outs` (`skip`: indices returned as they are). Outputs that share a storage
+    get one copy of it, each at its own offset, sizes and strides, so a view of an output is
+    still a view of it, as in eager (where writing one shows in the other)."""
+    shared = shared_storages(outs, skip)
+    copies: dict[int, Any] = {}
+    res = []
+    for j, o in enumerate(outs):
+        k = _storage_key(o)
+        if j in skip or not isinstance(o, torch.Tensor):
+            res.append(o)
+        elif k not in shared:
+            res.append(o.clone())
+        else:
+            if k not in copies:
+                copies[k] = o.untyped_storage().clone()
+            res.append(o.new_empty(0).set_(copies[k], o.storage_offset(), o.shape, o.stride()))
+    return res
+
+
 class _RunnerBase:
     kind = "base"
 
@@ -91,6 +129,7 @@ class CpuRunner(_RunnerBase):
     def __init__(self, pool=None):
         super().__init__()
         self.fn: Optional[Callable] = None
+        self.shared: dict[int, list[int]] = {}  # outputs sharing a storage, refreshed as one
 
     def capture(self, fn, static_args):
         self._record(static_args)
@@ -107,19 +146,34 @@ class CpuRunner(_RunnerBase):
         if not self.outs:
             self._find_aliases(fresh)
             # Detach from the callable's own allocations, as a device graph's outputs would be.
-            self.outs.extend(self.args[self.alias[j]] if j in self.alias
-                             else o.clone() if isinstance(o, torch.Tensor) else o
-                             for j, o in enumerate(fresh))
+            self.shared = shared_storages(fresh, skip=self.alias)
+            outs = clone_outputs(fresh, skip=self.alias)
+            self.outs.extend(self.args[self.alias[j]] if j in self.alias else o
+                             for j, o in enumerate(outs))
         else:
+            grouped = {j for js in self.shared.values() for j in js}
             for i, (s, f) in enumerate(zip(self.outs, fresh)):
-                if i in self.alias:
+                if i in self.alias or i in grouped:
                     continue
                 if isinstance(s, torch.Tensor):
                     s.copy_(f)
                 else:
                     self.outs[i] = f
+            self._refresh_shared(fresh)
         counters.bump("graph_replays")
         return self.outs
+
+    def _refresh_shared(self, fresh: list) -> None:
+        """Outputs that share a storage: copy the storage (a copy_ into each could not write
+        an expanded view, whose elements overlap)."""
+        for js in self.shared.values():
+            dst, src = self.outs[js[0]].untyped_storage(), fresh[js[0]].untyped_storage()
+            if dst.nbytes() == src.nbytes():
+                dst.copy_(src)
+                continue
+            # a storage of another size than at the first replay: new copies, not a partial copy
+            for j, o in zip(js, clone_outputs([fresh[j] for j in js])):
+                self.outs[j] = o
 
 
 class DeviceGraphRunner(_RunnerBase):

@@ -33,12 +33,24 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> str:
 
     parts = [gm.code, torch.__version__, PassManager().uuid(), repr(lowering_key(opts)),
              repr(getattr(opts, "mode", None))]
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            parts.append(f"{x.dtype}{tuple(x.shape)}{x.stride()}{x.device.type}")
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, x in zip(phs, example_inputs):
+        # the shapes Dynamo traced (symbols for dynamic dims), as Inductor's key has them:
+        # a graph compiled first at B=3 is a cache hit for one first called at B=5
+        v = n.meta.get("example_value", x)
+        if isinstance(v, torch.Tensor):
+            parts.append(f"{v.dtype}{tuple(v.shape)}{tuple(v.stride())}{v.device.type}")
         else:
             parts.append(repr(type(x)))
     return hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:32]
+
+
+def record_uuid() -> str:
+    """Hash of how records are keyed and read, for Inductor's cache key
+    (InductorVerifyPass.uuid): entries compiled before a change to it are compiled again,
+    and record their counts under the new key."""
+    from npuspec.passes.patterns import _source_hash
+    return _source_hash(graph_key, _path, carry)
 
 
 def _path(key: str) -> str:

@@ -239,7 +239,10 @@ class InductorVerifyPass(CustomGraphPass):
         self.manager.run(graph, flavor="inductor")
 
     def uuid(self) -> str:
-        return self.manager.uuid()
+        # how pass counts are recorded is part of the key: a change to it recompiles cached
+        # graphs once (recording again), where hits would find no record and count 0
+        from npuspec.pass_counts import record_uuid
+        return hashlib.sha256((self.manager.uuid() + record_uuid()).encode()).hexdigest()
 
 
 def run_passes(gm: torch.fx.GraphModule, flavor: str = "aten",

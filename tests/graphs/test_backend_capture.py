@@ -226,3 +226,22 @@ def test_the_capturing_call_sees_eagers_random_stream():
         torch.manual_seed(100 + call)
         got = step(x)
         assert torch.equal(got, want), (call, B)
+
+
+def test_an_output_without_whole_rows_returns_whole_at_exact_sizes(fresh_dynamo, delta):
+    """`(x * 2)[1:]` has B-1 rows: the step is replayed at captured sizes only (exact), and
+    that output is returned whole. It used to be given a token dim whose rows per unit were
+    learnt at the first replay: 0 at B=1, so B=2 silently returned an empty tensor for
+    eager's one row (and a first replay at B=4 failed: 'output dim 0 of size 3 is not a
+    multiple of 4 units')."""
+    def step(x):
+        y = x * 2
+        return y, y[1:]
+
+    f = torch.compile(step, backend="npuspec", options={"lowering": "eager", "max_num_seqs": 8})
+    for B in (1, 2, 4, 3, 2):
+        x = mark_token_dim(torch.randn(B, V))
+        got, want = f(x), step(x)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), (B, got, want)
+    d = delta()
+    assert d["graph_replays"] == 4 and d["eager_fallbacks"] == 1  # B=3 is not a captured size

@@ -226,3 +226,28 @@ def test_inference_mode_inputs():
             assert torch.equal(gs.run(x, w)[0], x @ w)
             w.mul_(2)  # in place, same object: must not be skipped
             assert torch.equal(gs.run(x, w)[0], x @ w)
+
+
+def test_outputs_that_view_each_other_stay_views():
+    """`return o, o[:, None], o[:, None].expand(-1, 2)`: in eager the three share o's memory,
+    so a write into o shows in the others. The copied-out results must share one copy the
+    same way (issue 34: each output used to be cloned on its own), after padded replays and
+    repeated replays at one size alike."""
+    def step(x):
+        o = x.argmax(-1)
+        return o, o[:, None], o[:, None].expand(-1, 2), o * 2
+
+    gs = GraphSet(step, [token()], [2, 4], clone_outputs=True)
+    gen = torch.Generator().manual_seed(10)
+    kept = []
+    for B in (3, 4, 3, 1, 4):
+        x = torch.randn(B, V, generator=gen)
+        out, ref = gs.run(x), step(x)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), B
+        base = out[0].untyped_storage().data_ptr()
+        assert [o.untyped_storage().data_ptr() == base for o in out] == [True, True, True, False]
+        out[0].add_(100)  # the caller writes one output: the views see it, as in eager
+        assert torch.equal(out[1][:, 0], out[0]) and torch.equal(out[2][:, 1], out[0]), B
+        kept.append((out, ref[0] + 100))
+    for out, want in kept:  # later replays did not write into earlier results
+        assert torch.equal(out[0], want) and torch.equal(out[2][:, 0], want)

@@ -55,3 +55,19 @@ def test_unreadable_counts_are_not_replayed(inductor_dir):
     f.write_text('{"verify_patterns_matched": "lots", "other": 5}')
     _, d_warm, runs = _compile_and_count(greedy_step, args)
     assert runs == 0 and "verify_patterns_matched" not in d_warm and "other" not in d_warm
+
+
+def test_warm_start_at_another_batch_size_replays_the_counts(inductor_dir):
+    """A dynamic batch dim: Inductor's cache key has its symbol, so a graph compiled first at
+    B=3 is a hit for one first called at B=5. The counts were keyed on the first call's
+    sizes and came back 0 there (issue 34, found by tests/graphs/test_metamorphic.py)."""
+    g = torch.Generator().manual_seed(2)
+    counts = []
+    for b in (3, 5):
+        args = (torch.randn(b, K + 1, V, generator=g), torch.randint(0, V, (b, K), generator=g))
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        out, d, runs = _compile_and_count(greedy_step, args)
+        assert all(torch.equal(x, y) for x, y in zip(out, greedy_step(*args)))
+        counts.append((runs, d.get("verify_patterns_matched.greedy_accept", 0)))
+    assert counts == [(1, 1), (0, 1)]  # cold: the passes ran; warm: a hit, counts replayed
