@@ -88,8 +88,9 @@ def test_sigterm_drains_in_flight_streams_then_exits(start_server):
 
 
 def _children(pid: int) -> list[int]:
-    """Live multiprocessing workers of `pid` (Linux /proc): the engine process, not the
-    resource tracker that spawn also starts."""
+    """Live engine processes of `pid` (Linux /proc): the server's engine process (spawned)
+    or a tensor-parallel worker (`python -m npuspec.engine.tp_worker`), not the resource
+    tracker that spawn also starts."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -100,7 +101,8 @@ def _children(pid: int) -> list[int]:
                     cmd = f.read()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmd:
+            if int(fields[1]) == pid and fields[0] != "Z" and (b"spawn_main" in cmd
+                                                           or b"npuspec.engine.tp_worker" in cmd):
                 out.append(int(d))
     return out
 
