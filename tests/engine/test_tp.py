@@ -40,7 +40,11 @@ def _tokens(outs):
 
 
 def _llm(tp, spec, **kw):
-    kw.setdefault("compilation_config", EAGER)
+    # TP is the subject here, not compilation: most tests run the model uncompiled (a
+    # dynamo-traced build costs ~15 s per engine on two cores); test_compiled_tp2_* runs the
+    # default Inductor lowering and the sharded EAGLE-3 case the traced eager lowering
+    if "compilation_config" not in kw:
+        kw.setdefault("enforce_eager", True)
     return LLM("tiny", speculative_config=spec, tensor_parallel_size=tp, max_model_len=256,
                max_num_seqs=4, **kw)
 
@@ -58,7 +62,8 @@ IN_CI = ("none", "ngram", "eagle3", "eagle3-tp2")
                                     for m in SPECS])
 def test_greedy_tp2_equals_tp1(method):
     ref = _tokens(_llm(1, SPECS[method]).generate(PROMPTS, GREEDY))
-    with _llm(2, SPECS[method]) as llm:
+    traced = {"compilation_config": EAGER} if method == "eagle3-tp2" else {}
+    with _llm(2, SPECS[method], **traced) as llm:
         assert llm.tp.world == 2 and llm.tp.launcher == "mp" and len(llm.tp.workers) == 1
         assert llm.model.config.num_heads == 2  # rank 0 holds half the heads
         out = _tokens(llm.generate(PROMPTS, GREEDY))
@@ -73,7 +78,7 @@ def test_compiled_tp2_equals_tp1_and_seeded_sampling_matches():
     step); seeded sampled requests draw on rank 0 and every rank takes its tokens."""
     spec = SPECS["ngram"]
     sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7)
-    one = _llm(1, spec, compilation_config=None)
+    one = _llm(1, spec)  # uncompiled: the compiled TP=2 step must give its tokens and draws
     ref = _tokens(one.generate(PROMPTS, GREEDY)), _tokens(one.generate(PROMPTS, sampled))
     with _llm(2, spec, compilation_config=None) as llm:
         out = _tokens(llm.generate(PROMPTS, GREEDY)), _tokens(llm.generate(PROMPTS, sampled))
@@ -99,7 +104,7 @@ def test_step_api_mirrors_add_abort_step():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL")
 def test_dead_worker_fails_the_call_naming_its_rank_not_a_hang():
     llm = LLM("tiny", speculative_config=SPECS["ngram"], tensor_parallel_size=2,
-              max_model_len=2048, max_num_seqs=4, compilation_config=EAGER)
+              max_model_len=2048, max_num_seqs=4, enforce_eager=True)
     pid = llm.tp.workers[0].proc.pid
     t_kill = []
 
@@ -153,7 +158,7 @@ def test_a_second_tp_llm_after_shutdown_and_gloo_collectives_agree(monkeypatch):
 ])
 def test_bad_tp_arguments_fail_before_any_process_starts(kw, match):
     with pytest.raises(ValueError, match=match):
-        LLM("tiny", compilation_config=EAGER, **kw)
+        LLM("tiny", enforce_eager=True, **kw)
     import torch.distributed as dist
     assert not dist.is_initialized()
 

@@ -10,7 +10,7 @@ from npuspec import LLM, SamplingParams
 spec = json.loads(sys.argv[1])
 out_dir = sys.argv[2]
 with LLM("tiny", tensor_parallel_size=2, max_model_len=256, max_num_seqs=4,
-         speculative_config=spec, compilation_config={"backend": "eager"}) as llm:
+         speculative_config=spec, enforce_eager=True) as llm:
     outs = llm.generate(["def fib(n):", "The quick brown fox"],
                         SamplingParams(max_tokens=20, temperature=0))
     with open(os.path.join(out_dir, f"rank{llm.tp.rank}.json"), "w") as f:
