@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from serve_helpers import EAGER, NGRAM
+from serve_helpers import NGRAM
 
 httpx = pytest.importorskip("httpx")
 
@@ -47,7 +47,7 @@ def test_port_in_use_exits_2():
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(start_server):
-    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+    s = start_server("tiny", "--enforce-eager", "--max-model-len", "256",
                      "--threads", "1")
     results, started = {}, threading.Semaphore(0)
 
@@ -136,7 +136,7 @@ def _kill_mid_stream(s, pid: int, max_tokens: int):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_dead_engine_process_fails_requests_with_503_not_a_hang(start_server):
-    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+    s = start_server("tiny", "--enforce-eager", "--max-model-len", "256",
                      "--threads", "1")
     engine, = _children(s.proc.pid)
     body, error = _kill_mid_stream(s, engine, 200)
@@ -153,7 +153,7 @@ def test_tensor_parallel_server_matches_one_device_and_exits_clean(start_server)
     """`--tensor-parallel-size 2`: the engine process spawns its rank-1 worker; greedy
     completions equal the one-device engine's; SIGTERM leaves neither process behind."""
     from npuspec import LLM, SamplingParams
-    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "256",
+    s = start_server("tiny", "--enforce-eager", "--max-model-len", "256",
                      "--tensor-parallel-size", "2",
                      "--speculative-config", json.dumps(NGRAM))
     engine, = _children(s.proc.pid)
@@ -165,8 +165,7 @@ def test_tensor_parallel_server_matches_one_device_and_exits_clean(start_server)
             "model": "tiny", "prompt": p, "max_tokens": 20, "temperature": 0})
         assert r.status_code == 200, r.text
         got.append(r.json()["choices"][0]["text"])
-    llm = LLM("tiny", max_model_len=256, speculative_config=NGRAM,
-              compilation_config={"backend": "eager"})
+    llm = LLM("tiny", max_model_len=256, speculative_config=NGRAM, enforce_eager=True)
     ref = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=20,
                                                                            temperature=0))]
     assert got == ref
@@ -178,7 +177,7 @@ def test_tensor_parallel_server_matches_one_device_and_exits_clean(start_server)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_tensor_parallel_dead_worker_fails_requests_naming_the_rank(start_server):
-    s = start_server("tiny", "--compilation-config", EAGER, "--max-model-len", "512",
+    s = start_server("tiny", "--enforce-eager", "--max-model-len", "512",
                      "--tensor-parallel-size", "2")
     engine, = _children(s.proc.pid)
     worker, = _children(engine)

@@ -6,7 +6,6 @@ import time
 import pytest
 
 from npuspec.serve.core import Coalescer, Out, add_message
-from serve_helpers import EAGER
 
 
 def _out(rid, toks, fin=None):
@@ -51,7 +50,7 @@ def engine():
     from npuspec.serve.engine import EngineClient
     p = argparse.ArgumentParser()
     add_arguments(p)
-    c = EngineClient(p.parse_args([TINY_MODEL_DIR, "--compilation-config", EAGER,
+    c = EngineClient(p.parse_args([TINY_MODEL_DIR, "--enforce-eager",
                                    "--threads", "1", "--stream-interval", "4",
                                    "--max-model-len", "256"]))
     yield c
