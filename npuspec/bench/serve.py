@@ -252,6 +252,8 @@ def server_argv(mdir: str, spec: Optional[dict], args, max_model_len: Optional[i
         argv += ["--max-model-len", str(max_model_len)]
     if args.compilation_config is not None:
         argv += ["--compilation-config", args.compilation_config]
+    if getattr(args, "enforce_eager", False):
+        argv += ["--enforce-eager"]
     if args.threads is not None:
         argv += ["--threads", str(args.threads)]
     if getattr(args, "stream_interval", 1) != 1:
@@ -519,7 +521,7 @@ class Offline:
 
     def __init__(self, mdir: str, spec: Optional[dict], max_tokens: int, max_num_seqs: int,
                  max_model_len: Optional[int], compilation_config: Optional[dict],
-                 threads: Optional[int]):
+                 threads: Optional[int], enforce_eager: bool = False):
         from npuspec import LLM, SamplingParams
         from npuspec.cli import common
 
@@ -527,7 +529,7 @@ class Offline:
         cfg = common.spec_config(spec)
         self.llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       compilation_config=compilation_config)
+                       compilation_config=compilation_config, enforce_eager=enforce_eager)
         self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
     def run(self, prompts: Sequence[str]) -> dict:
@@ -666,6 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilation-config", default=None, metavar="JSON",
                    help="the server's --compilation-config, e.g. '{\"backend\": \"eager\"}' (default: "
                         "the engine's, Inductor lowering)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="the servers' (and --offline's engine's) --enforce-eager: no torch.compile "
+                        "or graph capture")
     add_threads_flag(p)
     p.add_argument("--stream-interval", type=positive, default=1, metavar="N",
                    help="the servers' --stream-interval (default 1: a message every step)")
@@ -771,7 +776,7 @@ def run(args) -> int:
                                                 args.max_concurrency, args.seed, bar))
                 if args.offline:  # both sides live, alternated (see run_overhead)
                     off = Offline(mdir, spec, args.max_tokens, args.max_num_seqs, mml, cc,
-                                  args.threads)
+                                  args.threads, args.enforce_eager)
                     pipe = PipeOnly(argv[4:], args.max_tokens)  # the flags after `serve`
                     try:
                         o = run_overhead(srv, off, pipe, off_prompts, args.max_tokens, args.rounds)
@@ -852,7 +857,8 @@ def run(args) -> int:
                "max_tokens": args.max_tokens, "request_rate": None if math.isinf(args.request_rate)
                else args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed,
                "max_num_seqs": args.max_num_seqs, "max_model_len": mml,
-               "compilation_config": cc, "threads": args.threads, "prompts": args.prompts,
+               "compilation_config": cc,
+               "enforce_eager": args.enforce_eager, "threads": args.threads, "prompts": args.prompts,
                "num_distinct_prompts": len(prompts), "baseline": base_name, "rows": rows,
                "identity": identity, "offline": offline,
                "requests": {name: rr for name, rr in recs.items()}}

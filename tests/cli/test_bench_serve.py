@@ -120,6 +120,16 @@ def _check_dist(d: dict, n: int) -> None:
     assert d["mean"] > 0
 
 
+def test_server_argv_passes_the_engine_flags():
+    args = serve.build_parser().parse_args(["--compilation-config", '{"backend": "eager"}',
+                                            "--enforce-eager", "--threads", "2"])
+    argv = serve.server_argv("m", {"method": "ngram"}, args, 64)
+    assert argv[argv.index("--compilation-config") + 1] == '{"backend": "eager"}'
+    assert "--enforce-eager" in argv and argv[argv.index("--threads") + 1] == "2"
+    assert argv[argv.index("--max-model-len") + 1] == "64"
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == {"method": "ngram"}
+
+
 def test_stub_server_run(stub, prompts, tmp_path, capsys):
     out = tmp_path / "serve.json"
     rc = serve.main(["--prompts", prompts, "--num-prompts", "7", "--max-tokens", "6",
@@ -249,7 +259,7 @@ def test_parse_metrics():
 def test_embedded_model_two_servers(tiny_available, tmp_path, capsys):
     """Real `npuspec serve` subprocesses on the embedded model: every request completes, the
     percentiles are ordered, ngram's greedy texts equal no speculation's, and both servers are
-    gone afterwards. (~45 s on a 2-core box: each server starts in ~18 s with eager lowering.)"""
+    gone afterwards. The servers run uncompiled (--enforce-eager): serving is the subject."""
     out = tmp_path / "serve.json"
     started = []
     real = serve.ServerProcess.start
@@ -260,7 +270,7 @@ def test_embedded_model_two_servers(tiny_available, tmp_path, capsys):
     mp = pytest.MonkeyPatch()
     mp.setattr(serve.ServerProcess, "start", start)
     try:
-        rc = serve.main(["--compilation-config", '{"backend": "eager", "cudagraph_mode": "NONE"}',
+        rc = serve.main(["--enforce-eager",
                          "--methods", "none,ngram", "--num-prompts", "6", "--max-tokens", "16",
                          "--max-num-seqs", "4", "--max-concurrency", "4", "--server-timeout", "300",
                          "--json", str(out)])
@@ -283,13 +293,14 @@ def test_embedded_model_two_servers(tiny_available, tmp_path, capsys):
     texts = [[r["text"] for r in doc["requests"][m]] for m in ("none", "ngram")]
     assert texts[0] == texts[1] and all(texts[0])
     assert len(started) == 2 and all(s.proc.poll() is not None for s in started)
+    assert all("--enforce-eager" in s.argv for s in started) and doc["enforce_eager"]
 
 
 def test_offline_regime_three_sides(tiny_available, tmp_path, capsys):
     """--offline on the embedded model: server at concurrency 1, offline LLM and the engine
     process alone alternate; all three give the same greedy texts and every side is timed."""
     out = tmp_path / "serve.json"
-    rc = serve.main(["--compilation-config", '{"backend": "eager"}', "--methods", "none",
+    rc = serve.main(["--enforce-eager", "--methods", "none",
                      "--num-prompts", "2", "--max-concurrency", "1", "--max-tokens", "8",
                      "--offline", "--offline-prompts", "2", "--rounds", "2",
                      "--server-timeout", "300", "--json", str(out)])
