@@ -2,7 +2,7 @@
 once. Each worker compiles a tiny verify step with torch.compile(backend="npuspec")."""
 import json
 import os
-import time
+
 
 import pytest
 
@@ -61,8 +61,7 @@ def test_cold_processes_at_once(tmp_path, n):
     (Inductor would add minutes on two cores and nothing to what this checks). Eight processes
     take ~75 s on two cores, so CI runs four (-m slow runs eight)."""
     cache = tmp_path / "cache"
-    start = time.time() + 12.0  # every interpreter is up and importing by then
-    procs = [run_worker(tmp_path / f"w{i}.json", cache, "eager", "--start", start,
+    procs = [run_worker(tmp_path / f"w{i}.json", cache, "eager", "--barrier", tmp_path / "ready", n,
                         "--slow", 1.5, "--shapes", 2) for i in range(n)]
     try:
         for p in procs:

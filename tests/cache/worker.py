@@ -1,9 +1,10 @@
 """One process of the cache tests: compile a tiny speculative verify step through the npuspec
 backend with a cache directory, compare with eager, and write what happened as JSON.
 
-    python tests/cache/worker.py OUT.json CACHE_DIR LOWERING [--start T] [--slow S] [--shapes N] [--passes JSON]
+    python tests/cache/worker.py OUT.json CACHE_DIR LOWERING [--barrier DIR N] [--slow S] [--shapes N] [--passes JSON]
 
---start: wall-clock time to begin at (so that concurrent workers really start together).
+--barrier: once imported, mark DIR and wait until N workers have (so that concurrent workers
+           really start together, as soon as the slowest is ready rather than at a fixed time).
 --slow:  seconds added to every lowering (makes a compile long enough for others to wait on it).
 --shapes: how many different batch sizes to compile (one cache key each).
 """
@@ -22,12 +23,21 @@ def step(x, w1, w2, drafts):
     return target, accepted
 
 
+def _barrier(d: str, n: int, timeout: float = 300.0) -> None:
+    os.makedirs(d, exist_ok=True)
+    open(os.path.join(d, str(os.getpid())), "w").close()
+    t0 = time.monotonic()
+    while len(os.listdir(d)) < n:
+        assert time.monotonic() - t0 < timeout, (d, os.listdir(d), n)
+        time.sleep(0.01)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("cache_dir")
     ap.add_argument("lowering")
-    ap.add_argument("--start", type=float, default=0.0)
+    ap.add_argument("--barrier", nargs=2, default=None, metavar=("DIR", "N"))
     ap.add_argument("--slow", type=float, default=0.0)
     ap.add_argument("--shapes", type=int, default=1)
     ap.add_argument("--passes", default=None,
@@ -60,8 +70,8 @@ def main() -> None:
     w1, w2 = torch.randn(D, D), torch.randn(D, V)
     f = torch.compile(step, backend="npuspec", dynamic=False,
                       options={"cache_dir": a.cache_dir, "lowering": a.lowering, "capture": False})
-    if a.start:
-        time.sleep(max(0.0, a.start - time.time()))
+    if a.barrier:
+        _barrier(a.barrier[0], int(a.barrier[1]))
     from npuspec.graphs.cache import current
 
     equal, keys = True, []
