@@ -158,7 +158,9 @@ def test_a_family_that_does_not_apply_is_never_compiled(monkeypatch):
 
 def test_sample_verify_gates():
     """A model forward (no argmax, no count) holds no sampling step: neither sample_verify
-    instance applies. A greedy step (argmax + cumprod, no `>`) takes the default one only."""
+    instance applies. Nor does a greedy step (argmax + cumprod, but no argmax of a division:
+    every sampling spelling races p / E). A one-hot sampling step with `>=` takes the default
+    instance only (the other needs a `>` or a negated comparison)."""
     ge, other = default_patterns()[1:3]
 
     def forward(x, w):
@@ -167,4 +169,14 @@ def test_sample_verify_gates():
     fwd = aten_graph(forward, torch.randn(3, 8), torch.randn(8, 5)).graph
     assert not ge.applies(fwd) and not other.applies(fwd)
     greedy = aten_graph(step, *_args()).graph
-    assert ge.applies(greedy) and not other.applies(greedy)
+    assert not ge.applies(greedy) and not other.applies(greedy)
+
+    def sample(p, ids, u, e):                                       # p [B, K+1, V]
+        px = p[:, :-1].gather(-1, ids[..., None]).squeeze(-1)       # [B, K]
+        n = (px >= u).cumprod(-1).sum(-1)                           # [B]
+        return n, (p[:, -1] / e).argmax(-1)
+
+    B, K, V = 2, 3, 7
+    sampled = aten_graph(sample, torch.rand(B, K + 1, V), torch.randint(0, V, (B, K)),
+                         torch.rand(B, K), torch.rand(B, V)).graph
+    assert ge.applies(sampled) and not other.applies(sampled)
