@@ -1,4 +1,5 @@
-"""Capture planning: which token counts get a captured graph (DESIGN.md §3.8, §4 "Capture sizes").
+"""Capture planning: which token counts get a captured graph (docs/graphs.md, "Capture
+sizes").
 
 A speculative step carries B requests of m = K+1 tokens each, so every captured token count must
 be a multiple of m; otherwise a request's draft block would straddle the padding boundary.
@@ -15,6 +16,7 @@ import warnings
 from typing import Iterable, Optional, Sequence
 
 from npuspec import envs
+from npuspec.platform import named
 
 log = logging.getLogger("npuspec.graphs")
 
@@ -60,7 +62,6 @@ def _check_k(k, key: str) -> int:
 def _plan_one(k: int, max_num_seqs: int, sizes: Optional[Sequence[int]], platform,
               cap: int, notes: list[str]) -> list[int]:
     if isinstance(platform, str):  # a name plans for that device without needing it here
-        from npuspec.platform import named
         platform = named(platform)
     if platform is not None:
         platform.check_tokens_per_request(k)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from npuspec import counters, envs
+from npuspec.kernels import paged_attention_npu  # GRAPH_UPDATES, looked up per call (tests swap it)
 
 log = logging.getLogger("npuspec.graphs")
 
@@ -251,13 +252,11 @@ class AclGraphRunner(DeviceGraphRunner):
     # capture: its captured tasks are recorded while capturing and re-issued with the current
     # lengths before every replay (kernels/paged_attention_npu.py, docs/attention_npu.md)
     def capture(self, fn, static_args):
-        from npuspec.kernels.paged_attention_npu import GRAPH_UPDATES
-        with GRAPH_UPDATES.capturing(self):
+        with paged_attention_npu.GRAPH_UPDATES.capturing(self):
             return super().capture(fn, static_args)
 
     def replay(self):
-        from npuspec.kernels.paged_attention_npu import GRAPH_UPDATES
-        GRAPH_UPDATES.before_replay(self)
+        paged_attention_npu.GRAPH_UPDATES.before_replay(self)
         return super().replay()
 
 

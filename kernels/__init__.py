@@ -10,6 +10,7 @@ from npuspec.kernels.verify import (  # noqa: F401  (registers torch.ops.npuspec
     synthetic_rates_from_length,
 )
 from npuspec.kernels import accept  # noqa: F401,E402  (registers npuspec::greedy_accept, ratio_accept, residual_*)
+from npuspec.kernels.cpp_build import vec_isa
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +40,6 @@ def prebuild_cpu_kernels() -> None:
 
 
 def _prebuild(names: tuple[str, ...]) -> None:
-    from npuspec.kernels.cpp_build import vec_isa
     vec_isa()  # first: packing a model at load waits for it (linear_packed_cpu.block_width)
     for name in names:
         importlib.import_module(f"npuspec.kernels.{name}").available()

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from npuspec.kernels.verify import ACCEPT_MODES
+from npuspec.kernels.verify_probs import ACCEPT_MODES
 
 NORMALIZE = ("none", "row", "all")  # residual normalisation: none, r / r.sum(-1, keepdim), r / r.sum()
 SAMPLERS = ("race", "gumbel")  # argmax(r / E) ; argmax(log(r) + G)

@@ -16,7 +16,8 @@ is negative (left padding; padding rows have `seq_lens == 0`) sees nothing and r
 
 The work of a row follows `seq_lens[b]`, never the pool size or `max_model_len`, and the op has
 static output shapes and reads its lengths from device memory, so it can sit inside a captured
-graph whose `seq_lens`/`block_table` buffers are refilled before each replay (DESIGN.md §7).
+graph whose `seq_lens`/`block_table` buffers are refilled before each replay (docs/engine.md,
+"Paged KV and attention").
 K/V past a row's length (rejected drafts) is never read: rollback is moving `seq_lens`.
 
 Implementations: `reference_paged_attention` (plain PyTorch, the oracle), the C++ CPU kernel
@@ -35,6 +36,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from npuspec.kernels import paged_attention_cpu, paged_attention_npu
+from npuspec.platform import triton_available
 
 IMPLS = ("reference", "cpu", "triton", "npu")
 _FORCED: list[Optional[str]] = [None]
@@ -57,11 +61,9 @@ def _pick_impl(device: torch.device) -> str:
     if _FORCED[0] is not None:
         return _FORCED[0]
     if device.type == "cpu":
-        from npuspec.kernels import paged_attention_cpu
         return "cpu" if paged_attention_cpu.available() else "reference"
     if device.type == "npu":
         return "npu"
-    from npuspec.platform import triton_available
     return "triton" if triton_available(device.type) else "reference"
 
 
@@ -113,17 +115,16 @@ def _paged_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, layer: int,
     _check(q, k_cache, v_cache, layer, block_table, seq_lens, block_size)
     impl = _pick_impl(q.device)
     if impl == "cpu":
-        from npuspec.kernels.paged_attention_cpu import cpu_paged_attention
-        return cpu_paged_attention(q, k_cache, v_cache, layer, block_table, seq_lens,
-                                   block_size, scale)
+        return paged_attention_cpu.cpu_paged_attention(q, k_cache, v_cache, layer, block_table,
+                                                       seq_lens, block_size, scale)
     if impl == "triton":
+        # optional: Triton (CUDA, or triton-ascend) is imported only where a kernel runs on it
         from npuspec.kernels.paged_attention_triton import triton_paged_attention
         return triton_paged_attention(q, k_cache, v_cache, layer, block_table, seq_lens,
                                       block_size, scale)
     if impl == "npu":
-        from npuspec.kernels.paged_attention_npu import npu_paged_attention
-        return npu_paged_attention(q, k_cache, v_cache, layer, block_table, seq_lens,
-                                   block_size, scale)
+        return paged_attention_npu.npu_paged_attention(q, k_cache, v_cache, layer, block_table,
+                                                       seq_lens, block_size, scale)
     return reference_paged_attention(q, k_cache, v_cache, layer, block_table, seq_lens,
                                      block_size, scale)
 

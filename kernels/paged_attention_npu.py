@@ -38,7 +38,7 @@ parameters, and issues `npu_fused_infer_attention_score.out` between
 `graph_task_update_begin/end` on a side stream and records the event, which releases the
 captured attention task. The graph runner's part is three lines (docs/attention_npu.md).
 
-torch_npu is imported lazily, only when this path runs (DESIGN.md §5).
+torch_npu is imported lazily, only when this path runs (docs/design.md, "Platforms").
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Loader of the compiled suffix proposer (the C++ is in `suffix_cpu_source`).
 
-`npuspec.runtime.suffix.SuffixProposer` drives it through ctypes over an opaque handle; the
+`npuspec.spec_decode.suffix_reference.SuffixProposer` drives it through ctypes over an opaque handle; the
 Python reference (`SuffixProposerReference`) runs instead when this returns None. Token ids
 cross as uint32 buffers (`array('I', list)` measured cheapest from a Python list: ~0.4 us for
 3 tokens, 5.5 ns per token for a 4096-token prompt, against ~1.2 us and 15 ns for numpy).

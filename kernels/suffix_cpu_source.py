@@ -1,6 +1,6 @@
 """The C++ of the compiled suffix proposer (`npuspec.kernels.suffix_cpu` loads it).
 
-A line-by-line port of `npuspec.runtime.suffix.SuffixProposerReference` (read its module
+A line-by-line port of `npuspec.spec_decode.suffix_reference.SuffixProposerReference` (read its module
 docstring first: the algorithm, the tie-breaks, the search windows and the work budget are
 documented there, and every choice below mirrors one there). What the port has to keep, since
 the drafts and probabilities must be bitwise equal to the reference's:

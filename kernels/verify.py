@@ -1,20 +1,22 @@
-"""The fused verify op `npuspec::rejection_sample` (DESIGN.md §3.3, §4) and its PyTorch reference.
+"""The fused verify op `npuspec::rejection_sample` and its PyTorch reference (docs/verify.md;
+the contract: docs/design.md, "The verify op").
 
 One call verifies K drafted tokens per request against the target logits and emits the
 accepted prefix plus one recovered/bonus token. Every mode is here: greedy, standard
 (Leviathan et al.), exact block verification (Sun et al., ICLR 2025), entropy verify (lossy,
 opt-in) and synthetic acceptance (benchmarking). `target_is_probs=True` takes the caller's
 probabilities instead of logits and runs standard verify with the eager idiom's arithmetic
-(`probs_verify`, plain PyTorch on every device; docs/verify.md).
+(`probs_verify` in verify_probs.py, plain PyTorch on every device; docs/verify.md).
 
 The op is split in two so that every implementation shares the same decisions:
 
 1. *Row statistics* — the only part that touches [B, K+1, V] data. For every row (request b,
    position j) it computes the greedy argmax, p_j(x_j), q_j(x_j), the exponential races, the
    block residual mass and the entropy. Three implementations compute them:
-   `reference_row_stats` below (readable PyTorch, the specification), the Triton kernels in
-   `npuspec.kernels.verify_triton` (CUDA/Ascend, and the interpreter on CPU) and the fused CPU
-   lowering in `npuspec.kernels.verify_cpu`.
+   `reference_row_stats` (verify_rows.py: readable PyTorch, the specification, with the draws
+   every implementation shares), the Triton kernels in `npuspec.kernels.verify_triton`
+   (CUDA/Ascend, and the interpreter on CPU) and the fused CPU lowering in
+   `npuspec.kernels.verify_cpu`.
 2. *Decisions* — small [B, K] tensor code (`_decide_*`, one function per mode) that turns the
    row statistics and the uniforms into accepted lengths and emitted tokens. It is the same
    code for every implementation, graph-safe (no host syncs, no data-dependent control flow).
@@ -35,44 +37,23 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-FLT_MIN = 1.1754943508222875e-38  # smallest normal float32: floor for the Exp(1) race draws
-ENTROPY_EPS = 1e-10
+from npuspec.kernels import verify_cpu
+from npuspec.kernels.verify_checks import _check_finite, _check_values, _validate
+from npuspec.kernels.verify_probs import (ACCEPT_MODES, _check_accept_mode, _check_probs_mode,
+                                          probs_verify)
+from npuspec.kernels.verify_rows import (RowStats, _leading, _padded_drafts, draw_exponentials,
+                                         draw_uniforms, filter_thresholds, reference_row_stats)
+from npuspec.platform import triton_available
 
 __all__ = ["rejection_sample", "rejection_sample_reference", "probs_verify",
            "synthetic_rates_from_length", "conditional_rates", "draw_uniforms",
-           "draw_exponentials", "use_impl", "RowStats", "reference_row_stats", "filter_thresholds"]
-
-
-# --------------------------------------------------------------------------------------------
-# Draws
-# --------------------------------------------------------------------------------------------
-
-def draw_uniforms(B: int, K: int, device, generators: Optional[Mapping[int, torch.Generator]] = None
-                  ) -> Tensor:
-    """float32 [B, K] acceptance draws: float64 U[0,1) cast to float32 (never exactly 0).
-
-    Rows in `generators` draw their own K values from their generator, so a seeded request's
-    draws do not depend on the rest of the batch."""
-    u = torch.rand(B, K, dtype=torch.float64, device=device).float()
-    for row, g in (generators or {}).items():
-        u[row] = torch.rand(K, dtype=torch.float64, generator=g, device=g.device).float().to(device)
-    return u
-
-
-def draw_exponentials(B: int, V: int, device,
-                      generators: Optional[Mapping[int, torch.Generator]] = None) -> Tensor:
-    """float32 [B, V] Exp(1) draws for the exponential race (one vector per request)."""
-    e = torch.empty(B, V, dtype=torch.float32, device=device).exponential_()
-    for row, g in (generators or {}).items():
-        r = torch.empty(V, dtype=torch.float32, device=g.device).exponential_(generator=g)
-        e[row] = r.to(device)
-    return e
+           "draw_exponentials", "use_impl", "RowStats", "reference_row_stats", "filter_thresholds",
+           "ACCEPT_MODES"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,7 +61,7 @@ def draw_exponentials(B: int, V: int, device,
 # --------------------------------------------------------------------------------------------
 
 def synthetic_rates_from_length(length: float, k: int) -> list[float]:
-    """Unconditional per-position rates for a mean emitted length L (DESIGN.md §4).
+    """Unconditional per-position rates for a mean emitted length L (docs/verify.md, "Modes").
 
     d = L-1, f = floor(d): rates = ([1]*f + [d-f] + [0]*(K-f-1))[:K]; L=3.4, K=5 -> [1,1,.4,0,0]."""
     if not 1 <= length <= k + 1:
@@ -98,126 +79,10 @@ def conditional_rates(rates: Tensor) -> Tensor:
     return torch.where(prev > 0, a / torch.where(prev > 0, prev, 1.0), 0.0)
 
 
-# --------------------------------------------------------------------------------------------
-# Row statistics (the [B, K+1, V] part), reference implementation
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class RowStats:
-    """Per-row results, all [B, K+1]. Row j scores draft j (j < K); row K is the bonus row."""
-    gidx: Tensor      # int64: argmax of the raw logits (greedy token)
-    rawmax: Tensor    # float32: max of the raw logits (NaN/+inf/all -inf detection)
-    px: Tensor        # float32: p_j(x_j), 0 where there is no draft
-    qx: Tensor        # float32: q_j(x_j) (1 for one-hot drafts), 0 where there is no draft
-    race_p: Tensor    # int64: argmax_v e_v * R_v, R = 1/max(E, FLT_MIN) (a sample from p_j)
-    race_r: Tensor    # int64: residual race, -1 where the residual has no positive entry
-    rho: Tensor       # float32: sum_v max(w_j p_j(v) - q_j(v), 0) (draft probs only, else 0)
-    entropy: Tensor   # float32: -sum p~ log(p~ + 1e-10) of the raw softmax (entropy mode, else 0)
-
-
-def filter_thresholds(logits: Tensor, t: Tensor, top_k: Optional[Tensor], top_p: Optional[Tensor]
-                      ) -> Optional[Tensor]:
-    """float32 [B, K+1] top-k/top-p thresholds on z = logit / t; keep z >= threshold.
-
-    Shared by every implementation (it needs a sort, which the fused kernels leave to torch).
-    top_k <= 0 or >= V and top_p >= 1 disable the filter for that request. Ties at the
-    threshold are all kept. top-p keeps the smallest prefix of the sorted distribution (after
-    top-k) whose mass reaches top_p, always at least one token."""
-    if top_k is None and top_p is None:
-        return None
-    B, K1, V = logits.shape
-    z = logits.float() / t[:, None, None]                       # [B, K+1, V]
-    zs = z.sort(dim=-1, descending=True).values                 # [B, K+1, V]
-    thr = torch.full((B, K1), -math.inf, device=z.device)
-    if top_k is not None:
-        k = top_k.to(device=z.device, dtype=torch.int64)
-        on = (k > 0) & (k < V)                                  # [B]
-        kk = k.clamp(1, V)[:, None, None].expand(B, K1, 1) - 1
-        kth = zs.gather(-1, kk).squeeze(-1)                     # [B, K+1]
-        thr = torch.where(on[:, None], kth, thr)
-    if top_p is not None:
-        p = top_p.to(device=z.device, dtype=torch.float32)
-        on = p < 1                                              # [B]
-        zk = torch.where(zs >= thr[..., None], zs, -math.inf)
-        probs = torch.softmax(zk, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs            # mass strictly before each token
-        n = (before < p[:, None, None]).sum(-1).clamp(1, V)     # [B, K+1] tokens kept
-        pth = zs.gather(-1, (n - 1)[..., None]).squeeze(-1)
-        thr = torch.where(on[:, None], torch.maximum(thr, pth), thr)
-    return thr
-
-
-def _padded_drafts(draft_token_ids: Tensor, V: int) -> Tensor:
-    """int64 [B, K+1]: drafts with out-of-range ids as -1, plus a -1 column for the bonus row."""
-    x = draft_token_ids.long()
-    x = torch.where((x >= 0) & (x < V), x, -1)
-    return torch.cat([x, x.new_full((x.shape[0], 1), -1)], dim=1)
-
-
-def reference_row_stats(logits: Tensor, xpad: Tensor, draft_probs: Optional[Tensor],
-                        t: Tensor, thr: Optional[Tensor], exponentials: Optional[Tensor],
-                        weights: Optional[Tensor], *, random: bool, entropy: bool,
-                        residual: bool = True, early_exit=None) -> RowStats:
-    """The specification of the row statistics, in readable PyTorch.
-
-    logits [B, K+1, V]; xpad [B, K+1] (-1 = none); draft_probs [B, K, V] or None; t [B] > 0
-    (1 for greedy rows); thr [B, K+1] or None; exponentials [B, V]; weights [B, K] residual
-    weights w_j (1 for standard, pi_j for block) or None; random: compute the races;
-    entropy: compute H; residual: compute the draft-probs residual race and rho (block verify
-    computes them in a second call, once the weights are known). early_exit=(uniforms,
-    greedy_rows) allows an implementation to skip the exp pass on rows after a request's
-    first rejected draft (standard verify only; the decisions never read those rows); the
-    reference computes every row."""
-    l = logits.float()                                          # [B, K+1, V]
-    B, K1, V = l.shape
-    rawmax = l.amax(-1)                                         # [B, K+1]
-    gidx = l.argmax(-1)
-    zeros_f = l.new_zeros(B, K1)
-    px, qx = zeros_f, zeros_f
-    race_p = race_r = torch.zeros(B, K1, dtype=torch.int64, device=l.device)
-    rho, ent = zeros_f, zeros_f
-    xs = xpad.clamp_min(0)[..., None]                           # [B, K+1, 1]
-    has = xpad >= 0
-    if random:
-        z = l / t[:, None, None]
-        if thr is not None:
-            z = torch.where(z >= thr[..., None], z, -math.inf)
-        e = torch.exp(z - z.amax(-1, keepdim=True))             # [B, K+1, V], max entry is 1
-        S = e.sum(-1, keepdim=True)                             # [B, K+1, 1]
-        p = e / S
-        px = torch.where(has, p.gather(-1, xs).squeeze(-1), 0.0)
-        R = (1.0 / exponentials.float().clamp_min(FLT_MIN))[:, None, :]  # [B, 1, V]
-        race_p = (e * R).argmax(-1)
-        if draft_probs is None:
-            qx = has.float()
-            onehot = torch.arange(V, device=l.device) == xpad[..., None]  # [B, K+1, V]
-            sr = torch.where(onehot, 0.0, e * R)
-            race_r = torch.where(sr.amax(-1) > 0, sr.argmax(-1), -1)
-        else:
-            q = torch.cat([draft_probs.float(), l.new_zeros(B, 1, V)], dim=1)  # [B, K+1, V]
-            qx = torch.where(has, q.gather(-1, xs).squeeze(-1), 0.0)
-            if residual:
-                w = weights.float() if weights is not None else l.new_ones(B, K1 - 1)
-                w = torch.cat([w, w.new_ones(B, 1)], dim=1)[..., None]        # [B, K+1, 1]
-                r = torch.clamp_min(w * p - q, 0.0)             # [B, K+1, V]
-                rho = r.sum(-1)
-                sr = r * R
-                race_r = torch.where(sr.amax(-1) > 0, sr.argmax(-1), -1)
-    if entropy:
-        et = torch.exp(l - rawmax[..., None])
-        pt = et / et.sum(-1, keepdim=True)
-        ent = -(pt * torch.log(pt + ENTROPY_EPS)).sum(-1)
-    return RowStats(gidx, rawmax, px, qx, race_p, race_r, rho, ent)
-
 
 # --------------------------------------------------------------------------------------------
 # Decisions: one function per mode, on [B, K] tensors (shared by every implementation)
 # --------------------------------------------------------------------------------------------
-
-def _leading(mask: Tensor) -> Tensor:
-    """int64 [B]: length of the all-True prefix of a bool [B, K]."""
-    return torch.cumprod(mask.to(torch.int64), dim=1).sum(1)
-
 
 def _ratio(st: RowStats, K: int) -> Tensor:
     """float32 [B, K]: p(x)/q(x), 0 where q(x) = 0 or there is no draft."""
@@ -302,126 +167,6 @@ def _emit(xpad: Tensor, n_acc: Tensor, st: RowStats, greedy_rows: Tensor, bad: T
 
 
 # --------------------------------------------------------------------------------------------
-# Probability-input mode (target_is_probs=True): the user's own p, plain PyTorch
-# --------------------------------------------------------------------------------------------
-
-# the accept test of `accept_mode` on ratio r [B, K] and uniforms u [B, K], as the user writes
-# it: each is one comparison (and a `~`), so NaN and inf behave exactly as in their code
-ACCEPT_MODES = {
-    "ge": lambda r, u: r >= u,          # u <= ratio         (Leviathan et al., HF, vLLM v1)
-    "gt": lambda r, u: r > u,           # u < ratio          (vLLM v0, vllm-ascend)
-    "not_lt": lambda r, u: ~(u > r),    # rejected: u > ratio (lucidrains, gpt-fast)
-    "not_le": lambda r, u: ~(u >= r),   # rejected: u >= ratio
-}
-
-
-# How the accept tests give the count n of accepted drafts:
-#   "prefix":     the leading passes (the first failure ends the run; the standard rule)
-#   "cumulative": vllm-ascend's PyTorch block verify: position k passes when
-#                 q(x_k) > 0 and cmp(prod_{i<=k} ratio_i, prod_{i<=k} u_i) (torch.cumprod of
-#                 each), and n is 1 + the last passing k (0 if none), so a failure before it
-#                 is overridden. A different rule from the logits mode's block_verify (Sun et al.)
-ACCEPT_RULES = ("prefix", "cumulative")
-
-
-def _last_pass(ok: Tensor) -> Tensor:
-    """int64 [B]: 1 + the index of the last True of a bool [B, K], 0 when there is none."""
-    K = ok.shape[1]
-    return torch.where(ok.any(dim=1), K - ok.flip(dims=[1]).to(torch.int64).argmax(dim=1), 0)
-
-
-def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
-                 exponentials: Tensor, accept_mode: str = "ge", ratio_cap: bool = False,
-                 accept_rule: str = "prefix") -> tuple[Tensor, Tensor]:
-    """Standard verify on already-normalised target probabilities; its own reference.
-
-    p [B, K+1, V] (the user's softmax, after their temperature/top-k/top-p), drafts int [B, K]
-    (-1 or out of range = no draft), q [B, K, V] or None (one-hot), uniforms [B, K],
-    exponentials [B, V] (one vector per request) or [B, K+1, V] (one per row).
-    Every value is the plain float expression the eager idiom evaluates (no softmax, no
-    reciprocal, no clamp of E), so the decisions are bit-identical to that idiom:
-      accept x_i iff x_i is a draft and p_i(x_i) / q_i(x_i) >= u_i   (one-hot: p_i(x_i) >= u_i;
-          one division: q(x) = 0 < p(x) gives inf and accepts, 0/0 gives NaN and rejects)
-          `accept_mode` names the comparison (ACCEPT_MODES: "gt" is `u < ratio`, "not_lt" a
-          kept rejection `~(u > ratio)`, under which a NaN ratio accepts); `ratio_cap` first
-          takes min(ratio, 1) as gpt-fast and vLLM v0 write it (NaN stays NaN);
-          `accept_rule` how the passes give the count (ACCEPT_RULES)
-      row n = the first rejection: argmax_v max(p_n - q_n, 0) / E_n   (one-hot: p_n with x_n
-          set to 0, / E_n); a -1 draft or the bonus row n = K: argmax_v p_n / E_n
-    argmax takes the first index among ties (and the first NaN), as torch.argmax does.
-    Only row n's [V] vectors are computed: elementwise IEEE ops give the same value per
-    element whatever the tensor they sit in. No host syncs, static shapes."""
-    B, K1, V = p.shape
-    K = K1 - 1
-    p = p.float()
-    xpad = _padded_drafts(draft_token_ids, V)                   # [B, K+1]
-    x, has = xpad[:, :K], xpad[:, :K] >= 0                      # [B, K]
-    xs = x.clamp_min(0)[..., None]                              # [B, K, 1]
-    px = p[:, :K].gather(-1, xs).squeeze(-1)                    # [B, K]
-    qx = None if q is None else q.float().gather(-1, xs).squeeze(-1)
-    ratio = px if qx is None else px / qx
-    if ratio_cap:
-        ratio = ratio.clamp(max=1.0)
-    test = ACCEPT_MODES[accept_mode]
-    if accept_rule == "prefix":
-        n = _leading(has & test(ratio, uniforms.float()))                   # [B]
-    else:  # running products, as the block idiom computes them (torch.cumprod: same values)
-        ok = test(torch.cumprod(ratio, dim=-1), torch.cumprod(uniforms.float(), dim=-1))
-        if qx is not None:
-            ok = ok & (qx > 0)
-        n = _last_pass(has & ok)                                            # [B]
-    b = torch.arange(B, device=p.device)
-    pn = p[b, n]                                                # [B, V] p at row n (a copy)
-    e = exponentials.float()
-    en = e if e.dim() == 2 else e[b, n]                         # [B, V]
-    xn = xpad.gather(1, n[:, None])                             # [B, 1] draft at row n, or -1
-    if q is None or K == 0:  # (K = 0: row n is the bonus row, xn = -1, r = pn)
-        r = pn.masked_fill_(torch.arange(V, device=p.device) == xn, 0.0)
-    else:  # max(p - q, 0) in place: the same values as torch.clamp(p - q, min=0)
-        r = torch.where(xn >= 0, torch.sub(pn, q.float()[b, n.clamp_max(K - 1)]).clamp_min_(0), pn)
-    tok = r.div_(en).argmax(-1)                                 # [B]
-    pos = torch.arange(K1, device=p.device)[None, :]
-    out = torch.where(pos < n[:, None], xpad, -1)
-    out = torch.where(pos == n[:, None], tok[:, None], out)
-    return out.to(torch.int32), (n + 1).to(torch.int32)
-
-
-def _check_accept_mode(accept_mode: str, ratio_cap: bool, target_is_probs: bool,
-                       accept_rule: str = "prefix") -> None:
-    if accept_mode not in ACCEPT_MODES:
-        raise ValueError(f"accept_mode={accept_mode!r}: choose one of "
-                         f"{', '.join(map(repr, ACCEPT_MODES))}")
-    if accept_rule not in ACCEPT_RULES:
-        raise ValueError(f"accept_rule={accept_rule!r}: choose one of "
-                         f"{', '.join(map(repr, ACCEPT_RULES))}")
-    if (accept_mode != "ge" or ratio_cap or accept_rule != "prefix") and not target_is_probs:
-        raise ValueError(f"accept_mode={accept_mode!r}, ratio_cap={ratio_cap}, "
-                         f"accept_rule={accept_rule!r}: other accept tests than the default "
-                         f"(\"ge\", no cap, \"prefix\") apply to the probability mode only; "
-                         f"pass target_is_probs=True with your probabilities, or the defaults "
-                         f"with logits (block_verify=True for block verification)")
-
-
-def _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
-                      synthetic_rates, exponentials, B, K1, V) -> None:
-    """target_is_probs=True takes the user's finished distribution: nothing to apply on top."""
-    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
-                    ("synthetic_rates", synthetic_rates), ("entropy_verify", posterior_threshold)):
-        if v is not None:
-            raise ValueError(f"{name} given with target_is_probs=True: target_logits then holds "
-                             f"the final probabilities p; apply {name} to p yourself, or pass "
-                             f"logits with target_is_probs=False")
-    if block_verify:
-        raise ValueError("block_verify=True with target_is_probs=True: the probability mode "
-                         "runs standard verification only; pass logits with "
-                         "target_is_probs=False for block verification")
-    if exponentials is not None and tuple(exponentials.shape) not in ((B, V), (B, K1, V)):
-        raise ValueError(f"exponentials: expected float32 [B, V] = [{B}, {V}] or [B, K+1, V] = "
-                         f"[{B}, {K1}, {V}] with target_is_probs=True; got "
-                         f"{tuple(exponentials.shape)}")
-
-
-# --------------------------------------------------------------------------------------------
 # The op
 # --------------------------------------------------------------------------------------------
 
@@ -447,7 +192,6 @@ def _pick_impl(device: torch.device) -> str:
         return _FORCED_IMPL[0]
     if device.type == "cpu":
         return "cpu"
-    from npuspec.platform import triton_available
     return "triton" if triton_available(device.type) else "reference"
 
 
@@ -465,44 +209,14 @@ def _row_stats_fn(impl: str):
     if impl == "reference":
         return reference_row_stats
     if impl == "triton":
+        # optional: Triton (CUDA, or triton-ascend) is imported only where a kernel runs on it
         from npuspec.kernels.verify_triton import triton_row_stats
         return triton_row_stats
-    from npuspec.kernels.verify_cpu import cpu_row_stats
-    return cpu_row_stats
+    return verify_cpu.cpu_row_stats
 
 
 def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _check_values(draft_token_ids: Tensor, V: int, temperature: Optional[Tensor],
-                  top_p: Optional[Tensor]) -> None:
-    """Host-side value checks (reference and CPU paths; the device path cannot sync)."""
-    if temperature is not None and not bool((temperature >= 0).all()):
-        raise ValueError(f"temperature={temperature.tolist()}: every value must be >= 0 "
-                         f"(0 = greedy for that request)")
-    if top_p is not None and not bool(((top_p > 0) & (top_p <= 1)).all()):
-        raise ValueError(f"top_p={top_p.tolist()}: every value must be in (0, 1] (1 = off)")
-    x = draft_token_ids
-    if bool(((x < -1) | (x >= V)).any()):
-        raise ValueError(f"draft_token_ids: ids must be in [0, V={V}) or -1 for 'no draft'; "
-                         f"got values from {int(x.min())} to {int(x.max())}")
-
-
-def _check_finite(logits: Tensor, rawmax: Tensor, draft_probs: Optional[Tensor]) -> None:
-    """Host-side check (reference and CPU paths): NaN/+inf logits never yield a token."""
-    bad = ~torch.isfinite(rawmax)
-    if bool(bad.any()):
-        b, j = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(
-            f"target_logits[{b}, {j}] contains NaN or +inf (or is -inf everywhere): the verify "
-            f"step cannot sample from it; check the model output (dtype overflow, a bad "
-            f"logits processor) before calling rejection_sample")
-    # aminmax: one vectorised pass, NaN propagates (isfinite().all() costs ~15x more on CPU)
-    if draft_probs is not None and not all(math.isfinite(float(v))
-                                           for v in torch.aminmax(draft_probs)):
-        raise ValueError("draft_probs contains NaN or inf; pass the drafter's probabilities "
-                         "(finite, >= 0) or None for one-hot drafts")
 
 
 def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optional[Tensor],
@@ -546,8 +260,7 @@ def _verify(target_logits: Tensor, draft_token_ids: Tensor, draft_probs: Optiona
     early = (uniforms.to(dev), greedy_rows) if random and not block and not synthetic \
         and entropy_verify is None else None
     if early is not None and impl == "cpu" and K > 0:  # the C++ kernel decides and emits too
-        from npuspec.kernels.verify_cpu import cpu_standard_verify
-        fused = cpu_standard_verify(target_logits, xpad, draft_probs, t, thr, exponentials, early)
+        fused = verify_cpu.cpu_standard_verify(target_logits, xpad, draft_probs, t, thr, exponentials, early)
         if fused is not None:
             if not _capturing(dev):
                 _check_finite(target_logits, fused[2], draft_probs)
@@ -587,10 +300,9 @@ def _cpu_greedy(target_logits: Tensor, xpad: Tensor):
     """(tokens, num_emitted, rawmax) of an all-greedy, one-hot step from the C++ kernel's
     greedy rows, or None when it cannot run. The kernel reads no temperature, threshold,
     uniform or exponential on a greedy row; the placeholders only fill its signature."""
-    from npuspec.kernels.verify_cpu import cpu_standard_verify
     B, K1, V = target_logits.shape
     greedy = (torch.ones(B, K1 - 1), torch.ones(B, dtype=torch.bool))
-    return cpu_standard_verify(target_logits, xpad, None, torch.ones(B), None,
+    return verify_cpu.cpu_standard_verify(target_logits, xpad, None, torch.ones(B), None,
                                torch.empty(B, V), greedy)
 
 
@@ -632,61 +344,6 @@ def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, un
             target_logits.new_empty((B,), dtype=torch.int32))
 
 
-def _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
-              entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
-              target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix"):
-    """Shape/dtype checks (metadata only: no host syncs)."""
-    _check_accept_mode(accept_mode, ratio_cap, target_is_probs, accept_rule)
-    if target_logits.dim() != 3:
-        raise ValueError(f"target_logits: expected [B, K+1, V], got shape "
-                         f"{tuple(target_logits.shape)}")
-    if not target_logits.is_floating_point():
-        raise ValueError(f"target_logits: expected a float tensor, got {target_logits.dtype}")
-    B, K1, V = target_logits.shape
-    K = K1 - 1
-    if target_is_probs:
-        _check_probs_mode(temperature, top_k, top_p, block_verify, entropy_verify,
-                          synthetic_rates, exponentials, B, K1, V)
-    if tuple(draft_token_ids.shape) != (B, K):
-        raise ValueError(f"draft_token_ids: expected shape [B, K] = [{B}, {K}] to match "
-                         f"target_logits [B, K+1, V]; got {tuple(draft_token_ids.shape)}")
-    if draft_token_ids.is_floating_point() or draft_token_ids.dtype == torch.bool:
-        raise ValueError(f"draft_token_ids: expected int64 token ids, got {draft_token_ids.dtype}")
-    if draft_probs is not None and tuple(draft_probs.shape) != (B, K, V):
-        raise ValueError(f"draft_probs: expected shape [B, K, V] = [{B}, {K}, {V}] or None for "
-                         f"one-hot drafts; got {tuple(draft_probs.shape)}")
-    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)):
-        if v is not None and tuple(v.shape) != (B,):
-            raise ValueError(f"{name}: expected one value per request, shape [{B}]; got "
-                             f"{tuple(v.shape)}")
-    if (top_k is not None or top_p is not None) and temperature is None:
-        raise ValueError("top_k/top_p given with temperature=None (all greedy): pass a "
-                         "temperature tensor, or drop top_k/top_p (greedy ignores them)")
-    if uniforms is not None and tuple(uniforms.shape) != (B, K):
-        raise ValueError(f"uniforms: expected float32 [B, K] = [{B}, {K}]; got "
-                         f"{tuple(uniforms.shape)}")
-    if exponentials is not None and tuple(exponentials.shape) != (B, V) and not target_is_probs:
-        raise ValueError(f"exponentials: expected float32 [B, V] = [{B}, {V}]; got "
-                         f"{tuple(exponentials.shape)}")
-    if entropy_verify is not None:
-        if len(entropy_verify) != 2:
-            raise ValueError(f"entropy_verify={entropy_verify!r}: expected None or "
-                             f"(posterior_threshold, posterior_alpha)")
-        thr, alpha = entropy_verify
-        if not 0 < thr <= 1:
-            raise ValueError(f"entropy_verify posterior_threshold={thr}: must be in (0, 1]")
-        if not alpha >= 0:
-            raise ValueError(f"entropy_verify posterior_alpha={alpha}: must be >= 0")
-    if synthetic_rates is not None:
-        if tuple(synthetic_rates.shape) != (K,):
-            raise ValueError(f"synthetic_rates: expected [K] = [{K}] unconditional rates; got "
-                             f"{tuple(synthetic_rates.shape)}")
-        if block_verify:
-            raise ValueError("synthetic_rates with block_verify=True: synthetic acceptance "
-                             "ignores the target, so block verification does not apply; "
-                             "set block_verify=False")
-
-
 def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      draft_probs: Optional[Tensor] = None, *, temperature: Optional[Tensor] = None,
                      top_k: Optional[Tensor] = None, top_p: Optional[Tensor] = None,
@@ -698,7 +355,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      target_is_probs: bool = False, accept_mode: str = "ge",
                      ratio_cap: bool = False, accept_rule: str = "prefix"
                      ) -> tuple[Tensor, Tensor]:
-    """Verify K drafts per request (DESIGN.md §3.3). Returns (tokens int32 [B, K+1] -1 padded,
+    """Verify K drafts per request (docs/verify.md). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
 
     target_is_probs=True: `target_logits` holds the caller's final target probabilities p

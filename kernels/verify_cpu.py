@@ -37,7 +37,7 @@ import torch
 
 from npuspec import counters
 from npuspec.kernels.cpp_build import load_library
-from npuspec.kernels.verify import FLT_MIN, RowStats, reference_row_stats
+from npuspec.kernels.verify_rows import FLT_MIN, RowStats, reference_row_stats
 
 
 _SOURCE = r"""

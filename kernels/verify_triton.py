@@ -1,15 +1,15 @@
 """Triton row-statistics kernel for `npuspec::rejection_sample` (one source for CUDA and Ascend).
 
-Written in the triton-ascend subset (DESIGN.md §5): float32 math, the random draws come in by
-pointer (no in-kernel RNG, no fp64), the grid is capped by `grid_size` (vector-core count on
-NPU, <= 65535) and each program walks rows with a grid-stride loop, and the vocab is processed
-in BLOCK_V blocks so no [B, K+1, V] softmax is ever materialised.
+Written in the triton-ascend subset (docs/design.md, "Platforms"): float32 math, the random
+draws come in by pointer (no in-kernel RNG, no fp64), the grid is capped by `grid_size`
+(vector-core count on NPU, <= 65535) and each program walks rows with a grid-stride loop, and
+the vocab is processed in BLOCK_V blocks so no [B, K+1, V] softmax is ever materialised.
 
 Each program reads a logits row once (greedy, one-hot drafts) or twice back to back (draft
 probs, whose residual needs the final normaliser; entropy verify), so the second read hits
 cache. The first read is an online softmax: max, normaliser, e[x] and the races are kept
 relative to the running max of the row and rescaled when it grows. The elementwise formulas
-are those of `reference_row_stats` in verify.py; what differs is the last ulp of exp, the
+are those of `reference_row_stats` in verify_rows.py; what differs is the last ulp of exp, the
 order of the sums and the rescaling (docs/verify.md gives the measured effect on tokens).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from npuspec.kernels.verify import FLT_MIN, RowStats
+from npuspec.kernels.verify_rows import FLT_MIN, RowStats
 
 MAX_GRID = 65535
 

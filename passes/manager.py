@@ -47,7 +47,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
 from npuspec.passes import canonical, picks, prefix, rowlocal, unmatched
-from npuspec.passes.patterns import VerifyPattern, _source_hash, default_patterns
+from npuspec.passes.hashing import source_hash
+from npuspec.passes.patterns import VerifyPattern, default_patterns
 
 log = logging.getLogger("npuspec.passes")
 
@@ -214,8 +215,8 @@ class PassManager:
         return found
 
     def uuid(self) -> str:
-        h = hashlib.sha256(_source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
-                                        rowlocal, unmatched).encode())
+        h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
+                                       rowlocal, unmatched).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()
@@ -227,22 +228,23 @@ class InductorVerifyPass(CustomGraphPass):
     It runs on the graph AOT autograd traced with Inductor's decompositions, before Inductor's
     own joint/post-grad pattern passes rewrite it (those would otherwise fold and reorder the
     very ops our patterns look for). `uuid()` enters Inductor's FX graph cache key, so editing a
-    pass's source or config invalidates cached compiles, and identical passes hit the cache."""
+    pass's source or config invalidates cached compiles, and identical passes hit the cache.
+    `uuid_extra` joins it: what else a cached compile must agree on (the lowering gives how it
+    records pass counts, compilation/pass_counts.record_uuid; a change to it recompiles cached
+    graphs once, recording again, where hits would find no record and count 0)."""
 
     runs = 0  # calls in this process: a compile that leaves it unchanged hit Inductor's cache
 
-    def __init__(self, manager: Optional[PassManager] = None):
+    def __init__(self, manager: Optional[PassManager] = None, uuid_extra: str = ""):
         self.manager = manager or PassManager()
+        self.uuid_extra = uuid_extra
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         InductorVerifyPass.runs += 1
         self.manager.run(graph, flavor="inductor")
 
     def uuid(self) -> str:
-        # how pass counts are recorded is part of the key: a change to it recompiles cached
-        # graphs once (recording again), where hits would find no record and count 0
-        from npuspec.pass_counts import record_uuid
-        return hashlib.sha256((self.manager.uuid() + record_uuid()).encode()).hexdigest()
+        return hashlib.sha256((self.manager.uuid() + self.uuid_extra).encode()).hexdigest()
 
 
 def run_passes(gm: torch.fx.GraphModule, flavor: str = "aten",

@@ -47,9 +47,9 @@ import itertools
 
 import torch
 
-from npuspec.passes.patterns import (MODE_SPELLINGS, TAILS, Spelling, VerifyPattern, _bind,
-                                     _bounded, _eq_shape, _gather_at, _is_random, _static_shape,
-                                     _tail_out, _val, npuspec_ops)
+from npuspec.passes.patterns_common import (MODE_SPELLINGS, TAILS, Spelling, VerifyPattern,
+                                            _bind, _bounded, _eq_shape, _gather_at, _is_random,
+                                            _static_shape, _tail_out, _val, npuspec_ops)
 
 
 # the ratio test, [B, K] bool: px [B, K] target prob of the draft, qx draft prob or None; the

@@ -1,5 +1,5 @@
-"""Graph breaks in a user's step are reported once, naming the line (npuspec/graph_breaks.py);
-every piece still computes what eager does."""
+"""Graph breaks in a user's step are reported once, naming the line
+(npuspec/compilation/graph_breaks.py); every piece still computes what eager does."""
 import inspect
 import logging
 

@@ -11,7 +11,7 @@ import torch
 
 import npuspec
 from npuspec import counters
-from npuspec.backend import BackendOptions
+from npuspec.compilation.backend import BackendOptions
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECK_NAMESPACE = textwrap.dedent("""
@@ -55,7 +55,7 @@ def test_regular_install_maps_the_same_namespace(tmp_path):
     assert out.returncode == 0, out.stderr + out.stdout
     assert all(f.startswith(str(target)) for f in out.stdout.split()), out.stdout
     eps = (target / "npuspec-0.1.0.dist-info" / "entry_points.txt").read_text()
-    assert "[torch_dynamo_backends]" in eps and "npuspec = npuspec.backend:npuspec_backend" in eps
+    assert "[torch_dynamo_backends]" in eps and "npuspec = npuspec.compilation.backend:npuspec_backend" in eps
 
 
 FRESH = textwrap.dedent("""

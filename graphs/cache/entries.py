@@ -15,6 +15,7 @@ import os
 import stat
 from typing import Any, Optional
 
+import npuspec
 from npuspec.graphs.cache import fsafe
 from npuspec.graphs.cache import trust
 from npuspec.graphs.cache.fsafe import kind, lstat_at
@@ -33,7 +34,6 @@ class CacheCorrupt(Exception):
 
 
 def _npuspec_version() -> str:
-    import npuspec
     return npuspec.__version__
 
 

@@ -61,8 +61,8 @@ class Layout:
         self.gid = group_gid  # trusted group: new files get it and g+w
         self.real = self.root  # the resolved root, once open() ran
         self.untrusted: Optional[trust.CacheTrustError] = None  # the first failed trust rule
-        # Called as on_repair(tag, message) for each thing moved to quarantine/ (core.py logs
-        # it once and counts it).
+        # Called as on_repair(tag, message) for each thing moved to quarantine/
+        # (compilation/cache.py logs it once and counts it).
         self.on_repair: Callable[[str, str], None] = _default_repair
         self._fds: dict[str, int] = {}  # "" -> the root; "entries" etc. -> that directory
         self._opened = False

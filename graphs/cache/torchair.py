@@ -12,8 +12,9 @@ What this relies on (torchair in torch_npu, CANN GE's documented graph compile c
   code generator, with the graph key set to "graph_<n>", a per-process counter that depends on
   compile order; npuspec uses its own key instead, and one directory per key.)
 - GE compiles when the compiled graph is first *called*, not when torchair's backend returns.
-  So core.py publishes a torchair entry after the first call (keeping the key's lock until
-  then), and on a warm start checks after the first call that GE loaded rather than compiled.
+  So compilation/cache.py publishes a torchair entry after the first call (keeping the key's
+  lock until then), and on a warm start checks after the first call that GE loaded rather than
+  compiled.
 - `torchair.inference.cache_compile(func, cache_dir=...)` is not usable here: it wraps a Python
   function or module method, traces it with Dynamo itself and caches Dynamo's output; npuspec
   receives an FX graph inside a backend call, after Dynamo has run.

@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from npuspec.backend import BackendOptions
-from npuspec.graphs.cache import core
+from npuspec.compilation import cache as core
+from npuspec.compilation.backend import BackendOptions
 
 WORKER = os.path.join(os.path.dirname(__file__), "worker.py")
 _PASSES = None  # the pass uuids, computed once per test session and given to every worker
@@ -76,7 +76,7 @@ def run_cached(cache_dir, lower=eager_lower, lowering="eager", shape=(2, 4, 8)):
 def key_of(shape=(2, 4, 8), lowering="eager"):
     """The key `run_cached` will use for `shape`, without compiling (to plant things under
     names the next start will touch)."""
-    from npuspec.graphs.cache import keys
+    from npuspec.compilation import cache_keys as keys
     gm, inputs = tiny_graph(shape)
     return keys.cache_key(keys.key_parts(gm, inputs, opts("unused", lowering)))
 
@@ -102,7 +102,7 @@ def snapshot(top):
 
 def run_worker(out, cache_dir, lowering, *extra, env=None):
     import json
-    from npuspec.graphs.cache import keys
+    from npuspec.compilation import cache_keys as keys
     global _PASSES
     if _PASSES is None:
         _PASSES = json.dumps(list(keys.pass_uuids()))

@@ -4,7 +4,7 @@ import logging
 import pytest
 
 from npuspec import counters
-from npuspec.graphs.cache import core
+from npuspec.compilation import cache as core
 
 
 class Delta:

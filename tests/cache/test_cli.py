@@ -5,7 +5,8 @@ import time
 import pytest
 
 from npuspec.cli import cache as cli
-from npuspec.graphs.cache import CacheDir, cached_lower
+from npuspec.compilation.cache import cached_lower
+from npuspec.graphs.cache import CacheDir
 
 from cache_helpers import eager_lower, opts, tiny_graph
 

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from npuspec.graphs.cache import CacheDir, cached_lower, current, load_artifact, record_artifact
+from npuspec.compilation.cache import cached_lower, current, load_artifact, record_artifact
+from npuspec.graphs.cache import CacheDir
 from npuspec.graphs.cache import store
 
 from cache_helpers import FakeInductor, eager_lower, opts, tiny_graph
@@ -337,7 +338,7 @@ def test_entry_owned_by_another_user_is_refused(tmp_path, fresh_counters, cache_
 
 def test_lock_timeout_compiles_privately(tmp_path, fresh_counters, cache_log, monkeypatch):
     gm, inputs = tiny_graph()
-    from npuspec.graphs.cache import keys
+    from npuspec.compilation import cache_keys as keys
     key = keys.cache_key(keys.key_parts(gm, inputs, opts(tmp_path)))
     CacheDir(str(tmp_path)).open()
     holder = subprocess.Popen([sys.executable, "-c", f"""

@@ -6,7 +6,7 @@ import types
 import torch
 
 from npuspec.config import SpeculativeConfig
-from npuspec.graphs.cache import keys
+from npuspec.compilation import cache_keys as keys
 from npuspec.platform import Platform
 
 from cache_helpers import opts, tiny_graph

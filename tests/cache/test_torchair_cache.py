@@ -9,7 +9,7 @@ following what torchair's source and CANN's documentation say (never checked on 
 - GE's graph compile cache: with both `ge.graph_compiler_cache_dir` (must exist) and
   `ge.graph_key` set, a key already in the directory is loaded from its .om file; otherwise GE
   compiles and writes an .om and an index JSON there.
-Each test runs the real npuspec path: cached_lower -> npuspec.lowering.lower_torchair (AOT
+Each test runs the real npuspec path: cached_lower -> compilation.lowering.lower_torchair (AOT
 tracing, the verify passes) -> the fake backend.
 """
 import dataclasses
@@ -26,9 +26,11 @@ import types
 import pytest
 import torch
 
-from npuspec import lowering
-from npuspec.graphs.cache import CacheDir, cached_lower, core, current, load_artifact
-from npuspec.graphs.cache import keys
+from npuspec.compilation import cache as core
+from npuspec.compilation import cache_keys as keys
+from npuspec.compilation import lowering
+from npuspec.compilation.cache import cached_lower, current, load_artifact
+from npuspec.graphs.cache import CacheDir
 from npuspec.graphs.cache import torchair as cache_torchair
 from npuspec.platform import Platform
 

@@ -14,7 +14,8 @@ import subprocess
 
 import pytest
 
-from npuspec.graphs.cache import CacheDir, current
+from npuspec.compilation.cache import current
+from npuspec.graphs.cache import CacheDir
 
 from cache_helpers import (FakeInductor, eager_lower, key_of, run_cached, run_worker, snapshot,
                            wait_worker)

@@ -48,22 +48,22 @@ def main() -> None:
     import torch
     from torch._dynamo.utils import counters as dynamo_counters
 
-    import npuspec.lowering
+    import npuspec.compilation.lowering
     from npuspec import counters
 
     if a.passes is not None:
-        import npuspec.graphs.cache.keys as cache_keys
+        import npuspec.compilation.cache_keys as cache_keys
         pinned = tuple(json.loads(a.passes))
         cache_keys.pass_uuids = lambda: pinned
 
     if a.slow:
-        inner = npuspec.lowering.LOWERINGS[a.lowering]
+        inner = npuspec.compilation.lowering.LOWERINGS[a.lowering]
 
         def slow_lower(gm, example_inputs, opts):
             time.sleep(a.slow)
             return inner(gm, example_inputs, opts)
 
-        npuspec.lowering.LOWERINGS[a.lowering] = slow_lower
+        npuspec.compilation.lowering.LOWERINGS[a.lowering] = slow_lower
 
     torch.manual_seed(0)
     K, D, V = 3, 16, 32
@@ -72,7 +72,7 @@ def main() -> None:
                       options={"cache_dir": a.cache_dir, "lowering": a.lowering, "capture": False})
     if a.barrier:
         _barrier(a.barrier[0], int(a.barrier[1]))
-    from npuspec.graphs.cache import current
+    from npuspec.compilation.cache import current
 
     equal, keys = True, []
     t0 = time.perf_counter()

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npuspec import lowering
-from npuspec.backend import BackendOptions
-from npuspec.graphs.cache import keys
+from npuspec.compilation import cache_keys as keys
+from npuspec.compilation import lowering
+from npuspec.compilation.backend import BackendOptions
 from npuspec.kernels import linear_cpu
 
 needs_kernel = pytest.mark.skipif(not linear_cpu.available(), reason="no C++ toolchain")

@@ -116,7 +116,8 @@ def test_npu_limit():
 
 
 def test_platform_by_name():
-    # DESIGN.md §3.8: a name plans for that device without the device being here (issue 13)
+    # docs/graphs.md, "Capture sizes": a name plans for that device without the device being
+    # here (issue 13)
     assert plan_capture_sizes(15, 4, platform="npu") == plan_capture_sizes(15, 4, platform=NPU)
     with pytest.raises(ValueError, match="16 query tokens per request"):
         plan_capture_sizes(16, 4, platform="npu")

@@ -135,7 +135,7 @@ def test_static_graph_on_a_device_captured_on_its_second_call(npu, delta, monkey
     (HF generate's KV length grows every step)."""
     import dataclasses
 
-    from npuspec import backend
+    from npuspec.compilation import backend
     plat = dataclasses.replace(backend.current_platform(), graph_runner="acl")
     monkeypatch.setattr(backend, "current_platform", lambda: plat)
     f = torch.compile(lambda x, w: (x @ w).relu(), backend="npuspec", options={"lowering": "eager"})

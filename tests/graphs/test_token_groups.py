@@ -3,7 +3,7 @@ assertion (issue 34, item 2)."""
 import pytest
 import torch
 
-from npuspec.backend import BackendUserError
+from npuspec.compilation.backend import BackendUserError
 from npuspec.graphs import mark_token_dim
 
 

@@ -1,4 +1,5 @@
-"""Losslessness of standard and block verification (DESIGN.md §6), statistically.
+"""Losslessness of standard and block verification (docs/verify.md, "Losslessness, tested"),
+statistically.
 
 A tiny prefix-dependent "language model" (verify_lossless.py) drafts with a draft model, the op
 verifies, the positions after the emitted tokens are completed by target sampling, and the

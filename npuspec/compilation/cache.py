@@ -1,8 +1,14 @@
-"""Load-or-compile one backend graph through the shared cache directory.
+"""The graph cache's entry point: load-or-compile one backend graph through the shared cache
+directory (docs/cache.md).
 
-    fn = cached_lower(gm, example_inputs, opts, lowering.lower)
+    fn = cached_lower(gm, example_inputs, opts, lowering.lower)   # the backend's hook
+    record_artifact("capture_plan", {...}); load_artifact("capture_plan")  # JSON artifacts
 
-1. Key the graph (keys.py). No cache_dir: just lower.
+It lives in npuspec.compilation, above the lowering and the passes, because its key
+(cache_keys.py) names a compilation; the store it reads and writes, with its trust rules, is
+npuspec.graphs.cache, which knows nothing of compiling.
+
+1. Key the graph (cache_keys.py). No cache_dir: just lower.
 2. A verified entry exists: load it. For Inductor (and torchair on npu), the entry's executable
    part is trust-checked, copied into a private 0700 temp dir from the bytes that were hashed,
    and Inductor (GE's compile cache) is pointed there: Inductor's FX graph and AOTAutograd
@@ -33,7 +39,7 @@ import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from npuspec import counters, envs
-from npuspec.graphs.cache import keys as _keys
+from npuspec.compilation import cache_keys as _keys
 from npuspec.graphs.cache import torchair as _torchair
 from npuspec.graphs.cache import trust as _trust
 from npuspec.graphs.cache.inductor import inductor_cache_dir, inductor_counters

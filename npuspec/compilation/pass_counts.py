@@ -5,7 +5,8 @@ and `small_m_linears` would stay 0 for a graph that was rewritten. Each cold com
 writes what its passes counted to a small JSON file beside Inductor's cache entries (in the
 directory Inductor uses for this compile: npuspec's graph cache entry when one is configured,
 else Inductor's own cache directory), keyed by a hash of the Dynamo graph, its inputs and the
-lowering settings; a compile whose passes did not run replays the counts from it.
+lowering's Inductor settings (`key_settings`: the custom passes' uuids and the mode's options);
+a compile whose passes did not run replays the counts from it.
 
 Only plain JSON of counter names to ints is read back, never code or pickles.
 """
@@ -15,24 +16,28 @@ import hashlib
 import json
 import logging
 import os
-from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from npuspec import counters
+from npuspec.passes.hashing import source_hash
 
-log = logging.getLogger("npuspec.backend")
+log = logging.getLogger("npuspec.backend")  # the backend's logger, as before the move
 
 PASS_COUNTERS = ("verify_patterns_matched", "verify_patterns_unmatched", "small_m_linears")
 DIRNAME = "npuspec-pass-counts"
 
 
-def graph_key(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> str:
-    from npuspec.lowering import lowering_key
-    from npuspec.passes import PassManager
+def key_settings(patches: dict) -> list[str]:
+    """The Inductor config patches of a compile as key parts: a custom pass by its uuid (the
+    verify passes, the small-M linear pass), a plain setting (the mode's) by its value."""
+    return [f"{k}={v.uuid() if hasattr(v, 'uuid') else repr(v)}"
+            for k, v in sorted(patches.items())]
 
-    parts = [gm.code, torch.__version__, PassManager().uuid(), repr(lowering_key(opts)),
-             repr(getattr(opts, "mode", None))]
+
+def graph_key(gm: torch.fx.GraphModule, example_inputs: list, patches: dict) -> str:
+    parts = [gm.code, torch.__version__, *key_settings(patches)]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n, x in zip(phs, example_inputs):
         # the shapes Dynamo traced (symbols for dynamic dims), as Inductor's key has them:
@@ -46,22 +51,20 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> str:
 
 
 def record_uuid() -> str:
-    """Hash of how records are keyed and read, for Inductor's cache key
-    (InductorVerifyPass.uuid): entries compiled before a change to it are compiled again,
-    and record their counts under the new key."""
-    from npuspec.passes.patterns import _source_hash
-    return _source_hash(graph_key, _path, carry)
+    """Hash of how records are keyed and read, for Inductor's cache key (the lowering gives it
+    to InductorVerifyPass, whose uuid() holds it): entries compiled before a change to it are
+    compiled again, and record their counts under the new key."""
+    return source_hash(key_settings, graph_key, _path, carry)
 
 
 def _path(key: str) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
     return os.path.join(cache_dir(), DIRNAME, key + ".json")
 
 
-def carry(gm, example_inputs, opts, before: dict, ran: bool) -> None:
-    """After a compile: record the passes' counts (they ran) or replay them (a cache hit)."""
-    path = _path(graph_key(gm, example_inputs, opts))
+def carry(gm, example_inputs, patches: dict, before: dict, ran: bool) -> None:
+    """After a compile with Inductor config `patches`: record the passes' counts (they ran)
+    or replay them (a cache hit)."""
+    path = _path(graph_key(gm, example_inputs, patches))
     if ran:
         delta = {k: v for k, v in counters.delta(before).items()
                  if k.split(".")[0] in PASS_COUNTERS}

@@ -4,20 +4,21 @@ Lowerings (options["lowering"]):
 - "inductor": torch._inductor.compile_fx (C++ on CPU, Triton on CUDA). The verify passes run
   inside Inductor as its `joint_custom_pre_pass` (`npuspec.passes.InductorVerifyPass`), on the
   ATen graph AOT autograd produced, so Inductor's FX graph cache keys include the passes'
-  uuid(). `fallback_random=True` keeps torch.rand/exponential_/multinomial the eager ops, so a
-  compiled step draws the same numbers as eager from the same RNG state.
+  uuid() (and on a hit the passes' counts are replayed: pass_counts.py). `fallback_random=True`
+  keeps torch.rand/exponential_/multinomial the eager ops, so a compiled step draws the same
+  numbers as eager from the same RNG state.
 - "eager": AOT autograd traces the Dynamo graph to ATen (no decompositions), the passes run on
   it, and the rewritten graph runs op by op.
 - "torchair": the passes run on the ATen graph as for "eager", then torch_npu's torchair NPU
   backend lowers it (Ascend only; imported only there). With a cache directory, GE's graph
-  compile cache is pointed at the cache entry (npuspec/graphs/cache/torchair.py).
+  compile cache is pointed at the cache entry (graphs/cache/torchair.py).
 
 Small-M linears (Inductor lowering, CPU, inference graphs): `SmallMLinearPass`, Inductor's
 `post_grad_custom_pre_pass`, replaces `mm(x, w.T)` / `addmm(b, x, w.T)` on an fp32 CPU weight
 that is a graph input (a parameter) by `npuspec::linear_rows(x, w, b)`, which streams the weight
 once for the few rows of a decode step and calls MKL for more than `SMALL_M_MAX` rows (and for
 one row). A static row count outside 2..SMALL_M_MAX is left to Inductor's own mm
-(npuspec/kernels/linear_cpu.py; docs/graphs.md, "Compiled step vs eager on a real model").
+(kernels/linear_cpu.py; docs/graphs.md, "Compiled step vs eager on a real model").
 
 Why ATen and not the Dynamo graph: Dynamo keeps every user spelling (`x == y`, `torch.eq`,
 `x.cumprod(1)`, `torch.cumprod(x, dim=-1)`, methods vs functions); AOT tracing normalises them to
@@ -32,10 +33,14 @@ from typing import Any, Callable
 import torch
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-from npuspec import counters, pass_counts
+from npuspec import counters
+from npuspec.compilation import pass_counts
+from npuspec.graphs.cache.torchair import compiler_config
 from npuspec.kernels import linear_cpu
+from npuspec.passes import InductorVerifyPass, run_passes
+from npuspec.passes.hashing import source_hash
 
-log = logging.getLogger("npuspec.backend")
+log = logging.getLogger("npuspec.backend")  # the backend's logger, as before the move
 
 # The small-M linear rewrite (SmallMLinearPass); part of the graph cache key (lowering_key).
 SMALL_M_LINEAR = True
@@ -117,8 +122,7 @@ class SmallMLinearPass(CustomInferenceAwareGraphPass):
 
 def small_m_linear_uuid() -> str:
     """Hash of the pass, the kernel and its row limit (Inductor's FX cache and npuspec's key)."""
-    from npuspec.passes.patterns import _source_hash
-    src = (_source_hash(SmallMLinearPass, _is_weight_t, _rows_may_use_kernel, linear_cpu.uses_kernel,
+    src = (source_hash(SmallMLinearPass, _is_weight_t, _rows_may_use_kernel, linear_cpu.uses_kernel,
                        linear_cpu.kernel_takes_rows) + linear_cpu._SOURCE)
     limits = f"{linear_cpu.SMALL_M_MIN}|{linear_cpu.SMALL_M_MAX}|{SMALL_M_MIN_WEIGHT_BYTES}"
     return hashlib.sha256(f"{src}|{limits}".encode()).hexdigest()
@@ -126,7 +130,7 @@ def small_m_linear_uuid() -> str:
 
 def lowering_key(opts: Any) -> dict:
     """Lowering settings that change the generated code, beyond the lowering's name and mode
-    (graphs/cache/keys.py puts them in the cache key)."""
+    (cache_keys.py puts them in the cache key)."""
     if getattr(opts, "lowering", None) != "inductor":
         return {}
     return {"small_m_linear": small_m_linear_uuid() if SMALL_M_LINEAR else None}
@@ -134,12 +138,10 @@ def lowering_key(opts: Any) -> dict:
 
 def inductor_config_patches(opts: Any) -> dict:
     """Inductor config for the npuspec lowering (also what the pass benchmark uses)."""
-    from npuspec.passes import InductorVerifyPass
-
     patches = {}
     if getattr(opts, "mode", None):
         patches.update(torch._inductor.list_mode_options(opts.mode))
-    patches["joint_custom_pre_pass"] = InductorVerifyPass()
+    patches["joint_custom_pre_pass"] = InductorVerifyPass(uuid_extra=pass_counts.record_uuid())
     patches["fallback_random"] = True
     if SMALL_M_LINEAR:
         patches["post_grad_custom_pre_pass"] = SmallMLinearPass()
@@ -147,21 +149,18 @@ def inductor_config_patches(opts: Any) -> dict:
 
 
 def lower_inductor(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx  # heavy: only once this lowering runs
 
-    from npuspec.passes import InductorVerifyPass
-
+    patches = inductor_config_patches(opts)
     before, runs = counters.snapshot(), InductorVerifyPass.runs
-    fn = compile_fx(gm, example_inputs, config_patches=inductor_config_patches(opts))
-    pass_counts.carry(gm, example_inputs, opts, before, ran=InductorVerifyPass.runs != runs)
+    fn = compile_fx(gm, example_inputs, config_patches=patches)
+    pass_counts.carry(gm, example_inputs, patches, before, ran=InductorVerifyPass.runs != runs)
     return fn
 
 
 def _aot_with_passes(gm: torch.fx.GraphModule, example_inputs: list, inner: Callable) -> Callable:
     """AOT-trace to ATen (no decompositions), run the verify passes, then `inner(fw, inputs)`."""
-    from torch._functorch.aot_autograd import aot_module_simplified
-
-    from npuspec.passes import run_passes
+    from torch._functorch.aot_autograd import aot_module_simplified  # heavy: only when lowering
 
     def fw_compiler(fw: torch.fx.GraphModule, fw_inputs: list):
         run_passes(fw, flavor="aten")
@@ -171,7 +170,7 @@ def _aot_with_passes(gm: torch.fx.GraphModule, example_inputs: list, inner: Call
 
 
 def lower_eager(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
-    from functorch.compile import make_boxed_func
+    from functorch.compile import make_boxed_func  # heavy (AOT autograd): only when lowering
 
     return _aot_with_passes(gm, example_inputs, lambda fw, _: make_boxed_func(fw.forward))
 
@@ -179,10 +178,8 @@ def lower_eager(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Ca
 def lower_torchair(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
     # Only reachable on npu (BackendOptions refuses torchair elsewhere). Never run on an NPU
     # here: tests/cache uses a fake torchair.
-    from functorch.compile import make_boxed_func
-    from torch_npu.dynamo import torchair  # noqa: F401
-
-    from npuspec.graphs.cache.torchair import compiler_config
+    from functorch.compile import make_boxed_func  # heavy (AOT autograd): only when lowering
+    from torch_npu.dynamo import torchair  # optional: Ascend only
 
     # Inside the graph cache (npuspec.graphs.cache) the config also points GE's compile cache
     # at the entry's private directory, under the npuspec key; otherwise torchair's default.

@@ -1,11 +1,12 @@
-"""The `npuspec` torch.compile backend (DESIGN.md §3.5).
+"""The `npuspec` torch.compile backend (docs/design.md, "The backend and its options").
 
     torch.compile(step, backend="npuspec", options={...})
 
 is found through the `torch_dynamo_backends` entry point, so it works in a process that never
-imported npuspec. Per Dynamo graph it: validates the options, runs the verify passes and lowers
-the graph (`npuspec.lowering`), then wraps the result in the graph-capture dispatcher
-(`npuspec.graphs`) and the shared graph cache (`npuspec.graphs.cache`).
+imported npuspec. Per Dynamo graph it: notes a graph break (`graph_breaks`), validates the
+options, loads the lowered graph from the graph cache or lowers it (`cache.cached_lower` around
+`lowering.lower`, in which the verify passes run), then wraps the result in the graph-capture
+dispatcher (`npuspec.graphs`).
 """
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ import logging
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch._inductor import list_mode_options
 
 from npuspec import envs
+from npuspec.compilation import lowering
+from npuspec.compilation.cache import cached_lower, record_artifact
+from npuspec.compilation.graph_breaks import note_graph_break
 from npuspec.config import SpeculativeConfig
+from npuspec.graphs import wrap_compiled
 from npuspec.graphs.layout import check_token_groups
+from npuspec.graphs.step import planned_sizes
+from npuspec.kernels.verify import kernel_config
 from npuspec.platform import Platform, current_platform
 
+# the name users and tests know (README): it predates the package's move to compilation/
 log = logging.getLogger("npuspec.backend")
 
 try:  # Dynamo re-raises a ShortenTraceback from a backend as is, where it wraps any other
@@ -119,7 +128,6 @@ class BackendOptions:
 
 
 def _inductor_modes() -> tuple[str, ...]:
-    from torch._inductor import list_mode_options
     return tuple(list_mode_options())
 
 
@@ -130,9 +138,6 @@ def default_lowering(plat: Platform) -> str:
 def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
                     options: Optional[dict] = None, mode: Optional[str] = None) -> Callable:
     """Dynamo backend entry point."""
-    from npuspec import lowering
-    from npuspec.graph_breaks import note_graph_break
-
     note_graph_break(gm)  # a graph Dynamo ended at a break: say where, once per line
 
     try:  # every check before any work (issue 16): bad env values, options, token groups
@@ -144,11 +149,10 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         raise BackendUserError(str(e)) from e
     log.info("npuspec: compiling a graph of %d nodes on %s with lowering=%s capture=%s",
              len(gm.graph.nodes), plat.device, opts.lowering, opts.capture)
-    # Graph cache (npuspec.graphs.cache, docs/cache.md): load the lowered graph from
+    # Graph cache (compilation/cache.py, docs/cache.md): load the lowered graph from
     # opts.cache_dir, or lower it and publish it there; without a cache_dir: lowering.lower.
-    from npuspec.graphs.cache import cached_lower
     compiled = cached_lower(gm, list(example_inputs), opts, lowering.lower)
-    from npuspec.graphs import wrap_compiled  # capture wiring (issue 5): pad, replay, slice
+    # capture wiring (issue 5): pad, replay, slice
     wrapped = wrap_compiled(gm, example_inputs, compiled, opts, plat)
     _record_artifacts(opts, plat)
     return wrapped
@@ -156,10 +160,6 @@ def npuspec_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
 
 def _record_artifacts(opts: BackendOptions, plat: Platform) -> None:
     """Plain-JSON facts about this compile, kept in the graph cache entry (no-op without one)."""
-    from npuspec.graphs.cache import record_artifact
-    from npuspec.graphs.step import planned_sizes
-    from npuspec.kernels.verify import kernel_config
-
     if opts.speculative_config is not None and opts.capture is not False:
         plans = {k: planned_sizes(k, opts, plat) for k in opts.speculative_config.k_values()}
         record_artifact("capture_plan", {"max_num_seqs": opts.max_num_seqs,

@@ -10,10 +10,12 @@ key = sha256(canonical JSON of KeyParts), where KeyParts holds
 - ks:          the K set (one graph set per K)
 - spec:        the SpeculativeConfig fields that change what gets compiled (COMPILE_FIELDS)
 - lowering:    "inductor" / "eager" / "torchair", the Inductor mode, and the lowering's own
-               code-changing settings (npuspec.lowering.lowering_key: the small-M linear pass)
+               code-changing settings (lowering.lowering_key: the small-M linear pass)
 - fingerprint: the platform (see `fingerprint()`)
 
-The backend hook wraps `npuspec.lowering.lower`, inside which the verify passes run (for
+Why this lives in npuspec.compilation and not with the store in npuspec.graphs.cache: a key
+names a compilation, so it hashes the passes' uuids and the lowering's settings; the store
+below knows only entries under a hex key. The backend hook wraps `lowering.lower`, inside which the verify passes run (for
 Inductor as its joint_custom_pre_pass); hashing the pre-pass code together with the pass uuids
 names the post-pass graph exactly (the passes are deterministic functions of the graph and
 their config, which the uuids hash).
@@ -30,7 +32,13 @@ import platform as _pyplatform
 import sys
 from typing import Any, Optional, Sequence
 
+import torch
+
+import npuspec
+import npuspec.passes
+import npuspec.platform  # current_platform is looked up per call: tests stand in a platform
 from npuspec import envs
+from npuspec.compilation import lowering
 
 # Bump when the layout of an entry or the meaning of a key component changes.
 KEY_FORMAT = 1
@@ -95,8 +103,6 @@ def cache_key(parts: KeyParts) -> str:
 
 def graph_hash(gm: Any) -> str:
     """sha256 over the code of `gm` and its nested GraphModules and its tensor constants."""
-    import torch
-
     h = hashlib.sha256()
     for name, mod in gm.named_modules():
         if isinstance(mod, torch.fx.GraphModule):
@@ -128,8 +134,6 @@ def tensor_meta(t: Any) -> str:
 
 
 def inputs_meta(example_inputs: Sequence[Any]) -> tuple:
-    import torch
-
     out = []
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
@@ -174,8 +178,6 @@ def _cpu_isa() -> str:
 
 
 def _cann_version() -> str:
-    import torch
-
     v = getattr(getattr(torch, "version", None), "cann", None)
     if v:
         return str(v)
@@ -195,9 +197,6 @@ def _cann_version() -> str:
 
 @functools.lru_cache(maxsize=8)
 def _fingerprint(device: str, device_name: str) -> tuple:
-    import torch
-    import npuspec
-
     fp = {
         "device": device,
         "device_name": device_name,
@@ -223,9 +222,7 @@ def _fingerprint(device: str, device_name: str) -> tuple:
 def fingerprint(platform: Any = None) -> dict:
     """Platform fingerprint: device kind and name, torch (+ torch_npu, CANN on npu), triton or
     triton-ascend, npuspec, Python; plus the CPU ISA flags on cpu and CUDA version on cuda."""
-    from npuspec.platform import current_platform
-
-    plat = platform or current_platform()
+    plat = platform or npuspec.platform.current_platform()
     return dict(_fingerprint(plat.device, plat.device_name))
 
 
@@ -235,26 +232,13 @@ def fingerprint_tag(fp: dict) -> str:
 
 
 def pass_uuids() -> tuple:
-    """The pass manager's uuids, if the passes package provides them (else empty)."""
-    try:
-        import npuspec.passes as passes
-    except Exception:  # passes missing or broken: the graph hash still covers the code
-        return ()
-    for name in ("pass_uuids", "uuids"):
-        fn = getattr(passes, name, None)
-        if callable(fn):
-            return tuple(str(u) for u in fn())
-    manager = getattr(passes, "PassManager", None)
-    if manager is not None:  # the default manager's uuid hashes its source and every pattern's
-        return (str(manager().uuid()),)
-    return ()
+    """The pass manager's uuids, in run order (npuspec.passes.pass_uuids)."""
+    return tuple(str(u) for u in npuspec.passes.pass_uuids())
 
 
 def _lowering_key(opts: Any) -> dict:
-    """Lowering settings that change the generated code (npuspec.lowering.lowering_key: the
-    small-M linear rewrite's uuid for Inductor)."""
-    from npuspec import lowering
-
+    """Lowering settings that change the generated code (lowering.lowering_key: the small-M
+    linear rewrite's uuid for Inductor)."""
     return lowering.lowering_key(opts)
 
 
@@ -267,8 +251,6 @@ def key_parts(gm: Any, example_inputs: Sequence[Any], opts: Any, *,
     if capture is None:
         # The capture plan is a pure function of these (npuspec.graphs.plan_capture_sets), the
         # K set and the platform; hashing its inputs avoids planning (and warning) twice.
-        from npuspec import envs
-
         sizes = getattr(opts, "capture_sizes", None)
         try:
             env_sizes = envs.capture_sizes()
