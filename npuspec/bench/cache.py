@@ -22,13 +22,14 @@ import sys
 import tempfile
 import time
 
+import torch
+
+from npuspec import counters
+from npuspec.bench.table import print_table
+from npuspec.models import DecoderLM, ModelConfig
+
 
 def child(out: str, cache_dir: str, lowering: str, batch: int, k: int) -> None:
-    import torch
-
-    from npuspec import counters
-    from npuspec.models import DecoderLM, ModelConfig
-
     torch.manual_seed(0)
     # A small Llama-shaped decoder with random weights (the compile work depends on the graph,
     # not on the weights): 2 layers, GQA 4/2 heads, hidden 128, vocab 512.
@@ -77,8 +78,6 @@ def run_child(cache_dir: str, lowering: str, batch: int, k: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    from npuspec.bench.table import print_table
-
     ap = argparse.ArgumentParser(prog="npuspec bench cache", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="cold+warm process pairs")
     ap.add_argument("--batch", type=int, default=4, help="requests per step (B)")

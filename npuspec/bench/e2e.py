@@ -46,288 +46,26 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import platform as _platform
-import statistics
 import sys
-import time
-from typing import Callable, Sequence
+
+import torch
+
+from npuspec import __version__
+from npuspec.bench import verify
+from npuspec.bench.common import Runner, encode, npuspec_runner, run_interleaved, spec_from_flag
+from npuspec.bench.hf_runners import (hf_batched_runner, hf_runner, load_hf, require_hf_gguf,
+                                      require_transformers)
+from npuspec.bench.plots import plot_e2e, require_matplotlib
+from npuspec.bench.table import print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.common import add_threads_flag, positive
+from npuspec.cli_util.errors import run_command
+from npuspec.cli_util.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
+from npuspec.models.loading import read_model_config
 
 SCHEMA = "npuspec.bench.e2e/1"
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the npuspec rows (HF stays float32)
-
-
-# ----------------------------------------------------------------------------------------------
-# Helpers shared with `npuspec tune`.
-
-def _cut(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
-    """Tokens up to and including the first EOS (HF pads after it; engines stop there)."""
-    out = []
-    for t in ids:
-        out.append(int(t))
-        if t in eos:
-            break
-    return out
-
-
-def encode(model_dir: str, prompts: Sequence[str], hf_tokenizer=None) -> list[list[int]]:
-    """Token ids of text prompts: with `hf_tokenizer` (chat-templated text, which carries its own
-    special tokens) transformers' encoding without added special tokens, else npuspec's tokenizer."""
-    from npuspec.cli.errors import UsageError
-    from npuspec.models.loading import load_tokenizer
-
-    if hf_tokenizer is not None:
-        ids = [list(hf_tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        if any(not x for x in ids):
-            raise UsageError("a prompt encodes to no tokens; remove empty prompts", "--prompts")
-        return ids
-    tok = load_tokenizer(model_dir)
-    if tok is None:
-        raise UsageError(f"{model_dir} has no tokenizer.json, so the text prompts cannot be encoded; "
-                         f"use a checkpoint directory that has one", "--model")
-    ids = [tok.encode(p).ids for p in prompts]
-    if any(not x for x in ids):
-        raise UsageError("a prompt encodes to no tokens; remove empty prompts", "--prompts")
-    return ids
-
-
-class Runner:
-    """One row of the benchmark: `setup()` builds the system (load, compile, capture), then each
-    `run()` generates every prompt and returns {"token_ids", "tokens", "metrics"}."""
-
-    def __init__(self, system: str, method: str, k: int, setup: Callable[[], Callable[[], dict]]):
-        self.system, self.method, self.k, self._setup = system, method, k, setup
-        self.times: list[float] = []
-        self.result: dict = {}
-        self.warmup_seconds = 0.0
-
-    def warm_up(self) -> None:
-        t0 = time.perf_counter()
-        self._run = self._setup()
-        self.result = self._run()
-        self.warmup_seconds = time.perf_counter() - t0
-
-    def timed(self) -> None:
-        t0 = time.perf_counter()
-        self.result = self._run()
-        self.times.append(time.perf_counter() - t0)
-
-    @property
-    def seconds(self) -> float:
-        return statistics.median(self.times)
-
-
-def run_interleaved(runners: Sequence[Runner], repeats: int, progress=None,
-                    rotate: bool = False) -> None:
-    """Warm every row up, then time them round-robin `repeats` times, so a change in machine
-    load hits every row alike (medians are taken per row). `rotate`: round i starts at row i
-    (mod the row count), so no row always runs right after the same one."""
-    for r in runners:
-        r.warm_up()
-        if progress:
-            progress.update()
-    for i in range(repeats):
-        j = i % len(runners) if rotate and runners else 0
-        for r in list(runners[j:]) + list(runners[:j]):
-            r.timed()
-            if progress:
-                progress.update()
-
-
-# ----------------------------------------------------------------------------------------------
-# HF transformers.
-
-def require_transformers():
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        from npuspec.cli.errors import MissingExtra
-        raise MissingExtra("transformers", "hf", "npuspec bench e2e (the HF transformers baseline)") from None
-    return transformers
-
-
-def require_hf_gguf(path: str, field: str = "--model") -> None:
-    """transformers reads GGUF files with the `gguf` package and loads them through accelerate."""
-    import importlib.util
-
-    from npuspec.cli.errors import UsageError
-
-    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UsageError(f"{path} is a GGUF file, and HF transformers' GGUF loader (the baseline of "
-                         f"npuspec bench e2e) needs {' and '.join(missing)}, which "
-                         f"{'is' if len(missing) == 1 else 'are'} not installed; install with "
-                         f"`pip install {' '.join(missing)}`", field)
-
-
-def hf_from_pretrained(cls, path: str, **kw):
-    """cls.from_pretrained on an HF directory, or on a .gguf file as (its dir, gguf_file=name)."""
-    from npuspec.models.gguf import is_gguf_path
-
-    if is_gguf_path(path):
-        return cls.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                   gguf_file=os.path.basename(path), **kw)
-    return cls.from_pretrained(path, **kw)
-
-
-def load_hf(model_dir: str):
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    transformers.logging.set_verbosity_error()  # no deprecation chatter inside the table
-    transformers.logging.disable_progress_bar()
-
-    model = hf_from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
-    return model.eval()
-
-
-def hf_runner(model_fn: Callable[[], object], prompt_ids: Sequence[Sequence[int]], max_tokens: int,
-              eos: Sequence[int], **gen_kwargs) -> Callable[[], Callable[[], dict]]:
-    """setup for a Runner: generate() one prompt at a time (prompt lookup and assisted
-    generation take batch size 1); model_fn() -> the HF model (gen_kwargs values may be
-    callables, e.g. the assistant model's loader, called at setup)."""
-    def setup():
-        import torch
-
-        model = model_fn()
-        pad = eos[0] if eos else 0
-        gc = model.generation_config
-        gc.temperature = gc.top_p = gc.top_k = None  # no sampling-only settings: plain greedy
-        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
-                  eos_token_id=list(eos) if eos else None)
-        kw.update({k: v() if callable(v) else v for k, v in gen_kwargs.items()})
-
-        def run():
-            outs = []
-            with torch.inference_mode():
-                for ids in prompt_ids:
-                    x = torch.tensor([list(ids)], dtype=torch.long)
-                    y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kw)
-                    outs.append(_cut(y[0, x.shape[1]:].tolist(), eos))
-            return {"token_ids": outs, "tokens": sum(len(o) for o in outs), "metrics": None}
-        return run
-    return setup
-
-
-def left_pad(batch: Sequence[Sequence[int]], pad: int):
-    """(input_ids, attention_mask) as [B, T] long tensors, each prompt left-padded with `pad` to
-    the longest (generate() appends new tokens on the right, so the prompts must end aligned)."""
-    import torch
-
-    n = max(len(x) for x in batch)
-    ids = torch.full((len(batch), n), pad, dtype=torch.long)
-    mask = torch.zeros((len(batch), n), dtype=torch.long)
-    for i, x in enumerate(batch):
-        if x:
-            ids[i, n - len(x):] = torch.tensor(list(x), dtype=torch.long)
-            mask[i, n - len(x):] = 1
-    return ids, mask
-
-
-def hf_batched_runner(model_fn: Callable[[], object], prompt_ids: Sequence[Sequence[int]],
-                      max_tokens: int, eos: Sequence[int], batch_size: int
-                      ) -> Callable[[], Callable[[], dict]]:
-    """setup for a Runner: greedy generate() on static batches of up to `batch_size` prompts in
-    order, left-padded with pad id eos[0] (or 0) under an attention mask; each output is cut at
-    its first EOS (a finished row keeps emitting pad until the whole batch is done)."""
-    def setup():
-        import torch
-
-        model = model_fn()
-        pad = eos[0] if eos else 0
-        gc = model.generation_config
-        gc.temperature = gc.top_p = gc.top_k = None
-        kw = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad,
-                  eos_token_id=list(eos) if eos else None)
-
-        def run():
-            outs = []
-            with torch.inference_mode():
-                for i in range(0, len(prompt_ids), batch_size):
-                    x, mask = left_pad(prompt_ids[i:i + batch_size], pad)
-                    y = model.generate(input_ids=x, attention_mask=mask, **kw)
-                    outs.extend(_cut(row, eos) for row in y[:, x.shape[1]:].tolist())
-            return {"token_ids": outs, "tokens": sum(len(o) for o in outs), "metrics": None}
-        return run
-    return setup
-
-
-# ----------------------------------------------------------------------------------------------
-# npuspec.
-
-def aggregate_metrics(results, engine=None) -> dict:
-    """Counts summed over the requests (in request-steps), times from the engine's wall clock
-    (`llm.metrics`) when given. acceptance_by_position[i] = fraction of request-steps whose
-    draft i+1 was accepted (unconditional), so mean acceptance length = 1 + their sum."""
-    steps = drafted = accepted = 0
-    by_pos: list[int] = []
-    for r in results:
-        m = r.metrics
-        steps += m.num_steps
-        drafted += m.num_drafted
-        accepted += m.num_accepted
-        for i, a in enumerate(m.accepted_by_position):
-            if i >= len(by_pos):
-                by_pos.append(0)
-            by_pos[i] += a
-    src = engine
-    return {"request_steps": steps, "drafted": drafted, "accepted": accepted,
-            "accepted_by_position": by_pos,
-            "acceptance_by_position": [a / steps for a in by_pos] if steps else [],
-            "mean_acceptance_length": (steps + accepted) / steps if steps else None,
-            "draft_s": src.draft_s if src else sum(r.metrics.draft_s for r in results),
-            "step_s": src.step_s if src else sum(r.metrics.step_s for r in results),
-            "bookkeeping_s": src.bookkeeping_s if src else sum(r.metrics.bookkeeping_s for r in results),
-            "engine_steps": src.num_engine_steps if src else None}
-
-
-def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,
-             enforce_eager: bool = False, dtype: str = "auto"):
-    from npuspec import LLM
-
-    return LLM(model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
-               max_model_len=max_model_len, enforce_eager=enforce_eager, dtype=dtype)
-
-
-def _max_model_len(v: str):
-    if v == "fit":
-        return v
-    from npuspec.cli.common import positive
-    return positive(v)
-
-
-def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
-                   enforce_eager: bool = False, eos=(), max_model_len: int | str | None = "fit",
-                   dtype: str = "auto") -> Callable[[], Callable[[], dict]]:
-    """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids).
-    max_model_len: a number, None (the engine's default) or "fit" (the prompts plus max_tokens)."""
-    def setup():
-        from npuspec import SamplingParams
-        from npuspec.cli.common import fit_max_model_len
-
-        inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
-        mml = fit_max_model_len(model, prompts, max_tokens) if max_model_len == "fit" else max_model_len
-        llm = make_llm(model, spec, max_num_seqs, mml, enforce_eager, dtype)
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-
-        def run():
-            res = llm.generate(inputs, sp)
-            return {"token_ids": [_cut(r.outputs[0].token_ids, eos) for r in res],
-                    "texts": [r.outputs[0].text for r in res],
-                    "tokens": sum(len(r.outputs[0].token_ids) for r in res),
-                    "metrics": aggregate_metrics(res, llm.metrics)}
-        return run
-    return setup
-
-
-def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
-                repeats: int = 1, enforce_eager: bool = False, eos=()) -> dict:
-    """One npuspec row on its own (used by `npuspec tune`): result of the last timed pass."""
-    r = Runner("npuspec", "", 0, npuspec_runner(model, spec, prompts, max_tokens, max_num_seqs,
-                                                 enforce_eager, eos))
-    run_interleaved([r], repeats)
-    return dict(r.result, seconds=r.seconds, warmup_seconds=r.warmup_seconds)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -364,17 +102,17 @@ def weights_read_bound(weight_bytes: int, bandwidth: float) -> dict:
 
 def measure_bandwidth(repeats: int = 9, mib: int = 1024) -> float:
     """Memory read bandwidth (B/s) on the CPU: `npuspec bench verify`'s 1 GiB float32 sum."""
-    from npuspec.bench.verify import memory_read_bandwidth
-
-    return memory_read_bandwidth("cpu", mib, repeats, None)
+    return verify.memory_read_bandwidth("cpu", mib, repeats, None)
 
 
 # ----------------------------------------------------------------------------------------------
 # The benchmark.
 
-def build_parser() -> argparse.ArgumentParser:
-    from npuspec.cli.common import positive
+def _max_model_len(v: str):
+    return v if v == "fit" else positive(v)
 
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npuspec bench e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
@@ -411,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "HF rows always run float32. The weights-read bound uses this dtype's bytes")
     p.add_argument("--enforce-eager", action="store_true", help="npuspec without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
-    from npuspec.cli.common import add_threads_flag
     add_threads_flag(p)
     p.add_argument("--plot", default=None, metavar="PATH.png", help="bar chart of tokens/s (needs matplotlib)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -422,34 +159,14 @@ def _identical(outs, ref) -> int:
     return sum(a == b for a, b in zip(outs, ref))
 
 
-def spec_from_flag(value, field: str = "--speculative-config") -> dict | None:
-    """--speculative-config as a dict (common.spec_dict: inline JSON or a .json path); a file
-    `npuspec tune --json` wrote is unwrapped to its "speculative_config" object."""
-    from npuspec.cli import common
-
-    d = common.spec_dict(value, field)
-    if isinstance(d, dict) and "method" not in d and isinstance(d.get("speculative_config"), dict):
-        d = d["speculative_config"]
-    return d
-
-
 def _k_label(cfg) -> str:
     table = cfg.num_speculative_tokens_per_batch_size
     return ", ".join(f"batch {a}{'' if a == b else f'-{b}'}: K={k}" for a, b, k in table) if table else ""
 
 
 def run(args) -> int:
-    import torch
-
-    from npuspec import __version__
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
-    from npuspec.models.loading import read_model_config
-
     transformers = require_transformers()
     if args.plot:
-        from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")
     mdir = common.model_dir(args.model)
     if common.is_gguf_model(mdir):
@@ -595,7 +312,6 @@ def run(args) -> int:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
-        from npuspec.bench.plots import plot_e2e
         plot_e2e(args.plot, rows, {f"{r['system']} {r['method']}": r["acceptance_by_position"]
                                    for r in rows if r["acceptance_by_position"]})
         print(f"wrote {args.plot}")
@@ -621,8 +337,6 @@ def _ratios(tps: dict, spec_method: str) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    from npuspec.cli.errors import run_command
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.command_line = "npuspec bench e2e " + " ".join(argv)

@@ -22,9 +22,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
+import os
 import sys
 
+import torch
+
 from npuspec.bench import hf_start
+from npuspec.bench.common import Runner, encode, run_interleaved
+from npuspec.bench.hf_runners import hf_runner, load_hf, require_transformers
+from npuspec.bench.table import print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.errors import run_command
+from npuspec.cli_util.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
+from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
 
 MODES = ("greedy", "prompt lookup", "static cache", "assisted")
 SYSTEMS = ("eager", "inductor", "npuspec")
@@ -65,8 +76,6 @@ def _modes(value: str) -> list[str]:
 
 def compiled_model(load, backend: str):
     """A fresh model with its forward compiled by `backend` (eager: not compiled)."""
-    import torch
-
     m = load()
     if backend != "eager":
         m.forward = torch.compile(m.forward, backend=backend)
@@ -74,16 +83,6 @@ def compiled_model(load, backend: str):
 
 
 def run(args) -> int:
-    import os
-
-    import torch
-
-    from npuspec.bench.e2e import Runner, encode, hf_runner, load_hf, require_transformers, run_interleaved
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
-    from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
-
     require_transformers()
     modes = _modes(args.modes)
     mdir = common.model_dir(args.model)
@@ -146,8 +145,6 @@ def run(args) -> int:
 
 def _finish(args, mdir: str, threads: int, rows: list[dict]) -> int:
     """--json, then exit status 1 (naming the rows) when an output differs from eager's."""
-    import json
-
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": mdir, "threads": threads, "rows": rows}, f, indent=1)
@@ -170,11 +167,6 @@ def _child_argv(args, modes: list[str]) -> list[str]:
 
 
 def _report_start(args, modes: list[str], mdir: str, threads: int) -> int:
-    import os
-
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-
     with common.Progress("bench hf --start", len(modes) * (1 + 2 * len(hf_start.COMPILED))) as bar:
         rows = hf_start.run_start(_child_argv(args, modes), modes, bar)
     print_table(rows, title=f"HF generate start-up, seconds of the first run "
@@ -184,8 +176,6 @@ def _report_start(args, modes: list[str], mdir: str, threads: int) -> int:
 
 
 def main(argv=None) -> int:
-    from npuspec.cli.errors import run_command
-
     args = build_parser().parse_args(argv)
     return run_command(lambda: run(args), "npuspec bench hf", args.debug)
 

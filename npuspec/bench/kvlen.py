@@ -15,13 +15,17 @@ import statistics
 import time
 
 import numpy as np
+import torch
+
+from npuspec.bench.table import print_table
+from npuspec.cli_util.common import int_list, positive
+from npuspec.engine import LLM
+from npuspec.engine.request import Request
+from npuspec.engine.sampling import SamplingParams
 
 
 def _request(llm, live: int):
     """A running request with `live` context tokens and the blocks for them plus K drafts."""
-    from npuspec.engine.request import Request
-    from npuspec.engine.sampling import SamplingParams
-
     toks = list(np.random.default_rng(0).integers(0, llm.model_config.vocab_size, live))
     r = Request(0, "bench", None, [int(t) for t in toks], SamplingParams(temperature=0.0),
                 frozenset(), llm.max_model_len)
@@ -31,10 +35,6 @@ def _request(llm, live: int):
 
 
 def main(argv=None) -> int:
-    from npuspec import LLM
-    from npuspec.bench.table import print_table
-    from npuspec.cli.common import int_list, positive
-
     p = argparse.ArgumentParser(prog="npuspec bench kvlen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
@@ -46,7 +46,6 @@ def main(argv=None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto", help="LLM(dtype=...): float32, bfloat16, float16")
     a = p.parse_args(argv)
-    import torch
     if a.threads:
         torch.set_num_threads(a.threads)
     spec = {"method": "ngram", "num_speculative_tokens": a.k,

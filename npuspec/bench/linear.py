@@ -20,6 +20,11 @@ import time
 
 import torch
 
+from npuspec.bench.table import print_table
+from npuspec.cli_util.common import int_list, positive
+from npuspec.kernels import linear_cpu, linear_packed_cpu as lp
+from npuspec.models import read_model_config
+
 
 def step_shapes(cfg) -> list[tuple[int, int, int]]:
     """(N, K, count) of every matmul one step runs."""
@@ -30,8 +35,6 @@ def step_shapes(cfg) -> list[tuple[int, int, int]]:
 
 
 def _variants(shapes):
-    from npuspec.kernels import linear_cpu, linear_packed_cpu as lp
-
     dense = [torch.randn(N, K) * K ** -0.5 for N, K, c in shapes for _ in range(c)]
     out = {"mm": (lambda x, w: torch.mm(x, w.t()), dense, 4),
            "rows": (lambda x, w: linear_cpu.linear_rows_impl(x, w), dense, 4)}
@@ -44,10 +47,6 @@ def _variants(shapes):
 
 
 def main(argv=None) -> int:
-    from npuspec.bench.table import print_table
-    from npuspec.cli.common import int_list, positive
-    from npuspec.models import read_model_config
-
     p = argparse.ArgumentParser(prog="npuspec bench linear", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")

@@ -17,20 +17,21 @@ the output equals the row without speculation token for token.
     npuspec bench methods --model DIR --spec eagle3='{"method": "eagle3", "model": "HEAD"}'
 
 The prompts default to the demo's built-in code prompts, which the tiny heads' training data
-excludes (npuspec/models/train_draft.py).
+excludes (npuspec/train/data.py).
 """
 from __future__ import annotations
 
 import argparse
 import json
 
-from npuspec.bench.e2e import Runner, npuspec_runner, run_interleaved
+from npuspec.bench.common import Runner, npuspec_runner, run_interleaved
+from npuspec.bench.table import print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.common import DEFAULT_SPEC, METHOD_SPECS, add_threads_flag, positive
+from npuspec.cli_util.prompts import load_prompts
 
 
 def _spec(method: str, k: int, overrides: dict) -> dict | None:
-    from npuspec.cli.common import DEFAULT_SPEC
-    from npuspec.cli.demo import METHOD_SPECS
-
     if method == "none":
         return None
     if method in overrides:
@@ -45,8 +46,6 @@ def _spec(method: str, k: int, overrides: dict) -> dict | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from npuspec.cli.common import positive
-
     p = argparse.ArgumentParser(prog="npuspec bench methods", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
@@ -59,16 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=None, help="as npuspec demo --prompts")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--json", default=None, metavar="PATH")
-    from npuspec.cli.common import add_threads_flag
     add_threads_flag(p)
     return p
 
 
 def run(args) -> int:
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.prompts import load_prompts
-
     mdir = common.model_dir(args.model)
     prompts = load_prompts(args.prompts, model=mdir)
     threads = common.set_threads(args.threads, mdir)

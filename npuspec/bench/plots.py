@@ -1,12 +1,15 @@
-"""`--plot PATH.png` figures for `bench e2e` and `tune` (matplotlib, optional; `bench verify`
-draws its own time-vs-batch figure in npuspec/bench/verify.py).
+"""`--plot PATH.png` figures for `bench e2e`, `bench serve` and `tune` (matplotlib, optional:
+the [plot] extra, imported only inside these functions; `bench verify` draws its own
+time-vs-batch figure in npuspec/bench/verify.py).
 
-Every function takes plain numbers (what the bench already printed) and a path, and writes
-one PNG with the Agg backend, so it works headless.
+Every function takes plain numbers (what the bench already printed or computed) and a path,
+and writes one PNG with the Agg backend, so it works headless.
 """
 from __future__ import annotations
 
 from typing import Mapping, Sequence
+
+from npuspec.cli_util.errors import MissingExtra
 
 
 def require_matplotlib(feature: str = "--plot"):
@@ -14,7 +17,6 @@ def require_matplotlib(feature: str = "--plot"):
     try:
         import matplotlib
     except ImportError:
-        from npuspec.cli.errors import MissingExtra
         raise MissingExtra("matplotlib", "plot", feature) from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
@@ -24,8 +26,7 @@ def require_matplotlib(feature: str = "--plot"):
 def _save(fig, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    import matplotlib.pyplot as plt
-    plt.close(fig)
+    require_matplotlib().close(fig)
 
 
 def _acceptance_axis(ax, acceptance: Sequence[float], label: str = "") -> None:
@@ -39,22 +40,17 @@ def _acceptance_axis(ax, acceptance: Sequence[float], label: str = "") -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[float], max_num_seqs: int,
-              table: Sequence[Sequence[int]], k_max: int, draft_s=0.0,
-              measured: Mapping[str, Mapping[int, float]] | None = None, sizes=None,
-              host_s: float = 0.0) -> None:
-    """Expected tokens/s against concurrency for each fixed K and for the tuned table (lines),
-    measured tokens/s where `tune --validate` ran (markers), and the acceptance by position."""
-    from npuspec.bench.tune import table_tokens_per_s, tokens_per_s
-
+def plot_tune(path: str, batches: Sequence[int], fixed_k: Mapping[int, Sequence[float]],
+              tuned: Sequence[float], acceptance: Sequence[float],
+              measured: Mapping[str, Mapping[int, float]] | None = None) -> None:
+    """Expected tokens/s against concurrency (`batches`) for each fixed K ({K: tokens/s per
+    batch}) and for the tuned table (lines), measured tokens/s where `tune --validate` ran
+    (markers), and the acceptance by position."""
     plt = require_matplotlib()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-    batches = list(range(1, max_num_seqs + 1))
-    for k in range(k_max + 1):
-        ax.plot(batches, [tokens_per_s(latency, acceptance, b, k, draft_s, sizes, host_s) for b in batches],
-                lw=1.2, alpha=0.8, label=f"K={k}" + (" (no spec)" if k == 0 else ""))
-    ax.plot(batches, [table_tokens_per_s(latency, acceptance, table, b, draft_s, sizes, host_s) for b in batches],
-            "k--", lw=2.2, label="tuned table")
+    for k, tps in fixed_k.items():
+        ax.plot(batches, tps, lw=1.2, alpha=0.8, label=f"K={k}" + (" (no spec)" if k == 0 else ""))
+    ax.plot(batches, tuned, "k--", lw=2.2, label="tuned table")
     markers = {"K=0": "o", "tuned table": "*"}
     for name, pts in (measured or {}).items():
         bs = sorted(pts)
@@ -64,7 +60,7 @@ def plot_tune(path: str, latency: Mapping[int, float], acceptance: Sequence[floa
     ax.set_xlabel("concurrent requests (batch size)")
     ax.set_ylabel("expected tokens/s")
     ax.set_title("tokens/s by concurrency: fixed K vs tuned table (lines: model)")
-    if max_num_seqs >= 8:
+    if max(batches) >= 8:
         ax.set_xscale("log", base=2)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -33,8 +33,9 @@ import time
 
 from npuspec.bench.make_traces import TRACE_FILES, TRACES_DIR
 from npuspec.bench.table import print_table
-from npuspec.runtime.ngram import NgramProposer
-from npuspec.runtime.suffix import SuffixProposer, SuffixProposerReference
+from npuspec.spec_decode.ngram import NgramProposer
+from npuspec.spec_decode.suffix import SuffixProposer
+from npuspec.spec_decode.suffix_reference import SuffixProposerReference
 
 
 def load_traces(path: str, limit: int | None = None) -> list[dict]:

@@ -48,199 +48,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import atexit
 import json
 import math
-import os
-import queue
 import random
-import re
 import signal
-import subprocess
+import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Optional, Sequence
 
-from npuspec.serve.core import add_message
+from npuspec import __version__
+from npuspec.bench.common import spec_from_flag
+from npuspec.bench.plots import plot_serve, require_matplotlib
+from npuspec.bench.serve_cli import CUSTOM, check_args, parse_methods, print_report
+from npuspec.bench.serve_client import HOST, ServerProcess, http_client, run_sequential, send_request
+from npuspec.bench.serve_offline import Offline, PipeOnly
+from npuspec.cli_util import common
+from npuspec.cli_util.common import add_threads_flag, positive
+from npuspec.cli_util.errors import MissingExtra, UsageError, run_command
+from npuspec.cli_util.prompts import load_prompts
 
 SCHEMA = "npuspec.bench.serve/1"
-HOST = "127.0.0.1"
-CUSTOM = "custom"  # the row --speculative-config adds
-URL_LINE = re.compile(r"npuspec serve: (?P<name>.+?) on (?P<url>https?://\S+)")  # stdout, first
-READY_LINE = re.compile(r"npuspec serve: ready \(speculative: (?P<spec>[^,)]*)")  # stderr
-LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
-STOP_GRACE_S = 60.0  # SIGTERM drains the requests in flight; after this, SIGKILL
-
-
-# ----------------------------------------------------------------------------------------------
-# Methods.
-
-def method_names() -> list[str]:
-    from npuspec.cli.demo import METHOD_SPECS
-    return ["none"] + sorted(METHOD_SPECS)
-
-
-def method_spec(name: str) -> Optional[dict]:
-    """The speculative config of a `--methods` name: none, or `npuspec demo --method NAME`'s
-    default (ngram: prompt lookup 1..3 with K=4; the tiny-* heads ship for the embedded model)."""
-    from npuspec.cli.common import DEFAULT_SPEC
-    from npuspec.cli.demo import METHOD_SPECS
-
-    if name == "none":
-        return None
-    return dict(METHOD_SPECS[name] or DEFAULT_SPEC)
-
-
-def parse_methods(value: str, custom: Optional[dict]) -> list[tuple[str, Optional[dict]]]:
-    from npuspec.cli.errors import UsageError
-
-    names = [m.strip() for m in value.split(",") if m.strip()]
-    known = method_names()
-    for m in names:
-        if m not in known:
-            raise UsageError(f"unknown method {m!r}; choose from {', '.join(known)} (comma-separated, "
-                             f"e.g. none,ngram), or pass a config with --speculative-config JSON",
-                             "--methods")
-    if len(set(names)) != len(names):
-        raise UsageError(f"{value!r} names a method twice; list each once", "--methods")
-    rows = [(m, method_spec(m)) for m in names]
-    if custom is not None:
-        rows.append((CUSTOM, custom))
-    if not rows:
-        raise UsageError("names no method; e.g. --methods none,ngram", "--methods")
-    return rows
-
-
-# ----------------------------------------------------------------------------------------------
-# The server subprocess.
-
-class ServerProcess:
-    """`npuspec serve ... --port 0` as a subprocess: start() returns once GET /health answers
-    200; stop() sends SIGTERM, waits for the drain, then SIGKILLs. A context manager, so the
-    process is stopped whatever happens in between (also KeyboardInterrupt)."""
-
-    def __init__(self, argv: Sequence[str], label: str, timeout: float):
-        self.argv, self.label, self.timeout = list(argv), label, timeout
-        self.proc: Optional[subprocess.Popen] = None
-        self.url = self.name = self.spec = None
-        self.returncode: Optional[int] = None
-        self.startup_s = 0.0
-        self._lines: queue.Queue = queue.Queue()
-        self._stdout: list[str] = []
-        self._stderr = None
-        self._stderr_text = ""  # the tail, kept when stop() closes the file
-
-    def __enter__(self):
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
-
-    def start(self) -> None:
-        import httpx
-
-        t0 = time.perf_counter()
-        self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        # own session: a terminal's Ctrl-C reaches only the bench, whose finally stops the server
-        self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, env=env, start_new_session=True,
-                                     text=True, encoding="utf-8", errors="replace")
-        atexit.register(self._kill)
-        threading.Thread(target=self._read_stdout, daemon=True, name="npuspec-bench-serve-stdout").start()
-        deadline = time.monotonic() + self.timeout
-        while self.url is None:
-            try:
-                m = URL_LINE.search(self._lines.get(timeout=0.25))
-            except queue.Empty:
-                m = None
-                self._check(deadline, "printed its address")
-            if m:
-                self.url, self.name = m["url"], m["name"]
-        with httpx.Client(trust_env=False, timeout=5.0) as client:
-            while True:
-                try:
-                    if client.get(self.url + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                self._check(deadline, "answered GET /health")
-                time.sleep(0.25)
-        self.startup_s = time.perf_counter() - t0
-        ready = READY_LINE.search(self.stderr_tail(lines=200, chars=100000))
-        if ready:
-            self.spec = ready["spec"]
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:
-            self._stdout.append(line.rstrip("\n"))
-            self._lines.put(line)
-
-    def stderr_tail(self, lines: int = 12, chars: int = 2000) -> str:
-        if self._stderr is None:
-            return self._stderr_text
-        self._stderr.flush()
-        self._stderr.seek(0)
-        text = self._stderr.read().decode("utf-8", "replace")
-        tail = "\n".join(text.strip().splitlines()[-lines:])[-chars:]
-        return tail or "(nothing)"
-
-    def _check(self, deadline: float, what: str) -> None:
-        """Raise if the server died or the deadline passed before it `what`."""
-        from npuspec.cli.errors import UsageError
-
-        rc = self.proc.poll()
-        if rc is not None:
-            tail = self.stderr_tail()
-            msg = (f"npuspec serve ({self.label}) exited with status {rc} before it {what}; its "
-                   f"stderr ends with: {tail}")
-            if rc == 2:  # the server refused a flag: a usage error, named by the server's message
-                flag = re.search(r"error: (--[a-z][a-z-]*)", tail)
-                raise UsageError(msg, flag[1] if flag else None)
-            raise RuntimeError(msg)
-        if time.monotonic() > deadline:
-            raise UsageError(f"npuspec serve ({self.label}) had not {what} after {self.timeout:g} s "
-                             f"(model load and compile warm-up); raise --server-timeout, or try a "
-                             f"faster lowering (--compilation-config '{{\"backend\": \"eager\"}}'); "
-                             f"its stderr ends with: {self.stderr_tail()}", "--server-timeout")
-
-    def stop(self, grace: float = STOP_GRACE_S) -> Optional[int]:
-        p = self.proc
-        if p is None:
-            return None
-        if p.poll() is None:
-            try:
-                p.send_signal(signal.SIGTERM)
-                p.wait(grace)
-            except subprocess.TimeoutExpired:
-                print(f"npuspec bench serve: the {self.label} server did not exit {grace:g} s after "
-                      f"SIGTERM; killing it", file=sys.stderr)
-                p.kill()
-                p.wait(30)
-            except BaseException:  # a second Ctrl-C while draining: do not leave it behind
-                p.kill()
-                p.wait(30)
-                raise
-        self.returncode = p.returncode
-        atexit.unregister(self._kill)
-        if p.stdout:
-            p.stdout.close()
-        self._stderr_text = self.stderr_tail(lines=40, chars=8000)
-        if self._stderr is not None:
-            self._stderr.close()
-            self._stderr = None
-        return self.returncode
-
-    def _kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
 
 
 def server_argv(mdir: str, spec: Optional[dict], args, max_model_len: Optional[int]) -> list[str]:
@@ -262,74 +91,7 @@ def server_argv(mdir: str, spec: Optional[dict], args, max_model_len: Optional[i
 
 
 # ----------------------------------------------------------------------------------------------
-# The clients.
-
-def _new_record(index: int, prompt_index: int) -> dict:
-    return {"index": index, "prompt_index": prompt_index, "ok": False, "error": None,
-            "ttft": None, "tpot": None, "e2e": None, "itl": [], "output_tokens": 0,
-            "prompt_tokens": None, "text": "", "sent_s": None}
-
-
-async def send_request(client, base: str, model: str, prompt: str, max_tokens: int,
-                       index: int = -1, prompt_index: int = -1, t_ref: float = 0.0) -> dict:
-    """One streaming /v1/completions request, timed on arrival of each SSE line."""
-    import httpx
-
-    rec = _new_record(index, prompt_index)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    parts: list[str] = []
-    usage = None
-    done = False
-    last = None
-    t0 = time.perf_counter()
-    rec["sent_s"] = t0 - t_ref
-    try:
-        async with client.stream("POST", base + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raw = (await resp.aread()).decode("utf-8", "replace")
-                rec["error"] = f"HTTP {resp.status_code}: {' '.join(raw.split())[:300]}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    rec["error"] = f"error chunk: {json.dumps(obj['error'])[:300]}"
-                    return rec
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for ch in obj.get("choices") or ():
-                    text = ch.get("text") or ""
-                    if text:
-                        now = time.perf_counter()
-                        if last is None:
-                            rec["ttft"] = now - t0
-                        else:
-                            rec["itl"].append(now - last)
-                        last = now
-                        parts.append(text)
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
-    rec["e2e"] = time.perf_counter() - t0
-    rec["text"] = "".join(parts)
-    if not done:
-        rec["error"] = "the stream ended without data: [DONE]"
-    elif usage is None:
-        rec["error"] = "no usage chunk (stream_options.include_usage)"
-    else:
-        rec["ok"] = True
-        rec["output_tokens"] = int(usage.get("completion_tokens") or 0)
-        rec["prompt_tokens"] = usage.get("prompt_tokens")
-        if rec["ttft"] is not None and rec["output_tokens"] > 1:
-            rec["tpot"] = (rec["e2e"] - rec["ttft"]) / (rec["output_tokens"] - 1)
-    return rec
-
+# The load.
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     """Send times (s from the start) of a Poisson process of `rate` requests/s: the first at 0,
@@ -343,21 +105,13 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def _client(max_concurrency: int):
-    import httpx
-
-    n = max_concurrency + 4
-    return httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-                             timeout=httpx.Timeout(600.0, connect=30.0, pool=None))
-
-
 async def run_load(base: str, model: str, prompts: Sequence[str], num_requests: int, max_tokens: int,
                    rate: float, max_concurrency: int, seed: int, progress=None) -> dict:
     """Warm-up (the first distinct prompts at once, up to max_concurrency: compiles anything
     the server compiles lazily), /metrics, the timed requests, /metrics again."""
     offsets = arrival_offsets(num_requests, rate, seed)
     sem = asyncio.Semaphore(max_concurrency)
-    async with _client(max_concurrency) as client:
+    async with http_client(max_concurrency) as client:
         n_warm = min(len(prompts), max_concurrency, num_requests)
         for warm in await asyncio.gather(*(send_request(client, base, model, prompts[i], max_tokens)
                                            for i in range(n_warm))):
@@ -382,16 +136,6 @@ async def run_load(base: str, model: str, prompts: Sequence[str], num_requests: 
         after = await read_metrics(client, base)
     return {"records": list(records), "duration_s": duration, "metrics_before": before,
             "metrics_after": after}
-
-
-async def run_sequential(base: str, model: str, prompts: Sequence[str], max_tokens: int) -> dict:
-    """`prompts` one at a time (concurrency 1), timed as a whole."""
-    async with _client(1) as client:
-        t0 = time.perf_counter()
-        records = [await send_request(client, base, model, p, max_tokens, i, i, t0)
-                   for i, p in enumerate(prompts)]
-        wall = time.perf_counter() - t0
-    return {"records": records, "seconds": wall}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,73 +258,7 @@ def self_consistency(records: Sequence[dict]) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Offline: npuspec.LLM in this process, one request at a time.
-
-class Offline:
-    """npuspec.LLM in this process with the server's model and config, one request at a time."""
-
-    def __init__(self, mdir: str, spec: Optional[dict], max_tokens: int, max_num_seqs: int,
-                 max_model_len: Optional[int], compilation_config: Optional[dict],
-                 threads: Optional[int], enforce_eager: bool = False):
-        from npuspec import LLM, SamplingParams
-        from npuspec.cli import common
-
-        common.set_threads(threads, mdir)  # as the server does with the same flag
-        cfg = common.spec_config(spec)
-        self.llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
-                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                       compilation_config=compilation_config, enforce_eager=enforce_eager)
-        self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-    def run(self, prompts: Sequence[str]) -> dict:
-        texts, tokens = [], 0
-        t0 = time.perf_counter()
-        for p in prompts:
-            out = self.llm.generate([p], self.sp)[0].outputs[0]
-            texts.append(out.text)
-            tokens += len(out.token_ids)
-        return {"seconds": time.perf_counter() - t0, "tokens": tokens, "texts": texts}
-
-
-class PipeOnly:
-    """The server's engine process alone: started by the same code and flags as `npuspec serve`
-    (npuspec.serve.engine.EngineClient), fed over its pipe from this process, no HTTP. Between
-    offline and server, it tells the engine process's cost from the HTTP side's."""
-
-    def __init__(self, serve_args: Sequence[str], max_tokens: int):
-        from npuspec.cli.serve import add_arguments
-        from npuspec.engine.sampling import SamplingParams
-        from npuspec.serve.engine import EngineClient
-
-        p = argparse.ArgumentParser()
-        add_arguments(p)
-        self.client = EngineClient(p.parse_args(list(serve_args)))
-        self.sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self._ids = 0
-
-    def _one(self, prompt: str) -> list[int]:
-        c = self.client
-        self._ids += 1
-        r = c.new_request(prompt, self.sp, f"pipe-{self._ids}")
-        c.conn.send(add_message(r, time.perf_counter()))
-        toks: list[int] = []
-        while True:
-            msg = c.conn.recv()
-            assert msg[0] == "step", msg
-            for o in msg[1]:
-                toks += o.token_ids
-                if o.finish_reason is not None:
-                    return toks
-
-    def run(self, prompts: Sequence[str]) -> dict:
-        t0 = time.perf_counter()
-        outs = [self._one(p) for p in prompts]
-        return {"seconds": time.perf_counter() - t0, "tokens": sum(map(len, outs)),
-                "texts": [self.client.tokenizer.decode(t, skip_special_tokens=True) for t in outs]}
-
-    def close(self) -> None:
-        self.client.close()
-
+# Offline: the serving overhead, one request at a time.
 
 def run_overhead(srv, off: Offline, pipe: PipeOnly, prompts: Sequence[str], max_tokens: int,
                  rounds: int) -> dict:
@@ -588,8 +266,6 @@ def run_overhead(srv, off: Offline, pipe: PipeOnly, prompts: Sequence[str], max_
     alternated for `rounds` rounds after one untimed pass of each (every prompt length seen
     once), so a noisy machine's slow spells hit all three; medians of the per-round tok/s and
     of the ratios to offline."""
-    import statistics
-
     warm = asyncio.run(run_sequential(srv.url, srv.name, prompts, max_tokens))
     if not all(r["ok"] for r in warm["records"]):
         raise RuntimeError(f"a warm-up request to {srv.url} failed: "
@@ -636,8 +312,6 @@ def _rate(s: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from npuspec.cli.common import add_threads_flag, positive
-
     p = argparse.ArgumentParser(prog="npuspec bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny",
@@ -692,71 +366,61 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check_args(args) -> None:
-    from npuspec.cli import common
-    from npuspec.cli.errors import UsageError
-
-    if not args.request_rate > 0:  # also nan
-        raise UsageError(f"{args.request_rate} must be a rate > 0 requests/s, or inf to send every "
-                         f"request at once", "--request-rate")
-    if not (args.server_timeout > 0 and math.isfinite(args.server_timeout)):
-        raise UsageError(f"{args.server_timeout} must be a finite number of seconds > 0, e.g. 900",
-                         "--server-timeout")
-    if args.compilation_config is not None:
-        try:
-            cc = json.loads(args.compilation_config)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"not valid JSON ({e.msg} at column {e.colno}); e.g. "
-                             f"'{{\"backend\": \"eager\"}}'", "--compilation-config") from None
-        if not isinstance(cc, dict):
-            raise UsageError(f"must be a JSON object, e.g. '{{\"backend\": \"eager\"}}', got {cc!r}",
-                             "--compilation-config")
-    common.out_file(args.json, "--json")
-    common.out_file(args.plot, "--plot")
-
-
-def _fmt_dist(row: dict) -> list[dict]:
-    out = []
-    for key, label in LATENCIES:
-        d = row[key + "_ms"]
-        out.append({"method": row["method"], "metric": label, "n": d["n"],
-                    **{k: "-" if d[k] is None else d[k] for k in ("mean", "median", "p90", "p99")}})
-    return out
-
-
 def run(args) -> int:
-    from npuspec import __version__
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.errors import MissingExtra
-
     for mod in ("httpx", "prometheus_client"):  # the clients' own needs; the server checks its own
         try:
             __import__(mod)
         except ImportError:
             raise MissingExtra(mod, "serve", "npuspec bench serve") from None
-    _check_args(args)
+    check_args(args)
     if args.plot:
-        from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")
     mdir = common.model_dir(args.model)
     custom = None
     if args.speculative_config is not None:
-        from npuspec.bench.e2e import spec_from_flag
         custom = spec_from_flag(args.speculative_config)
         if custom is None:
-            from npuspec.cli.errors import UsageError
             raise UsageError("says no speculation; that row is --methods none", "--speculative-config")
     rows_spec = parse_methods(args.methods, custom)
     for name, spec in rows_spec:  # every config checked before any server starts
         common.spec_config(spec, "--speculative-config" if name == CUSTOM else "--methods")
-    from npuspec.cli.prompts import load_prompts
     prompts = load_prompts(args.prompts, model=mdir)
     mml = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
     cc = json.loads(args.compilation_config) if args.compilation_config else None
+
+    results, offline = _measure(args, rows_spec, mdir, prompts, mml, cc)
+    rows = [r for r, _ in results]
+    recs = {r["method"]: rr for r, rr in results}
+    base_name = "none" if "none" in recs else rows[0]["method"]
+    identity = _compare(rows, recs, base_name)
+    bad = print_report(args, rows, identity, base_name, offline, mml)
+    if args.json:
+        doc = {"schema": SCHEMA, "command": args.command_line, "npuspec": __version__, "model": mdir,
+               "methods": [n for n, _ in rows_spec], "num_prompts": args.num_prompts,
+               "max_tokens": args.max_tokens, "request_rate": None if math.isinf(args.request_rate)
+               else args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed,
+               "max_num_seqs": args.max_num_seqs, "max_model_len": mml,
+               "compilation_config": cc,
+               "enforce_eager": args.enforce_eager, "threads": args.threads, "prompts": args.prompts,
+               "num_distinct_prompts": len(prompts), "baseline": base_name, "rows": rows,
+               "identity": identity, "offline": offline,
+               "requests": {name: rr for name, rr in recs.items()}}
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_serve(args.plot, rows, offline)
+        print(f"wrote {args.plot}")
+    failed = any(r["failed"] for r in rows) or any(o["failed"] for o in offline)
+    return 1 if bad or failed else 0
+
+
+def _measure(args, rows_spec, mdir: str, prompts: Sequence[str], mml: Optional[int],
+             cc: Optional[dict]) -> tuple[list, list]:
+    """One server per method: its load run, then (--offline) the serving-overhead rounds.
+    -> ([(row, records)], [offline row])."""
     n_off = args.offline_prompts or min(len(prompts), args.num_prompts)
     off_prompts = [prompts[i % len(prompts)] for i in range(n_off)]
-
     results, offline = [], []
     old_term = None
     if threading.current_thread() is threading.main_thread():
@@ -791,10 +455,12 @@ def run(args) -> int:
     finally:
         if old_term is not None:
             signal.signal(signal.SIGTERM, old_term)
+    return results, offline
 
-    rows = [r for r, _ in results]
-    recs = {r["method"]: rr for r, rr in results}
-    base_name = "none" if "none" in recs else rows[0]["method"]
+
+def _compare(rows: list[dict], recs: dict, base_name: str) -> dict:
+    """Sets each row's throughput over the baseline's and its texts' consistency;
+    -> {method: compare_texts against the baseline}."""
     base_tps = next(r["output_tokens_per_s"] for r in rows if r["method"] == base_name)
     identity = {}
     for r in rows:
@@ -802,80 +468,10 @@ def run(args) -> int:
         r["prompts_with_varying_text"] = self_consistency(recs[r["method"]])
         if r["method"] != base_name:
             identity[r["method"]] = compare_texts(recs[base_name], recs[r["method"]])
-
-    def na(v):
-        return "-" if v is None else v
-    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}/s"
-    print_table([{"method": r["method"], "completed": r["completed"], "failed": r["failed"],
-                  "duration s": r["duration_s"], "req/s": r["request_throughput"],
-                  "out tok/s": r["output_tokens_per_s"], f"x {base_name}": na(r["vs_baseline"]),
-                  "acc len": na(r["spec"]["mean_acceptance_length"]),
-                  "acc rate": na(r["spec"]["acceptance_rate"]),
-                  "server start s": r["server_startup_s"]} for r in rows],
-                title=f"bench serve: {args.model}, {args.num_prompts} requests x {args.max_tokens} "
-                      f"tokens, rate {rate}, max concurrency {args.max_concurrency}, max_num_seqs "
-                      f"{args.max_num_seqs}, max_model_len {mml or 'default'}")
-    print_table([d for r in rows for d in _fmt_dist(r)], title="latencies (ms)")
-    print("output tok/s vs " + base_name + ": "
-          + ", ".join(f"{r['method']} " + ("-" if r["vs_baseline"] is None else f"{r['vs_baseline']:.2f}x")
-                     for r in rows))
-    bad = 0
-    for name, c in identity.items():
-        if c["mismatches"]:
-            bad += 1
-            f = c["first_mismatch"]
-            print(f"!! GREEDY TEXT MISMATCH: {name} differs from {base_name} on {c['mismatches']}/"
-                  f"{c['compared']} requests (first: request {f['request']}, prompt {f['prompt_index']}, "
-                  f"char {f['char']}: {f['ref']!r} vs {f['other']!r})")
-        else:
-            print(f"greedy texts: {name} identical to {base_name} on {c['identical']}/{c['compared']} requests")
-    for r in rows:
-        if r["prompts_with_varying_text"]:
-            print(f"!! {r['method']}: {r['prompts_with_varying_text']} prompt(s) got different texts "
-                  f"on their repeated requests within the run")
-        if r["failed"]:
-            print(f"!! {r['method']}: {r['failed']} request(s) failed: {'; '.join(r['errors'])}")
-        if r["short_outputs"]:
-            print(f"!! {r['method']}: {r['short_outputs']} request(s) did not get {args.max_tokens} tokens")
-    if offline:
-        print_table([{"method": o["method"], "requests": o["requests"],
-                      "rounds": o["rounds"],
-                      "server c=1 tok/s": o["server_tokens_per_s"], "offline tok/s": o["offline_tokens_per_s"],
-                      "server / offline": o["server_over_offline"],
-                      "engine process tok/s": o["engine_process_tokens_per_s"],
-                      "engine process / offline": o["engine_process_over_offline"],
-                      "server TTFT ms": na(o["server_ttft_ms"]["mean"]),
-                      "server TPOT ms": na(o["server_tpot_ms"]["mean"]),
-                      "same text": f"{o['same_text']}/{o['requests']}",
-                      "engine process same text": f"{o['engine_process_same_text']}/{o['requests']}"}
-                     for o in offline],
-                    title="serving overhead, one request at a time: server (concurrency 1) vs "
-                          "npuspec.LLM offline, same prompts, same config")
-    if args.json:
-        doc = {"schema": SCHEMA, "command": args.command_line, "npuspec": __version__, "model": mdir,
-               "methods": [n for n, _ in rows_spec], "num_prompts": args.num_prompts,
-               "max_tokens": args.max_tokens, "request_rate": None if math.isinf(args.request_rate)
-               else args.request_rate, "max_concurrency": args.max_concurrency, "seed": args.seed,
-               "max_num_seqs": args.max_num_seqs, "max_model_len": mml,
-               "compilation_config": cc,
-               "enforce_eager": args.enforce_eager, "threads": args.threads, "prompts": args.prompts,
-               "num_distinct_prompts": len(prompts), "baseline": base_name, "rows": rows,
-               "identity": identity, "offline": offline,
-               "requests": {name: rr for name, rr in recs.items()}}
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}")
-    if args.plot:
-        from npuspec.bench.plots import plot_serve
-        plot_serve(args.plot, rows, offline)
-        print(f"wrote {args.plot}")
-    failed = any(r["failed"] for r in rows) or any(o["failed"] for o in offline)
-    return 1 if bad or failed else 0
+    return identity
 
 
 def main(argv=None) -> int:
-    from npuspec.cli.errors import run_command
-
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.command_line = "npuspec bench serve " + " ".join(argv)

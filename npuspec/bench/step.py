@@ -3,15 +3,16 @@
     python -m npuspec.bench.step --model /tmp/smollm2-hf [--ks 0,4] [--threads 2]
         [--context 300] [--max-model-len 512] [--repeats 30] [--no-baseline] [--profile]
 
-Builds the model, its KV cache and the engine's `VerifyStep`, writes `--context` tokens into
-slot 0, then times batch-1 steps of K+1 tokens, interleaved call by call (so machine noise hits
-every variant alike), medians of `--repeats`:
+Builds the model, a dense slot KV cache (not the engine's paged pool) and a `VerifyStep` over
+it, writes `--context` tokens into slot 0, then times batch-1 steps of K+1 tokens, interleaved
+call by call (so machine noise hits every variant alike), medians of `--repeats`:
 - `eager`: `step_module(**inputs)` on the 1 real row, as `LLM(enforce_eager=True)` runs it;
-- `eager_2rows`: the same with the engine's padding row (a compiled engine at max_num_seqs > 1
-  runs batch 1 as 2 rows: Dynamo would specialise a 1-row graph), i.e. what the compiled step
-  multiplies;
+- `eager_2rows`: the same with one padding row (batch 1 as 2 rows, which compiled engines ran
+  before the graphs layer served a lone request as one row), i.e. what the compiled variants
+  below multiply: they still run 2 rows;
 - `compiled`: `torch.compile(fresh_step_fn(step), backend="npuspec")` with the engine's options
-  and token-dim marks, Inductor lowering with the small-M linear rewrite (npuspec.lowering);
+  and token-dim marks, Inductor lowering with the small-M linear rewrite
+  (npuspec.compilation.lowering);
 - `compiled_mm` (unless --no-baseline): the same without the rewrite (Inductor's extern mm).
 Beside them: `bound`, the bytes of every weight matrix read once (embedding rows aside) over
 the read bandwidth of a `sum` over a 1 GiB buffer. Greedy tokens of every variant must equal
@@ -25,8 +26,12 @@ import time
 
 import torch
 
-from npuspec import lowering
 from npuspec.bench.table import print_table
+from npuspec.compilation import lowering
+from npuspec.config import SpeculativeConfig
+from npuspec.graphs import mark_token_dim
+from npuspec.models import load_model
+from npuspec.engine.step import VerifyStep, fresh_step_fn, prefill
 
 
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
@@ -68,10 +73,6 @@ _PAD = {"draft_ids": -1, "top_p": 1.0, "uniforms": 1.0, "exponentials": 1.0}
 
 
 def compiled_step(step, k: int, max_num_seqs: int, small_m: bool):
-    from npuspec.config import SpeculativeConfig
-    from npuspec.graphs import mark_token_dim
-    from npuspec.runtime.step import fresh_step_fn
-
     spec = (SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k})
             if k else None)
     fn = torch.compile(fresh_step_fn(step), backend="npuspec", dynamic=None,
@@ -102,10 +103,6 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-
-    from npuspec.models import load_model
-    from npuspec.runtime.step import VerifyStep, prefill
-
     ks = [int(k) for k in a.ks.split(",")]
     cfg, model = load_model(a.model, dtype=torch.float32)
     max_num_seqs = 2  # > 1: the engine pads batch 1 to 2 rows, as with the default 256

@@ -19,9 +19,18 @@ import os
 import statistics
 import time
 
+import torch
+
+from npuspec import envs
+from npuspec.bench.table import print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.common import positive
+from npuspec.cli_util.prompts import load_prompts
+from npuspec.engine import LLM, SamplingParams
+from npuspec.kernels import collectives
+
 
 def build_parser() -> argparse.ArgumentParser:
-    from npuspec.cli.common import positive
     p = argparse.ArgumentParser(prog="npuspec bench tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
@@ -52,9 +61,6 @@ def _spec(method: str, k: int):
 
 
 def _timed(llm, prompts, params, threads: int):
-    import torch
-
-    from npuspec.kernels import collectives
     torch.set_num_threads(threads)
     collectives.reset_comm()
     t0 = time.perf_counter()
@@ -86,12 +92,6 @@ def _row(n: int, method: str, tp: int, one: list, many: list) -> dict:
 
 
 def run(args) -> int:
-    from npuspec import LLM, SamplingParams
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.prompts import load_prompts
-
-    from npuspec import envs
     envs.set_tp_cpu_comm(args.cpu_comm)  # the spawned ranks inherit it
     mdir = common.model_dir(args.model)
     prompts = load_prompts(args.prompts, model=mdir)

@@ -34,6 +34,16 @@ import sys
 import time
 from typing import Mapping, Sequence
 
+from npuspec.bench.common import make_llm, run_npuspec
+from npuspec.bench.plots import plot_tune, require_matplotlib
+from npuspec.bench.table import median_time, print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.common import DEFAULT_SPEC, add_threads_flag, float_list, positive
+from npuspec.cli_util.errors import UsageError, run_command
+from npuspec.cli_util.prompts import load_prompts
+from npuspec.engine import SamplingParams
+from npuspec.engine.scheduler import pad_rows
+
 # ----------------------------------------------------------------------------------------------
 # The algorithm (pure functions).
 
@@ -181,8 +191,6 @@ def measure_acceptance(model: str, spec: dict, prompts: Sequence[str], max_token
     """Run the prompts with K = spec's num_speculative_tokens; return conditional acceptance by
     position, the mean acceptance length, and the drafting and other host time per
     request-step (from the engine's wall-clock split, prefill excluded)."""
-    from npuspec.bench.e2e import run_npuspec
-
     res = run_npuspec(model, spec, prompts, max_tokens, max_num_seqs=1, repeats=1,
                       enforce_eager=enforce_eager)
     m = res["metrics"]
@@ -202,9 +210,6 @@ def measure_throughput(model: str, spec: dict | None, prompts: Sequence[str], ba
     runs at least once, in generate() calls of exactly B requests (prompts cycled), so each B
     sees the same prompt mix; median over `repeats` passes. One engine (compiled and captured
     once) serves every B."""
-    from npuspec import SamplingParams
-    from npuspec.bench.e2e import make_llm
-
     llm = make_llm(model, spec, max(batches), max_model_len, enforce_eager)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(list(prompts[:1]), SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -235,10 +240,6 @@ def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_le
     each timing runs the step on padding rows, which cost what real rows cost (the attention
     mask spans the whole static cache row, whatever the positions). Also returns the capture
     plan per K (None without capture), so the tuner costs each batch at its padded size."""
-    from npuspec.bench.table import median_time
-    from npuspec.bench.e2e import make_llm
-    from npuspec.runtime.scheduler import pad_rows
-
     table = [[k + 1, k + 1, k] for k in range(k_max + 1)]  # declares K = 0..k_max
     spec = {"method": "ngram", "num_speculative_tokens": max(k_max, 1),
             "num_speculative_tokens_per_batch_size": table}
@@ -246,14 +247,14 @@ def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_le
     by_tokens: dict[int, list[float]] = {}
     rows = []
     for k in range(k_max + 1):
-        sizes = llm._plans.get(k)
+        sizes = llm.runner.plans.get(k)
         for b in batches:
             n = pad_rows(b, sizes, k)
-            inp = llm._inputs(k, [], n, None, None)
-            secs = median_time(lambda: llm._run_step(inp), repeats=repeats, warmup=1)
+            inp = llm.runner.step_inputs(k, [], n, None, None)
+            secs = median_time(lambda: llm.runner.run_step(inp), repeats=repeats, warmup=1)
             by_tokens.setdefault(n * (k + 1), []).append(secs)  # the tokens the step really ran
             rows.append({"batch": b, "K": k, "padded rows": n, "tokens": n * (k + 1), "step ms": secs * 1e3})
-    plans = {k: llm._plans.get(k) for k in range(k_max + 1)}
+    plans = {k: llm.runner.plans.get(k) for k in range(k_max + 1)}
     return {t: statistics.median(v) for t, v in by_tokens.items()}, rows, plans
 
 
@@ -262,9 +263,6 @@ def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_le
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli import common
-    from npuspec.cli.common import float_list, positive
-
     p.add_argument("--model", default="tiny", help="target checkpoint directory (default: the embedded tiny model)")
     p.add_argument("--speculative-config", default=None,
                    help="base config (vllm serve schema); its num_speculative_tokens is the largest K "
@@ -283,7 +281,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the latency probe: a JSON object {token_count: seconds}")
     p.add_argument("--enforce-eager", action="store_true", help="measure without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the measurements and table as JSON")
-    common.add_threads_flag(p)
+    add_threads_flag(p)
     p.add_argument("--validate", action="store_true",
                    help="also measure real tokens/s against concurrency with K=0, K=max and the tuned "
                         "table (three more engines), printed and plotted next to the model's prediction")
@@ -292,8 +290,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _read_latency(path: str) -> dict[int, float]:
-    from npuspec.cli.errors import UsageError
-
     try:
         with open(path, encoding="utf-8") as f:
             raw = json.load(f)
@@ -309,12 +305,7 @@ def _read_latency(path: str) -> dict[int, float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.errors import UsageError
-    from npuspec.cli.prompts import load_prompts
-
-    base = common.spec_dict(args.speculative_config) or dict(common.DEFAULT_SPEC)
+    base = common.spec_dict(args.speculative_config) or dict(DEFAULT_SPEC)
     cfg = common.spec_config(base)  # validates, names the key on error
     if cfg.method not in ("ngram", "suffix", "draft_model"):
         raise UsageError(f"method {cfg.method!r} cannot be measured by the engine yet; use ngram, "
@@ -325,7 +316,6 @@ def run(args: argparse.Namespace) -> int:
     if args.acceptance is None or args.latency_json is None:
         common.set_threads(args.threads, common.model_dir(args.model))
     if args.plot:
-        from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")
     t0 = time.perf_counter()
 
@@ -399,15 +389,16 @@ def run(args: argparse.Namespace) -> int:
                        "latency_s": {str(k): v for k, v in sorted(lat.items())},
                        "max_num_seqs": args.max_num_seqs, "rows": rows}, f, indent=1)
     if args.plot:
-        from npuspec.bench.plots import plot_tune
-        plot_tune(args.plot, lat, acc, args.max_num_seqs, table, k_max, draft, measured_tps, sizes, host)
+        batches = list(range(1, args.max_num_seqs + 1))
+        fixed = {k: [tokens_per_s(lat, acc, b, k, draft, sizes, host) for b in batches]
+                 for k in range(k_max + 1)}
+        tuned = [table_tokens_per_s(lat, acc, table, b, draft, sizes, host) for b in batches]
+        plot_tune(args.plot, batches, fixed, tuned, acc, measured_tps)
         print(f"wrote {args.plot}")
     return 0
 
 
 def main(argv=None) -> int:
-    from npuspec.cli.errors import run_command
-
     p = argparse.ArgumentParser(prog="npuspec tune", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")

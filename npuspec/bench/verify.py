@@ -29,6 +29,7 @@ import torch
 
 from npuspec.bench.table import median_time, print_table
 from npuspec.kernels import rejection_sample
+from npuspec.platform import current_platform
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -187,7 +188,6 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.device is None:
-        from npuspec.platform import current_platform
         args.device = current_platform().device
     if args.quick:
         Bs, Ks, Vs, Ds = [1, 64], [4], [32000], ["fp32", "bf16"]

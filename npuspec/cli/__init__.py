@@ -10,17 +10,19 @@
     npuspec train-draft --target tiny --method eagle3 --out DIR   # train a drafter
 
 Every subcommand has --help. User errors print one line and exit 2; --debug (anywhere on the
-line) shows the traceback instead. Subcommand modules are imported only when they run, so
-`npuspec --help` does not import torch.
+line) shows the traceback instead. Only the subcommand on the command line has its module
+imported (for its flags, then to run), so `npuspec --help` does not import torch.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
-from npuspec.cli import errors
-from npuspec.cli.errors import EXIT_USAGE, run_command
+from npuspec import __version__
+from npuspec.cli_util import errors
+from npuspec.cli_util.errors import EXIT_USAGE, run_command
 
 # `npuspec bench NAME ARGS...` runs npuspec.bench.NAME.main(ARGS) with its own argparse.
 BENCHES = {
@@ -45,56 +47,50 @@ COMMANDS = {
     "tune": ("npuspec.bench.tune", "measure latency and acceptance, write the K-per-batch-size table"),
     "train-draft": ("npuspec.cli.train_draft", "train an EAGLE-3 / EAGLE / Medusa / MTP drafter for a target"),
 }
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass
+# listed after `bench` in the help, as it always was
+CACHE = ("npuspec.cli.cache", "graph cache directory: ls, verify, prune, clear")
 
 
 def _add_debug(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug", action="store_true", help="show the full traceback on errors")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from npuspec import __version__
-
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; only `command`'s module is imported, for its flags (the others are
+    listed by name and help)."""
     p = argparse.ArgumentParser(prog="npuspec", description=__doc__.split("\n\n")[0] + " Speculative "
                                 "decoding for Ascend NPUs, CUDA GPUs and CPUs.", epilog="Start with: npuspec demo")
     p.add_argument("--version", action="version", version=f"npuspec {__version__}")
     _add_debug(p)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        mod = importlib.import_module(module)
-        sp = sub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip(),
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        mod.add_arguments(sp)
-        _add_debug(sp)
-        sp.set_defaults(run=mod.run)
+        _add_command(sub, name, module, help_, name == command)
     bench = sub.add_parser("bench", help="benchmarks, one table format: " + ", ".join(BENCHES),
                            description="Run one benchmark; `npuspec bench NAME --help` shows its options.\n\n"
                            + "\n".join(f"  {k:8s} {v}" for k, v in BENCHES.items()),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of " + ", ".join(BENCHES))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options")
-    _mount_cache(sub)
+    _add_command(sub, "cache", *CACHE, command == "cache")
     return p
 
 
-def _mount_cache(sub) -> None:
-    """`npuspec cache ...` is the cache helper's parser (npuspec/cli/cache.py)."""
-    try:
-        from npuspec.cli import cache as cache_cli
-    except ImportError as e:
-        sp = sub.add_parser("cache", help="graph cache directory tools (not available in this build)")
-        sp.set_defaults(run=lambda args, e=e: _unavailable("npuspec cache", e))
-        return
-    before = set(sub.choices)
-    cache_cli.add_parser(sub)
-    for name in set(sub.choices) - before:
-        sp = sub.choices[name]
-        if not any("--debug" in a.option_strings for a in sp._actions):
-            _add_debug(sp)
-        sp.set_defaults(run=cache_cli.run)
+def _add_command(sub, name: str, module: str, help_: str, chosen: bool) -> None:
+    """A subcommand's parser; the chosen one gets its module's docstring, flags and `run`."""
+    sp = sub.add_parser(name, help=help_, description=help_,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_debug(sp)
+    if chosen:
+        mod = importlib.import_module(module)
+        sp.description = (mod.__doc__ or help_).strip()
+        mod.add_arguments(sp)
+        sp.set_defaults(run=mod.run)
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand named on the line: the first word that is not an option (the top-level
+    options take no values)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def _unavailable(what: str, e: Exception) -> int:
@@ -123,7 +119,6 @@ def run_bench(name: str, argv: list[str], debug: bool = False) -> int:
 def _setup_logging(debug: bool) -> None:
     """Library warnings as `WARNING npuspec.x: ...` lines on stderr (a no-op when the host
     program, or pytest, already configured logging)."""
-    import logging
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
 
@@ -136,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCHES:
         return run_bench(argv[1], argv[2:], debug)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(_command(argv)).parse_args(argv)
     except SystemExit as e:  # --help, --version, or argparse's own usage error (exit 2)
         return e.code if isinstance(e.code, int) else 0
     if args.command is None:

@@ -12,7 +12,9 @@ The directory is --dir, else NPUSPEC_CACHE_DIR. Also runs as `python -m npuspec.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import os
 import shutil
 import sys
@@ -20,16 +22,11 @@ import time
 from typing import Optional
 
 from npuspec import envs
+from npuspec.bench.table import print_table
+from npuspec.graphs.cache import trust
+from npuspec.graphs.cache.store import CacheCorrupt, CacheDir, dir_size
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("cache", help="graph cache directory: ls, verify, prune, clear",
-                              description=__doc__.strip(),
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return p
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def days(s: str) -> float:
     """argparse type of --older-than: a finite number >= 0 (float() also takes nan, whose
     comparisons are all false, so `prune --older-than nan` pruned nothing and succeeded)."""
-    import math
     try:
         v = float(s)
     except ValueError:
@@ -111,9 +107,6 @@ def _last_used(cache, key: str, m: Optional[dict]) -> float:
 
 
 def cmd_ls(cache) -> int:
-    from npuspec.bench.table import print_table
-    from npuspec.graphs.cache.store import dir_size
-
     now = time.time()
     rows = []
     for key in cache.keys():
@@ -136,11 +129,6 @@ def cmd_ls(cache) -> int:
 
 
 def cmd_verify(cache, quarantine: bool) -> int:
-    import functools
-
-    from npuspec.graphs.cache import trust
-    from npuspec.graphs.cache.store import CacheCorrupt
-
     bad = 0
     try:
         trust.check_root(cache.root)
@@ -168,7 +156,6 @@ def cmd_verify(cache, quarantine: bool) -> int:
 
 
 def _check(path: str, recursive: bool, gid=None) -> None:
-    from npuspec.graphs.cache import trust
     trust.check_path(path, gid=gid, recursive_fix=recursive)
 
 
@@ -216,9 +203,6 @@ def cmd_clear(cache) -> int:
 
 
 def run(args) -> int:
-    from npuspec.graphs.cache import trust
-    from npuspec.graphs.cache.store import CacheDir
-
     action = getattr(args, "cache_command", None)
     if action is None:
         print("npuspec cache: choose an action: ls, verify, prune --older-than DAYS, clear",

@@ -15,26 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
-
-# `--method M`: the embedded model's default speculative config per method (K = 4; the
-# tiny heads are trained by `npuspec train-draft`, see npuspec/models/tiny_drafts)
-METHOD_SPECS = {
-    "ngram": None,  # common.DEFAULT_SPEC
-    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
-    "eagle": {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 4},
-    "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4},
-    "medusa": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
-    "mtp": {"method": "mtp", "num_speculative_tokens": 4},
-    "dflash": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 7},
-    "dspark": {"method": "dspark", "model": "tiny-dspark", "num_speculative_tokens": 7},
-}
+from npuspec.bench.common import aggregate_metrics, make_llm
+from npuspec.bench.table import print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.common import DEFAULT_SPEC, METHOD_SPECS, add_threads_flag, positive
+from npuspec.cli_util.prompts import load_prompts
+from npuspec.engine import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli.common import DEFAULT_SPEC, positive
-
     p.add_argument("--model", default="tiny",
                    help="HF checkpoint directory, or a llama.cpp .gguf file (or a directory holding one) "
                         "(default: the embedded tiny model)")
@@ -53,13 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
     p.add_argument("--no-text", action="store_true", help="do not print the generated text")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
-    from npuspec.cli.common import add_threads_flag
     add_threads_flag(p)
 
 
 def _generate(llm, prompts, max_tokens: int):
-    from npuspec import SamplingParams
-
     t0 = time.perf_counter()
     res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return res, time.perf_counter() - t0
@@ -73,14 +62,9 @@ def _first_diff(a, b) -> int:
 
 
 def run(args) -> int:
-    from npuspec.bench.e2e import aggregate_metrics, make_llm
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.prompts import load_prompts
-
     t_start = time.perf_counter()
     spec = common.spec_dict(args.speculative_config) or dict(
-        METHOD_SPECS.get(args.method) or common.DEFAULT_SPEC)
+        METHOD_SPECS.get(args.method) or DEFAULT_SPEC)
     cfg = common.spec_config(spec)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
@@ -141,5 +125,4 @@ def run(args) -> int:
 
 
 def _tty() -> bool:
-    import sys
     return sys.stdout.isatty()

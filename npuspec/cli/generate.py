@@ -14,10 +14,15 @@ import json
 import sys
 import time
 
+from npuspec.bench.common import aggregate_metrics
+from npuspec.cli_util import common
+from npuspec.cli_util.common import finite, positive
+from npuspec.cli_util.errors import UsageError
+from npuspec.cli_util.prompts import load_prompts
+from npuspec.engine import LLM, SamplingParams
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli.common import finite, positive
-
     p.add_argument("--model", default="tiny",
                    help="HF checkpoint directory, or a llama.cpp .gguf file (or a directory holding one) "
                         "(default: the embedded tiny model)")
@@ -40,12 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from npuspec import LLM, SamplingParams
-    from npuspec.bench.e2e import aggregate_metrics
-    from npuspec.cli import common
-    from npuspec.cli.errors import UsageError
-    from npuspec.cli.prompts import load_prompts
-
     cfg = common.spec_config(args.speculative_config)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)

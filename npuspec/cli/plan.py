@@ -16,10 +16,16 @@ import json
 import sys
 import warnings
 
+from npuspec.bench.table import print_table
+from npuspec.cli_util import common
+from npuspec.cli_util.common import int_list, positive
+from npuspec.cli_util.errors import UsageError, with_field
+from npuspec.config import SpeculativeConfig
+from npuspec.graphs import plan_capture_sizes
+from npuspec.platform import NPU_MAX_TOKENS_PER_REQUEST, Platform, current_platform
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli.common import int_list
-
     p.add_argument("--speculative-config", required=True, metavar="JSON",
                    help="speculative config (vllm serve --speculative-config schema), inline JSON or a .json file")
     p.add_argument("--max-num-seqs", type=_max_num_seqs, default=64,
@@ -37,7 +43,6 @@ MAX_PLANNED_SEQS = 65536
 
 
 def _max_num_seqs(s: str) -> int:
-    from npuspec.cli.common import positive
     v = positive(s)
     if v > MAX_PLANNED_SEQS:
         raise argparse.ArgumentTypeError(f"{v} is more than {MAX_PLANNED_SEQS}, the most this plan "
@@ -47,8 +52,6 @@ def _max_num_seqs(s: str) -> int:
 
 
 def _platform(device: str | None):
-    from npuspec.platform import NPU_MAX_TOKENS_PER_REQUEST, Platform, current_platform
-
     if device is None:
         return current_platform()
     limit = NPU_MAX_TOKENS_PER_REQUEST if device == "npu" else float("inf")
@@ -59,8 +62,6 @@ def _platform(device: str | None):
 def build_plan(cfg, max_num_seqs: int, sizes=None, platform=None) -> dict:
     """{K: {"sizes", "batches" (using this K), "uncaptured" (batches over the largest size),
     "padding" (mean fraction of padded tokens)}} plus totals."""
-    from npuspec.graphs import plan_capture_sizes
-
     per_k = {}
     for k in cfg.k_values():
         m = k + 1
@@ -96,11 +97,6 @@ def _fmt_ranges(rs) -> str:
 
 
 def run(args) -> int:
-    from npuspec.bench.table import print_table
-    from npuspec.cli import common
-    from npuspec.cli.errors import UsageError, with_field
-    from npuspec.config import SpeculativeConfig
-
     d = common.spec_dict(args.speculative_config)
     if d is None:
         raise UsageError("planning needs a speculative config, e.g. "

@@ -21,12 +21,24 @@ import os
 import sys
 import time
 
+import torch
+
+import npuspec
+from npuspec import train as td
+from npuspec.bench.plots import require_matplotlib
+from npuspec.cli_util import common
+from npuspec.cli_util.common import add_threads_flag, positive
+from npuspec.cli_util.errors import UsageError
+from npuspec.models import load_model, load_tokenizer
+from npuspec.models.config import read_config
+from npuspec.models.draft_config import default_aux_layer_ids, default_block_aux_ids
+from npuspec.models.draft_loading import load_draft
+from npuspec.models.loading import TINY_MODEL_DIR
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from npuspec.cli.common import add_threads_flag, positive
-
     p.add_argument("--target", default="tiny", help="target model: HF checkpoint directory, a .gguf "
                    "file, or 'tiny' (the embedded model)")
     p.add_argument("--method", default="eagle3",
@@ -82,8 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ids(s: str | None, L: int, default: tuple):
-    from npuspec.cli.errors import UsageError
-
     if s is None:
         return default
     try:
@@ -98,9 +108,6 @@ def _ids(s: str | None, L: int, default: tuple):
 
 def _aux_ids(args, L: int) -> tuple:
     """The aux layers the method reads: none for eagle, medusa, mtp (the final hidden)."""
-    from npuspec.cli.errors import UsageError
-    from npuspec.models.draft_loading import default_aux_layer_ids, default_block_aux_ids
-
     if args.method == "eagle3":
         return _ids(args.aux_layer_ids, L, default_aux_layer_ids(L))
     if args.method in ("dflash", "dspark"):
@@ -115,7 +122,6 @@ def _aux_ids(args, L: int) -> tuple:
 def repo_relative(path: str) -> str:
     """`path` relative to the npuspec checkout when it lies inside it (recipes shipped in the
     package must not name the machine they were made on), else unchanged."""
-    import npuspec
     root = os.path.dirname(os.path.dirname(os.path.abspath(npuspec.__file__)))
     full = os.path.abspath(os.path.expanduser(path))
     if os.path.commonpath([root, full]) == root:
@@ -136,8 +142,6 @@ def _command_line(args, parser_defaults: dict) -> str:
 
 def plot_training(path: str, history: dict, method: str) -> None:
     """Training loss per step and held-out acceptance per position (+ expected length)."""
-    from npuspec.bench.plots import require_matplotlib
-
     plt = require_matplotlib()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     ax.plot(history["step"], history["loss"], lw=0.8, color="tab:blue", alpha=0.5)
@@ -173,17 +177,8 @@ def plot_training(path: str, history: dict, method: str) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from npuspec.cli import common
-    from npuspec.cli.errors import UsageError
-    from npuspec.models import load_model, load_tokenizer
-    from npuspec.models import train_draft as td
-    from npuspec.models.loading import TINY_MODEL_DIR
-
     t_wall = time.time()
     if args.plot:
-        from npuspec.bench.plots import require_matplotlib
         require_matplotlib("--plot")  # fail before training, not after
     target_path = common.model_dir(args.target, "--target")
     threads = common.set_threads(args.threads, target_path)
@@ -305,9 +300,6 @@ def _defaults() -> dict:
 
 
 def _check_mtp_out(out: str, target_path: str, tcfg) -> None:
-    from npuspec.cli.errors import UsageError
-    from npuspec.models.config import read_config
-
     if os.path.isfile(os.path.join(out, "config.json")):
         oc = read_config(out)
         if (oc.hidden_size, oc.num_layers, oc.vocab_size) != (tcfg.hidden_size, tcfg.num_layers,
@@ -322,8 +314,6 @@ def _check_mtp_out(out: str, target_path: str, tcfg) -> None:
 
 def _check_load(method, out, tcfg, target, module) -> dict:
     """Read the written draft back with load_draft, as serving will."""
-    from npuspec.models.draft_loading import load_draft
-
     d = load_draft(method, out, tcfg, target)
     mine, theirs = module.state_dict(), d.state_dict()
     diff = max((float((mine[k].float() - theirs[k].float()).abs().max()) for k in mine

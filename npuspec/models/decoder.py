@@ -1,21 +1,35 @@
-"""A compact decoder-only LM (Llama / Qwen2 / Qwen3) over a static, slot-indexed KV cache.
+"""A compact decoder-only LM (Llama / Qwen2 / Qwen3) over a paged KV pool or a dense slot cache.
 
-One forward serves prefill and (speculative) decode:
+One forward serves prefill and (speculative) decode, over either cache layout:
 
-    logits = model(input_ids, positions, slots, cache)
-    # input_ids [B, T] int64, positions [B, T] int64, slots [B] int64 -> logits [B, T, V] fp32
+    logits = model(input_ids, positions, meta_or_slots, cache)
+    # input_ids [B, T] int64, positions [B, T] int64 -> logits [B, T, V] fp32
 
-Row b writes the K/V of its T tokens into cache slot `slots[b]` at `positions[b]`, then each
-query attends to every entry of that slot whose position is <= its own. The mask is built
-from positions alone, so entries past a request's current length (left by rejected draft
-tokens) are invisible, and the next step simply overwrites them: rollback is bookkeeping,
-never a copy. Shapes depend only on (B, T) and the cache size, with no data-dependent Python
+The paged pool (`PagedKVCache`, `allocate_paged_cache`): what the engine's target runs
+(engine/model_runner.py builds the metadata, engine/step.py calls this). K and V are one
+[L, num_blocks * block_size, Hkv, D] tensor each; block 0 is scratch. The third argument is an
+`AttnMetadata`: slot_mapping [B, T] (the pool row each new token's K/V is written to),
+block_table [B, MB] and seq_lens [B] (the KV length after this step's writes). Row b's T tokens
+are the last T of its sequence, and `npuspec::paged_attention` reads each row's first
+seq_lens[b] positions through its block table, never `max_model_len`. Padding rows write the
+scratch block (slot_mapping 0) and have seq_lens 0, so they attend to nothing. Rollback of
+rejected drafts is the next step's smaller seq_lens: stale entries are never read, and are
+overwritten. `forward_features` also returns the hidden states a drafter reads, `hidden` the
+final residual (the prefill step's output).
+
+The dense slot cache (`KVCache`, `allocate_cache`): one row of max_len positions per request,
+used by the `draft_model` drafter (spec_decode/draft_model.py), benchmarks and tests as the
+simple oracle. The third argument is slots [B] int64: row b writes the K/V of its T tokens into
+slot `slots[b]` at `positions[b]`, then each query attends to every entry of that slot whose
+position is <= its own (the mask is built from positions, so entries left by rejected drafts
+are invisible until overwritten). Contract (not checked, to keep the step sync-free):
+0 <= positions < cache.max_len and 0 <= slots < cache.num_slots; padding rows, if any, point at
+a spare scratch slot (allocate one more slot than requests); rows of one step must not write
+the same (slot, position) unless they are scratch.
+
+Either way shapes depend only on (B, T) and the cache size, with no data-dependent Python
 branches and no host syncs, so the forward can be torch.compile'd and captured in graphs.
-
-Contract (not checked, to keep the step sync-free): 0 <= positions < cache.max_len and
-0 <= slots < cache.num_slots. Padding rows should point at a spare scratch slot (e.g. the
-engine allocates max_num_seqs + 1 slots and pads with the last slot at position 0); rows of
-one step must not write the same (slot, position) unless they are scratch.
+`forward_causal` is a cache-free causal forward, for training.
 
 Weights are stored fused (q|k|v and gate|up) to halve the number of matmuls per layer;
 `npuspec.models.loading` maps HF names in and out.
@@ -54,8 +68,9 @@ class KVCache:
 
 @dataclasses.dataclass
 class PagedKVCache:
-    """A pool of fixed-size blocks per layer (DESIGN.md §7). Pool row r = block r // block_size,
-    offset r % block_size. Block 0 is scratch: padding tokens write there, no request owns it."""
+    """A pool of fixed-size blocks per layer (docs/engine.md, "Paged KV and attention"). Pool
+    row r = block r // block_size, offset r % block_size. Block 0 is scratch: padding tokens
+    write there, no request owns it."""
     k: torch.Tensor  # [L, num_blocks * block_size, Hkv, D]
     v: torch.Tensor
     block_size: int

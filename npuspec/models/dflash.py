@@ -35,7 +35,7 @@ from npuspec.models.decoder import AttnMetadata, PagedKVCache, RMSNorm, _linear
 from npuspec.models.eagle import DraftLayer, PagedDraft, to_target_vocab, vocab_index
 
 if TYPE_CHECKING:
-    from npuspec.models.draft_loading import DraftConfig
+    from npuspec.models.draft_config import DraftConfig
 
 
 class DFlashDraft(PagedDraft):

@@ -1,6 +1,7 @@
 """Read and write DFlash and DSpark drafter checkpoints (drafters.md §1.3, §1.7, §7.1, §8.2).
 
-`draft_loading.load_draft` / `save_draft` call `load` / `export` for the two methods:
+`draft_loading.load_draft` / `save_draft` call `load` / `export` for the two methods (the
+shared helpers are in draft_io.py):
 
     dflash "zlab"        architectures [DFlashDraftModel], model_type qwen3|llama, block_size,
                          num_target_layers, dflash_config {mask_token_id, target_layer_ids,
@@ -29,10 +30,11 @@ import os
 import torch
 
 from npuspec.models.config import ModelConfig
-from npuspec.models.draft_loading import (
-    DraftConfig, _check_layer_config, _check_same, _check_vocab_map, _layer_dict, _layer_fields,
-    _load_pickle, _materialize, _model_config, _nested, _rename, _shared, _strip, _target_embed,
-    _target_head, _unknown_format, _wrong_method, default_block_aux_ids)
+from npuspec.models.draft_config import DraftConfig, default_block_aux_ids
+from npuspec.models.draft_io import (
+    _check_layer_config, _check_same, _check_vocab_map, _layer_dict, _layer_fields, _load_pickle,
+    _materialize, _model_config, _nested, _rename, _shared, _strip, _target_embed, _target_head,
+    _unknown_format, _wrong_method)
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ Each is one (or a few) Llama-style decoder layers fed a token embedding and a ta
 final=draft.final_feature)` returns. The draft's K/V lives in its own pool with the target
 pool's geometry (`allocate_paged_cache`), addressed by the target's block tables and slot
 mappings. Parameter names are the HF checkpoint names (`self_attn.q_proj`, `mlp.gate_proj`,
-...), so `draft_loading` only renames prefixes.
+...), so the checkpoint readers (draft_formats.py) only rename prefixes.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from npuspec.models.decoder import (AttnMetadata, PagedKVCache, RMSNorm, _linear
 
 if TYPE_CHECKING:
     from npuspec.models.decoder import DecoderLM
-    from npuspec.models.draft_loading import DraftConfig
+    from npuspec.models.draft_config import DraftConfig
 
 
 class Attention(nn.Module):

@@ -11,6 +11,7 @@ import torch
 
 from npuspec.models.config import ModelConfig, read_config
 from npuspec.models.decoder import DecoderLM
+from npuspec.models.gguf import find_gguf, load_gguf_tokenizer, read_gguf, read_gguf_config
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 
@@ -128,12 +129,8 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
     """Read config.json and every *.safetensors shard of an HF checkpoint directory, or a
     llama.cpp GGUF file (a `.gguf` path, or a directory holding one GGUF and no safetensors;
     its tensors are dequantised to float32, see npuspec.models.gguf)."""
-    from npuspec.models.gguf import find_gguf
-
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        from npuspec.models.gguf import read_gguf
-
         cfg, hf = read_gguf(gguf_file)
         return _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file, "the GGUF metadata",
                             dtype, device)
@@ -221,8 +218,6 @@ def _build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], source: str, con
 def read_model_config(path: str = "tiny") -> ModelConfig:
     """The ModelConfig of whatever `load_model(path)` would load (HF directory or GGUF), without
     reading the weights."""
-    from npuspec.models.gguf import find_gguf, read_gguf_config
-
     gguf_file = find_gguf(path)
     if gguf_file is not None:
         return read_gguf_config(gguf_file)
@@ -232,12 +227,8 @@ def read_model_config(path: str = "tiny") -> ModelConfig:
 def load_tokenizer(path: str = "tiny"):
     """tokenizers.Tokenizer from `tokenizer.json` (or a GGUF file's tokenizer metadata), or None
     when there is none."""
-    from npuspec.models.gguf import find_gguf
-
     gguf_file = find_gguf(path)
     if gguf_file is not None:
-        from npuspec.models.gguf import load_gguf_tokenizer
-
         return load_gguf_tokenizer(gguf_file)
     model_dir = resolve_model_dir(path)
     tok_path = os.path.join(model_dir, "tokenizer.json")

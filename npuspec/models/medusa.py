@@ -19,7 +19,7 @@ from npuspec.models.decoder import _linear
 
 if TYPE_CHECKING:
     from npuspec.models.decoder import DecoderLM
-    from npuspec.models.draft_loading import DraftConfig
+    from npuspec.models.draft_config import DraftConfig
 
 
 class ResBlocks(nn.Module):

@@ -25,7 +25,7 @@ from npuspec.models.decoder import AttnMetadata, PagedKVCache, RMSNorm, _linear
 from npuspec.models.eagle import DraftLayer, PagedDraft
 
 if TYPE_CHECKING:
-    from npuspec.models.draft_loading import DraftConfig
+    from npuspec.models.draft_config import DraftConfig
 
 
 class SharedHead(nn.Module):

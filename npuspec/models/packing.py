@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from npuspec.kernels import linear_packed_cpu as lp
+from npuspec.models.eagle import MLP, Attention
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,6 @@ def pack_draft(module: nn.Module) -> bool:
     """Pack a drafter (npuspec.models.eagle / mtp / medusa) for inference, as pack_model does a
     target: q|k|v and gate|up fused into one packed weight each, every other projection packed.
     Returns whether it is packed (a CPU model in a kernel dtype with a C++ toolchain)."""
-    from npuspec.models.eagle import MLP, Attention
     w = next(module.parameters())
     if not (w.device.type == "cpu" and w.dtype in lp.WEIGHT_DTYPES and lp.can_pack()):
         return False

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from npuspec.models.decoder import DecoderLM, TPShard
+from npuspec.models.eagle import MLP, Attention
 
 
 def check_shardable(cfg, world: int, key: str = "LLM: tensor_parallel_size") -> None:
@@ -128,7 +129,6 @@ def shard_draft(module: nn.Module, rank: int, world: int) -> nn.Module:
     Medusa's residual blocks) stays whole on every rank; what it shares with the target is
     the target's shard, so each rank must run the drafter (draft_tensor_parallel_size = N).
     Call before npuspec.models.packing.pack_draft."""
-    from npuspec.models.eagle import MLP, Attention
     cfg = module.config
     if any(isinstance(m, (Attention, MLP)) for m in module.modules()):
         check_shardable(cfg, world, "speculative_config.draft_tensor_parallel_size")

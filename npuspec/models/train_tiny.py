@@ -31,7 +31,7 @@ import torch
 
 from npuspec.models.config import ModelConfig
 from npuspec.models.decoder import DecoderLM
-from npuspec.models.loading import save_model
+from npuspec.models.loading import load_model, save_model
 
 EOT = "<|endoftext|>"
 SAMPLE_PROMPTS = ["def __init__(self", "import os\n", "for i in range(", "class Queue:\n",
@@ -219,7 +219,6 @@ def checkpoint(model, cfg, tok, val, args, steps_done, train_tokens, seconds):
             "train_tokens": train_tokens, "val_loss": round(val_loss, 4), "train_seconds": round(seconds)}
     save(model, cfg, tok, args.out, meta)
     # samples come from the saved (fp16-rounded) weights, i.e. exactly what ships
-    from npuspec.models.loading import load_model
     _, shipped = load_model(args.out)
     samples = [greedy(shipped, tok, p, 64) for p in SAMPLE_PROMPTS]
     with open(os.path.join(args.out, "samples.txt"), "w") as f:

@@ -1,5 +1,6 @@
-"""`npuspec serve`: an OpenAI-compatible HTTP server over the offline engine (DESIGN.md §9).
+"""`npuspec serve`: an OpenAI-compatible HTTP server over the offline engine (docs/serving.md).
 
+    args.py      the server's flags (vllm serve's), checked, and the LLM they build
     app.py       FastAPI routes, SSE streaming, API key, error bodies
     protocol.py  OpenAI request bodies -> engine requests (every field honoured or refused)
     core.py      the engine process: owns the LLM, runs LLM.step(), one message per step
@@ -9,4 +10,6 @@
     metrics.py   Prometheus metrics, vLLM's names under the npuspec: prefix
 
 Needs the [serve] extra (fastapi, uvicorn, prometheus_client, jinja2). See docs/serving.md.
+The `npuspec serve` subcommand (npuspec/cli/serve.py) starts it; the package imports nothing
+from npuspec.cli.
 """

@@ -8,12 +8,14 @@ a stream interleaves the choices' chunks as their tokens come.
 # no `from __future__ import annotations`: FastAPI reads the routes' `Request` annotations,
 # which must be the class itself (it is imported inside build_app)
 import asyncio
+import contextlib
 import hmac
 import json
 import time
 import uuid
 from typing import Optional
 
+from npuspec.cli_util.errors import MissingExtra
 from npuspec.serve import protocol
 from npuspec.serve.engine import AsyncEngine, EngineDead
 from npuspec.serve.protocol import APIError, GenRequest, ServerContext
@@ -22,13 +24,11 @@ from npuspec.serve.text import TextStream
 
 def build_app(llm, served_names: list[str], api_key: Optional[str] = None, metrics=None,
               chat_template=None, chat_missing: str = ""):
-    try:
+    try:  # the [serve] extra
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, Response, StreamingResponse
     except ImportError:
-        from npuspec.cli.errors import MissingExtra
         raise MissingExtra("fastapi", "serve", "npuspec serve") from None
-    import contextlib
 
     engine = AsyncEngine(llm, metrics)
     ctx = ServerContext(served_names, llm.max_model_len, _token_counter(llm),

@@ -11,15 +11,16 @@ import json
 import os
 from typing import Optional
 
-from npuspec.models.gguf import find_gguf
+from npuspec.cli_util.errors import MissingExtra
+from npuspec.models.gguf import find_gguf, read_gguf_chat_template
+from npuspec.models.loading import resolve_model_dir
 
 
 class ChatTemplate:
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "", origin: str = ""):
-        try:
+        try:  # the [serve] extra
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
-            from npuspec.cli.errors import MissingExtra
             raise MissingExtra("jinja2", "serve", "chat templates") from None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
@@ -50,7 +51,6 @@ def load_chat_template(model: str) -> Optional[ChatTemplate]:
     gguf_file = find_gguf(model)
     if gguf_file is not None:
         return _gguf_template(gguf_file)
-    from npuspec.models.loading import resolve_model_dir
     d = resolve_model_dir(model)
     cfg_path = os.path.join(d, "tokenizer_config.json")
     cfg = {}
@@ -75,7 +75,6 @@ def load_chat_template(model: str) -> Optional[ChatTemplate]:
 
 
 def _gguf_template(path: str) -> Optional[ChatTemplate]:
-    from npuspec.models.gguf import read_gguf_chat_template
     src, bos, eos = read_gguf_chat_template(path)
     return ChatTemplate(src, bos, eos, path) if src else None
 

@@ -31,6 +31,9 @@ import signal
 import traceback
 from typing import NamedTuple, Optional
 
+from npuspec.cli_util.errors import USER_ERRORS
+from npuspec.serve.args import build_llm
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +67,7 @@ class ErrorInfo:
     type_name: str
     message: str
     field: Optional[str]
-    usage: bool           # one of cli.errors.USER_ERRORS: bad input, not a bug
+    usage: bool           # one of cli_util.errors.USER_ERRORS: bad input, not a bug
     traceback: str
 
 
@@ -74,7 +77,6 @@ def engine_main(conn, args) -> None:
     # sends "stop", so this process must not die of the signal first
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from npuspec.cli.serve import build_llm
     try:
         llm = build_llm(args)
     except BaseException as e:  # noqa: B902 - every load failure goes back as a message
@@ -96,7 +98,6 @@ def engine_main(conn, args) -> None:
 
 
 def _error_info(e: BaseException) -> ErrorInfo:
-    from npuspec.cli.errors import USER_ERRORS
     return ErrorInfo(type(e).__name__, str(e), getattr(e, "field", None),
                      isinstance(e, USER_ERRORS), traceback.format_exc())
 

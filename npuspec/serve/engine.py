@@ -15,14 +15,23 @@ at once (`Delta` merges them), so a slow client never slows the engine.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
+import multiprocessing as mp
 import queue
 import threading
 import time
 from typing import AsyncIterator, Optional
 
+import numpy as np
+
+from npuspec.cli_util.errors import UsageError
+from npuspec.engine.request import parse_requests
+from npuspec.engine.sampling import SamplingParams
+from npuspec.models import load_tokenizer
 from npuspec.serve import core
+from npuspec.serve.args import llm_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +54,6 @@ class EngineClient:
     """The engine process and what the HTTP side needs to know of its model."""
 
     def __init__(self, args):
-        import multiprocessing as mp
-
-        import numpy as np
-
-        from npuspec.cli.serve import llm_kwargs
-        from npuspec.models import load_tokenizer
-
         llm_kwargs(args)  # the flag checks that need no model: fail before a process starts
         ctx = mp.get_context("spawn")  # never fork a process that has imported torch
         self.conn, child = ctx.Pipe(duplex=True)
@@ -62,7 +64,6 @@ class EngineClient:
                                 name="npuspec-engine", daemon=not tp)
         self.proc.start()
         if tp:
-            import atexit
             atexit.register(self.close)  # runs before multiprocessing joins its children
         child.close()  # else this process would never see the engine's end close
         msg = self._wait_ready()
@@ -95,9 +96,6 @@ class EngineClient:
 
     def new_request(self, prompt, params=None, request_id: Optional[str] = None):
         """A checked request, as LLM.new_request makes one (ValueError on a bad prompt)."""
-        from npuspec.engine.request import parse_requests
-        from npuspec.engine.sampling import SamplingParams
-
         params = SamplingParams() if params is None else params
         if isinstance(params, SamplingParams) and not params.greedy and params.seed is None:
             params = dataclasses.replace(params, seed=int(self._rng.integers(2**62)))
@@ -129,7 +127,6 @@ class EngineClient:
 def _relay(info) -> Exception:
     """The load's exception, raised again here: a usage error keeps its field (exit 2)."""
     if info.usage:
-        from npuspec.cli.errors import UsageError
         e = UsageError(info.message)
         e.field = info.field
         return e

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from npuspec.cli_util.errors import MissingExtra
+
 # vLLM's buckets for request latencies (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -20,10 +22,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 class ServerMetrics:
     def __init__(self, model_name: str, k_max: int, num_blocks: int):
-        try:
+        try:  # the [serve] extra
             import prometheus_client as pc
         except ImportError:
-            from npuspec.cli.errors import MissingExtra
             raise MissingExtra("prometheus_client", "serve", "npuspec serve") from None
         self._pc = pc
         pc.disable_created_metrics()  # as vLLM does: no *_created series beside each metric

@@ -103,7 +103,7 @@ def test_bad_variable_fails_llm_before_loading(monkeypatch, name, value, what):
 
 @pytest.mark.parametrize("name,value,what", BAD_ENV, ids=ENV_IDS)
 def test_bad_variable_through_torch_compile_is_not_wrapped(monkeypatch, name, value, what):
-    from npuspec.backend import BackendUserError
+    from npuspec.compilation.backend import BackendUserError
     value = _set(monkeypatch, name, value)
     torch._dynamo.reset()
     f = torch.compile(lambda x: x * 2 + 1, backend="npuspec",
@@ -131,7 +131,7 @@ def test_bad_option_through_torch_compile_is_not_wrapped():
     ({"cache_dir": "/etc/passwd"}, ["options['cache_dir']='/etc/passwd'", "not a directory"]),
 ])
 def test_bad_backend_options(options, needles):
-    from npuspec.backend import BackendOptions
+    from npuspec.compilation.backend import BackendOptions
     with pytest.raises(ValueError) as ei:
         BackendOptions.from_dict(options)
     for n in needles:
@@ -139,7 +139,7 @@ def test_bad_backend_options(options, needles):
 
 
 def test_bad_backend_mode():
-    from npuspec.backend import BackendOptions
+    from npuspec.compilation.backend import BackendOptions
     with pytest.raises(ValueError, match="mode='fastest' is not a torch.compile mode.*'default'"):
         BackendOptions.from_dict({}, mode="fastest")
 

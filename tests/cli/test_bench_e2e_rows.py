@@ -51,7 +51,7 @@ def _run(args, tmp_path, capsys):
 # ---- units ------------------------------------------------------------------------------------
 
 def test_left_pad():
-    from npuspec.bench.e2e import left_pad
+    from npuspec.bench.hf_runners import left_pad
 
     ids, mask = left_pad([[5, 6, 7], [8], [9, 10]], pad=0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]]
@@ -61,8 +61,8 @@ def test_left_pad():
 def test_spec_from_flag_reads_tune_json(tmp_path):
     """A file `npuspec tune --json` wrote ({"speculative_config": ..., "acceptance": ...}) is
     unwrapped; a bare config file and inline JSON pass through; the table validates."""
-    from npuspec.bench.e2e import spec_from_flag
-    from npuspec.cli import common
+    from npuspec.bench.common import spec_from_flag
+    from npuspec.cli_util import common
 
     cfg = {"method": "ngram", "num_speculative_tokens": 3,
            "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 8, 1]]}
@@ -83,7 +83,8 @@ def test_hf_batched_runner_batch_one_is_hf_greedy(tiny_available):
     pytest.importorskip("transformers")
     import functools
 
-    from npuspec.bench.e2e import encode, hf_batched_runner, hf_runner, load_hf
+    from npuspec.bench.common import encode
+    from npuspec.bench.hf_runners import hf_batched_runner, hf_runner, load_hf
     from npuspec.models.loading import read_model_config
 
     ids = encode(tiny_available, PROMPTS)
@@ -172,7 +173,7 @@ def test_max_model_len_flag(tiny_available, prompts_file, stub_bandwidth, tmp_pa
 def test_interleaved_rounds_rotate(rotate, want):
     """`rotate=True` (bench hf): round i starts at row i, so no row always follows the same
     one; without it every round runs in the rows' order."""
-    from npuspec.bench.e2e import Runner, run_interleaved
+    from npuspec.bench.common import Runner, run_interleaved
 
     seen = []
 

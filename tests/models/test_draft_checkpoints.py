@@ -623,7 +623,7 @@ def test_compiles_with_dynamic_batch_without_graph_breaks(tiny, method):
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
 def test_damaged_draft_weights_name_the_file(damage, tmp_path):
-    from npuspec.engine.drafting import resolve_draft
+    from npuspec.spec_decode.heads import resolve_draft
     cfg, target = load_model("tiny")
     d = tmp_path / "head"
     shutil.copytree(resolve_draft("tiny-eagle3"), d)

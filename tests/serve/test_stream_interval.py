@@ -45,7 +45,7 @@ def test_interval_one_sends_every_step():
 @pytest.fixture(scope="module")
 def engine():
     pytest.importorskip("fastapi")
-    from npuspec.cli.serve import add_arguments
+    from npuspec.serve.args import add_arguments
     from npuspec.models import TINY_MODEL_DIR
     from npuspec.serve.engine import EngineClient
     p = argparse.ArgumentParser()

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 
-from npuspec.cli.errors import UsageError
+from npuspec.cli_util.errors import UsageError
+from npuspec.models.gguf import is_gguf_path
 
 CODE_EDIT = "code-edit"
 BUILTIN_SETS = (CODE_EDIT,)
@@ -97,8 +98,6 @@ def chat_tokenizer(model: str):
         from transformers import AutoTokenizer
     except ImportError:
         return None
-    from npuspec.models.gguf import is_gguf_path
-
     transformers.logging.set_verbosity_error()
     try:
         if is_gguf_path(model):

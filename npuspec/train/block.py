@@ -1,7 +1,7 @@
 """Training objective of the block drafters DFlash and DSpark (`npuspec.models.dflash`), used by
-`npuspec.models.train_draft.train` for `--method dflash|dspark` (facts: drafters.md §7, §8.3).
+`npuspec.train.train` for `--method dflash|dspark` (facts: drafters.md §7, §8.3).
 
-Serving (engine/dflash_step.py) drafts one block per round: the context c = hidden_norm(fc(aux))
+Serving (spec_decode/dflash_step.py) drafts one block per round: the context c = hidden_norm(fc(aux))
 of positions 0..a-1 gives every draft layer's context K/V, and the block [x_a, MASK x (S-1)] at
 positions a..a+S-1 attends non-causally to that context and to itself. Training does the same for
 many random anchors a per sequence in one dense forward (`dense_block`): the blocks of all anchors
@@ -15,7 +15,7 @@ is slot k+1 (the anchor slot drafts nothing; K = S-1), DSpark's is slot k (K = S
 Losses (position weights w_k = exp(-k/gamma), weighted means over valid drafts):
     dflash  soft cross-entropy against softmax(z_{a+k}). Chosen over CE on the corpus tokens
             because serving accepts a draft when it equals the TARGET's token, and the corpus
-            text is not the target's output; this matches the other methods in train_draft.
+            text is not the target's output; this matches the other methods (chain.py).
     dspark  (DeepSpec loss.py) 0.1 CE(gold x_{a+1+k}) + 0.9 ||p_draft - p_target||_1
             + 1.0 BCE(confidence logit, accept), accept = clamp(1 - ½||p_d - p_t||_1, 0, 1)
             detached; the Markov head is teacher-forced: prev_k = x_{a+k} (the anchor, then gold).
@@ -137,7 +137,7 @@ def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class BlockObjective:
-    """Loss and held-out acceptance of a DFlash / DSpark draft over train_draft Batches. Anchors
+    """Loss and held-out acceptance of a DFlash / DSpark draft over `npuspec.train.data.Batch`es. Anchors
     are drawn from `gen` (the data generator, which the training state saves), so a resumed run
     draws the same ones."""
 

@@ -1,4 +1,4 @@
-"""npuspec train-draft (npuspec/models/train_draft.py, npuspec/cli/train_draft.py).
+"""npuspec train-draft (npuspec/train, npuspec/cli/train_draft.py).
 
 The dense training forward must equal the serving module's paged forward (else training and
 serving disagree); resuming must reproduce the uninterrupted run bit for bit; each method's
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from npuspec.models import AttnMetadata, load_model
-from npuspec.models import train_draft as td
-from npuspec.models.draft_loading import default_aux_layer_ids, load_draft
+from npuspec import train as td
+from npuspec.models.draft_config import default_aux_layer_ids
+from npuspec.models.draft_loading import load_draft
 
 METHODS = ("eagle3", "eagle", "medusa", "mtp")
 
@@ -95,7 +96,7 @@ def test_dense_equals_paged(tiny, method):
         torch.testing.assert_close(dense[0][1], next_h, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(m.logits(dense[0][0]), logits, rtol=1e-4, atol=1e-4)
         # the training logits (draft vocabulary) are the served ones at the mapped ids
-        obj = td._Objective(m, target, cfg)
+        obj = td.ChainObjective(m, target, cfg)
         ld = obj._draft_logits(dense[0][0])
         ids_t = obj.used if method == "eagle3" else torch.arange(tcfg.vocab_size)
         torch.testing.assert_close(ld, logits[..., ids_t], rtol=1e-4, atol=1e-4)
@@ -218,7 +219,7 @@ def test_draft_vocab_map():
 
 
 def test_train_from_hidden_states_files(tiny, corpus, tmp_path):
-    from npuspec.engine.hidden_states import HiddenStatesWriter
+    from npuspec.spec_decode.extract_files import HiddenStatesWriter
 
     tcfg, target = tiny
     aux = default_aux_layer_ids(tcfg.num_layers)
@@ -317,8 +318,8 @@ def test_cli_plot(tmp_path, capsys):
     assert png.stat().st_size > 1000
 
 
-# ---- block drafters: DFlash, DSpark (npuspec/models/train_block.py) ------------------------------
-from npuspec.models import train_block as tb  # noqa: E402
+# ---- block drafters: DFlash, DSpark (npuspec/train/block.py) -------------------------------------
+from npuspec.train import block as tb  # noqa: E402
 
 BLOCK = ("dflash", "dspark")
 
@@ -335,7 +336,7 @@ def _block_draft(target, method, block_size=5, layers=2, aux=(2, 4)):
 def test_block_dense_equals_paged(tiny, method):
     """The dense training forward over many anchors == the engine's paged path per anchor:
     DFlashContext writes positions < a, the draft's block forward, DFlashBlock's drafts."""
-    from npuspec.engine.dflash_step import DFlashBlock, DFlashContext
+    from npuspec.spec_decode.dflash_step import DFlashBlock, DFlashContext
 
     tcfg, target = tiny
     cfg, m = _block_draft(target, method)

@@ -1,20 +1,40 @@
-"""Argument checks shared by the subcommands, each turning a bad value into a UsageError that
-names the flag, and a progress bar that only draws on a terminal."""
+"""Argument checks shared by every command line (the CLI's subcommands, the server, the benches,
+train-draft), each turning a bad value into a UsageError that names the flag; the default
+speculative configs; and a progress bar that only draws on a terminal."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 
-from npuspec.cli.errors import UsageError, with_field
+import torch
+
+from npuspec.cli_util.errors import UsageError, with_field
+from npuspec.config import SpeculativeConfig
+from npuspec.models.gguf import find_gguf, is_gguf_path
+from npuspec.models.loading import TINY_MODEL_DIR, load_tokenizer, read_model_config
 
 SPEC_FLAG = "--speculative-config"
 # The demo's default: HF prompt lookup's matching rule (longest n-gram of 3 down to 1) with
 # K=4; on the embedded model this accepts ~1.3 drafts per step on the demo prompts.
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                 "prompt_lookup_max": 3}
+# `npuspec demo --method M` (and the benches' method rows): the embedded model's default
+# speculative config per method (K = 4; the tiny heads are trained by `npuspec train-draft`,
+# see npuspec/models/tiny_drafts)
+METHOD_SPECS = {
+    "ngram": None,  # DEFAULT_SPEC
+    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
+    "eagle": {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 4},
+    "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4},
+    "medusa": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
+    "mtp": {"method": "mtp", "num_speculative_tokens": 4},
+    "dflash": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 7},
+    "dspark": {"method": "dspark", "model": "tiny-dspark", "num_speculative_tokens": 7},
+}
 
 
 def spec_dict(value: str | dict | None, field: str = SPEC_FLAG) -> dict | None:
@@ -44,8 +64,6 @@ def spec_dict(value: str | dict | None, field: str = SPEC_FLAG) -> dict | None:
 
 def spec_config(value, field: str = SPEC_FLAG):
     """Validated npuspec.SpeculativeConfig (or None); errors name the flag and the key."""
-    from npuspec.config import SpeculativeConfig
-
     d = spec_dict(value, field)
     if d is None:
         return None
@@ -59,9 +77,6 @@ def model_dir(path: str | None, field: str = "--model") -> str:
     """The model to load: an HF checkpoint directory with a readable config.json ('tiny' = the
     embedded model), a llama.cpp `.gguf` file, or a directory holding one GGUF (returned as the
     file's path). The config is read here, so a bad path fails before any weights are loaded."""
-    from npuspec.models.gguf import find_gguf
-    from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
-
     try:
         gguf_file = find_gguf(path or "tiny")
         d = gguf_file or resolve_model_path(path or "tiny")
@@ -79,8 +94,6 @@ def model_dir(path: str | None, field: str = "--model") -> str:
 
 def resolve_model_path(path: str) -> str:
     """An HF checkpoint directory (or 'tiny'); anything else is an error naming what is accepted."""
-    from npuspec.models.loading import TINY_MODEL_DIR
-
     if path in ("tiny", None):
         return TINY_MODEL_DIR
     p = os.path.expanduser(str(path))
@@ -94,8 +107,6 @@ def resolve_model_path(path: str) -> str:
 
 def is_gguf_model(path: str) -> bool:
     """Whether model_dir() resolved `path` to a GGUF file."""
-    from npuspec.models.gguf import is_gguf_path
-
     return is_gguf_path(path) and os.path.isfile(path)
 
 
@@ -104,8 +115,6 @@ def check_draft(target_dir: str, spec, field: str = SPEC_FLAG) -> str | None:
     vocabulary (a draft token id must mean the same token to the target)."""
     if spec is None or not spec.model or spec.method != "draft_model":
         return None  # hidden-state drafters: load_draft checks them against the target
-    from npuspec.models.loading import load_tokenizer, read_model_config
-
     draft_dir = model_dir(spec.model, f"{field} model")
     tv, dv = read_model_config(target_dir).vocab_size, read_model_config(draft_dir).vocab_size
     if tv != dv:
@@ -126,8 +135,6 @@ def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16
     max_tokens, rounded up to 64 and capped at the model's max_position_embeddings: the
     smallest KV pool (attention reads each request's live length whatever this is).
     None (the engine's default) when text prompts meet a checkpoint without a tokenizer."""
-    from npuspec.models.loading import load_tokenizer, read_model_config
-
     texts = [p for p in prompts if isinstance(p, str)]
     lengths = [len(p) for p in prompts if not isinstance(p, str)]
     if texts:
@@ -149,9 +156,6 @@ def set_threads(n: int | None, model_dir: str | None = None) -> int:
     """Apply --threads. The embedded model's matmuls are a few microseconds: with more threads
     the synchronisation costs more than it saves, and on a shared machine a preempted thread
     stalls every op (we measured 20x slower steps at 2 threads on a loaded 2-core box)."""
-    import torch
-
-    from npuspec.models.loading import TINY_MODEL_DIR
     if n is None and model_dir is not None and os.path.realpath(model_dir) == os.path.realpath(TINY_MODEL_DIR):
         n = 1
     if n is not None:
@@ -172,7 +176,6 @@ def positive(s: str) -> int:
 
 def finite(s: str) -> float:
     """argparse type: a finite number (float() also takes 'nan' and 'inf')."""
-    import math
     try:
         v = float(s)
     except ValueError:
