@@ -1,4 +1,4 @@
-"""Process-wide event counters (DESIGN.md §3.6).
+"""Process-wide event counters (docs/design.md, "Counters").
 
 Tests assert on deltas, so every silent behaviour change (a recompile, a missed match, a skipped
 capture, a cache fault) has to bump one of these.

@@ -1,4 +1,4 @@
-"""The one place that reads the environment (DESIGN.md §3.2).
+"""The one place that reads the environment (docs/design.md, "Environment variables").
 
 Every NPUSPEC_* variable is declared here with a typed parser. Call the accessor each time you
 need the value (they are cheap); nothing caches os.environ, so tests can monkeypatch it. What is

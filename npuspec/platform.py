@@ -1,4 +1,4 @@
-"""Which device we run on, and what it can do (DESIGN.md §5).
+"""Which device we run on, and what it can do (docs/design.md, "Platforms").
 
 torch_npu is imported only while probing for an NPU, and any failure of that import (absent, or
 installed without CANN, which raises on libhccl.so) means "no NPU", logged once at DEBUG.

@@ -1,4 +1,5 @@
-"""SpeculativeConfig: every DESIGN.md §3.1 rule, round trips, and the vLLM Ascend guide's examples."""
+"""SpeculativeConfig: every rule of docs/engine.md ("speculative_config: keys and rules"), round
+trips, and the vLLM Ascend guide's examples."""
 import json
 
 import pytest

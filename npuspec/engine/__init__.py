@@ -1,4 +1,4 @@
-"""The offline engine: `npuspec.LLM` and `npuspec.SamplingParams` (DESIGN.md §3.7).
+"""The offline engine: `npuspec.LLM` and `npuspec.SamplingParams` (docs/engine.md).
 
 Shaped like vLLM's offline API, so that the vLLM Ascend speculative decoding guide's examples
 port directly:

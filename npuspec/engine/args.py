@@ -4,22 +4,26 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import sys
 from typing import Any, Optional
 
 import torch
 
+from npuspec import envs
 from npuspec.config import ADDITIONAL_KEYS, SpeculativeConfig, merge_additional_config
 from npuspec.engine.sampling import ArgTypeError, a_type
+from npuspec.methods import METHODS
+from npuspec.spec_decode.heads import TINY_DRAFTS, head_path, resolve_draft
 
 log = logging.getLogger("npuspec.engine")
 
-ENGINE_METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp", "medusa",
-                  "dflash", "dspark", "extract_hidden_states")
+ENGINE_METHODS = tuple(METHODS)  # every method of the registry runs in the engine
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 COMPILATION_KEYS = ("cudagraph_capture_sizes", "cudagraph_mode", "backend")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 DEFAULT_MAX_NUM_SEQS = 16
+LAUNCHERS = ("mp", "external_launcher")  # distributed_executor_backend
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -51,17 +55,16 @@ def parse_model(model: Any) -> str:
     return model
 
 
-def parse_tp(tp: Any, backend: Any) -> tuple[int, str]:
-    """-> (tensor_parallel_size, launcher: "mp" | "external_launcher"); docs/distributed.md."""
-    from npuspec import envs
-    from npuspec.engine.tp import LAUNCHERS, WORKER
+def parse_tp(tp: Any, backend: Any, spawned: bool = False) -> tuple[int, str]:
+    """-> (tensor_parallel_size, launcher: "mp" | "external_launcher"); docs/distributed.md.
+    `spawned`: a worker rank 0 started, which checked all this."""
     pos_int("tensor_parallel_size", tp)
     if backend is not None and backend not in LAUNCHERS:
         raise arg_error("distributed_executor_backend", backend,
                         f"use one of {', '.join(map(repr, LAUNCHERS))} (or None: 'mp', or "
                         f"'external_launcher' under torchrun)")
     launched = envs.torchrun_rank()
-    if WORKER is not None:  # a worker rank 0 spawned: it checked all this
+    if spawned:
         return tp, "mp"
     if launched is not None and launched[1] > 1:
         rank, world, _ = launched
@@ -89,7 +92,7 @@ def parse_draft_tp(spec, world: int) -> bool:
     `draft_tensor_parallel_size` (1 or N, checked by SpeculativeConfig) defaults to N for
     model drafters, as in vLLM; host proposers (ngram, suffix) and extract_hidden_states run
     on rank 0 whatever it says."""
-    if spec is None or spec.method in ("ngram", "suffix", "extract_hidden_states"):
+    if spec is None or METHODS[spec.method].host_only:
         return False
     dtp = spec.draft_tensor_parallel_size
     return (world if dtp is None else dtp) == world
@@ -119,9 +122,10 @@ def parse_dtype(dtype: Any) -> torch.dtype:
 
 def _default_lowering() -> Optional[str]:
     # The knob is `npuspec.engine.DEFAULT_LOWERING` (tests set it with monkeypatch), so it is
-    # read on the package at call time rather than copied into this module.
-    import npuspec.engine
-    return npuspec.engine.DEFAULT_LOWERING
+    # read on the package at call time rather than copied into this module. The package is
+    # always loaded (this module is in it); reading it from sys.modules keeps the package's
+    # __init__, which imports this module, out of this module's imports.
+    return getattr(sys.modules["npuspec.engine"], "DEFAULT_LOWERING")
 
 
 def parse_compilation(cc: Any, enforce_eager: bool) -> tuple[Any, Optional[list], Optional[str]]:
@@ -187,10 +191,6 @@ def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfi
     d = merge_additional_config(spec, additional)
     cfg = SpeculativeConfig.from_dict(d, tensor_parallel_size=tp,
                                       device=current_platform().device)
-    if cfg.method not in ENGINE_METHODS:
-        raise NotImplementedError(
-            f"speculative_config.method={cfg.method!r} is not implemented yet in npuspec's "
-            f"engine; use one of {', '.join(ENGINE_METHODS)} (or drop speculative_config)")
     check_draft_path(cfg)
     return cfg
 
@@ -198,9 +198,7 @@ def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfi
 def check_draft_path(cfg: SpeculativeConfig) -> None:
     """The draft checkpoint named by speculative_config.model exists, checked before the
     target loads, with an error that says it is the draft's path (not the target's)."""
-    from npuspec.engine.drafting import TINY_DRAFTS, resolve_draft
-    if cfg.model in (None, "tiny") or cfg.method in ("mtp", "ngram", "suffix",
-                                                     "extract_hidden_states"):
+    if cfg.model in (None, "tiny") or not METHODS[cfg.method].needs_model:
         return  # "tiny": the embedded model (a draft for itself, in tests and demos)
     path = os.path.expanduser(resolve_draft(cfg.model))
     gguf_ok = cfg.method == "draft_model" and path.lower().endswith(".gguf")
@@ -273,8 +271,7 @@ def draft_kv_bytes(spec: Optional[SpeculativeConfig], target_cfg, target_path: s
     a scratch one), or a hidden-state head's paged pool in the target pool's geometry. The
     head's layer count and head shape come from its config.json where given, else the
     target's; an unreadable config is its loader's to report, so it counts as none here."""
-    if spec is None or spec.method not in ("draft_model", "mtp", "eagle", "eagle3", "dflash",
-                                           "dspark"):
+    if spec is None or not METHODS[spec.method].draft_kv:
         return 0  # ngram, suffix, medusa, extract_hidden_states keep no K/V
     if spec.method == "draft_model":
         from npuspec.models.loading import read_model_config
@@ -284,10 +281,9 @@ def draft_kv_bytes(spec: Optional[SpeculativeConfig], target_cfg, target_path: s
             return 0
         slots = max_num_seqs + 1
         return 2 * d.num_layers * slots * d.num_kv_heads * cache_len * d.head_dim * esize
-    from npuspec.engine.drafting import resolve_draft
     from npuspec.models.config import read_config_json
     try:
-        d = read_config_json(target_path if spec.method == "mtp" else resolve_draft(spec.model), "")
+        d = read_config_json(head_path(spec, target_path), "")
     except (OSError, ValueError):
         return 0
     c, mtp = target_cfg, spec.method == "mtp"

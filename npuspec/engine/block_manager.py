@@ -1,4 +1,5 @@
-"""KV block manager: hands out the paged pool's blocks to requests (DESIGN.md §7).
+"""KV block manager: hands out the paged pool's blocks to requests (docs/engine.md,
+"Paged KV and attention").
 
 Block 0 is scratch (padding tokens write there) and is never handed out. A request owns a list
 of blocks, its block table, which grows as its sequence does; rollback of rejected drafts

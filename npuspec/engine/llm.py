@@ -2,15 +2,16 @@
 
 One `generate()` call runs every request to completion with continuous batching: a request
 holds KV blocks while it runs, and a waiting request is admitted when seats and blocks free
-up. Each iteration is
-    admit + prefill (chunks of the prompts' K/V within the token budget, compiled)
-    draft (ngram / suffix / draft model; dynamic K picks K from the batch size, the
-           confidence budget cuts low-confidence drafts)
+up. Each iteration is `_schedule -> _draft -> _verify -> _postprocess`, then `_retire`:
+    schedule (admit, prefill chunks of the prompts' K/V within the token budget, compiled;
+           reserve blocks; dynamic K picks K from the size of the batch that verifies)
+    draft (the configured method's proposer, npuspec/methods.py; the confidence budget
+           cuts low-confidence drafts)
     verify step (model forward + npuspec::rejection_sample, compiled with
            torch.compile(backend="npuspec") and replayed from captured graphs; one
            device->host transfer of (tokens, num_emitted))
-    bookkeeping (stop rules, proposer updates, metrics).
-See docs/engine.md.
+    postprocess (stop rules, proposer updates, metrics), then retire finished requests.
+See docs/design.md ("One decode step, as data") and docs/engine.md.
 """
 from __future__ import annotations
 
@@ -24,15 +25,22 @@ import torch
 
 from npuspec.engine import args
 from npuspec.engine import tp as tp_mod
-from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS, arg_error, pos_int
-from npuspec.engine.drafting import HIDDEN_STATE_METHODS, draft, make_proposer
+from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS
+from npuspec.engine.config import EngineConfig, create_engine_config
+from npuspec.engine.drafting import draft, make_proposer
 from npuspec.engine.metrics import EngineMetrics, record_prefill, record_step
 from npuspec.engine.model_runner import ModelRunner
 from npuspec.engine.request import (Request, RequestOutput, StepOutput, parse_requests,
                                     request_output, request_spec)
 from npuspec.engine.sampling import SamplingParams
 from npuspec.engine.scheduler import Scheduler
-from npuspec.runtime import dynamic_k
+from npuspec.kernels import prebuild_cpu_kernels
+from npuspec.methods import METHODS
+from npuspec.models import load_model, load_tokenizer
+from npuspec.models.packing import pack_model
+from npuspec.models.tp import shard_model
+from npuspec.spec_decode import dynamic_k
+from npuspec.spec_decode.base import BuildContext, Proposer
 
 
 class LLM:
@@ -46,60 +54,37 @@ class LLM:
                  kv_transfer_config: Union[dict, str, None] = None,
                  distributed_executor_backend: Optional[str] = None):
         call_args = {k: v for k, v in locals().items() if k != "self"}  # tensor-parallel workers
-        from npuspec import envs
-        from npuspec.models import load_tokenizer, read_model_config
-        from npuspec.platform import parse_device
+        # every argument is checked before any work
+        self._start(create_engine_config(**call_args), call_args)
 
-        # every argument is checked before any work (issue 16): bad NPUSPEC_* values first,
-        # so they fail here rather than inside a compile
-        envs.check_all()
-        world, launcher = args.parse_tp(tensor_parallel_size, distributed_executor_backend)
-        self.max_num_seqs = pos_int("max_num_seqs", max_num_seqs)
-        if not isinstance(enforce_eager, bool):
-            raise arg_error("enforce_eager", enforce_eager, "must be True or False")
-        args.parse_seed(seed)
-        self.spec = args.parse_spec(speculative_config, additional_config, tensor_parallel_size)
-        from npuspec.engine import hidden_states
-        hidden_states.check_with_spec(hidden_states.parse_kv_transfer_config(kv_transfer_config),
-                                      self.spec.method if self.spec else None)
-        self.capture, self.capture_sizes, lowering = args.parse_compilation(compilation_config,
-                                                                            enforce_eager)
-        self.enforce_eager = enforce_eager
-        self.device = parse_device(device)
-        torch_dtype = args.parse_dtype(dtype)
-        self.model_path = model = args.parse_model(model)
-        cfg = read_model_config(model)  # config.json only: the pool is sized before any load
-        drafts_sharded = False
-        if world > 1:
-            from npuspec.models.tp import check_shardable, local_config
-            check_shardable(cfg, world)
-            drafts_sharded = args.parse_draft_tp(self.spec, world)
-            cfg = local_config(cfg, world)  # this rank's share of the KV pool
-        self.max_model_len = args.parse_max_model_len(max_model_len, cfg)
-        self.k_max = self.spec.num_speculative_tokens if self.spec else 0
-        cache_len = self.max_model_len + self.k_max + 1  # draft positions run K past the end
-        self.block_size, num_blocks = args.parse_kv_pool(
-            block_size, num_kv_blocks, self.max_num_seqs, self.max_model_len, self.k_max,
-            self.device.type)
-        self.max_num_batched_tokens = args.parse_batched_tokens(
-            max_num_batched_tokens, self.max_num_seqs, self.k_max)
-        args.check_kv_memory(cfg, self.spec, model, num_blocks=num_blocks,
-                             block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-                             max_model_len=self.max_model_len, k_max=self.k_max,
-                             dtype=torch_dtype, device=self.device, num_kv_blocks=num_kv_blocks)
+    @classmethod
+    def for_worker(cls, call_args: dict, rank: int, init_method: str) -> "LLM":
+        """A tensor-parallel worker's engine (engine/tp_worker.py): rank 0's arguments, this
+        rank and the group's rendezvous."""
+        self = cls.__new__(cls)
+        self._start(create_engine_config(**call_args, worker=(rank, init_method)), call_args)
+        return self
 
-        self.tokenizer = load_tokenizer(model)  # a corrupt tokenizer.json: before the weights
+    def _start(self, cfg: EngineConfig, call_args: dict) -> None:
+        self.config = cfg
+        self.spec, self.device, self.model_path = cfg.spec, cfg.device, cfg.model
+        self.max_num_seqs, self.max_model_len, self.k_max = (cfg.max_num_seqs, cfg.max_model_len,
+                                                             cfg.k_max)
+        self.capture, self.capture_sizes, self.enforce_eager = (cfg.capture, cfg.capture_sizes,
+                                                                cfg.enforce_eager)
+        self.block_size, self.max_num_batched_tokens = cfg.block_size, cfg.max_num_batched_tokens
+        self.tokenizer = load_tokenizer(cfg.model)  # a corrupt tokenizer.json: before the weights
         self.tp: Optional[tp_mod.TP] = None
-        if world > 1:  # every check passed: launch (or join) the ranks
+        if cfg.parallel.world > 1:  # every check passed: launch (or join) the ranks
             # the workers lower as this rank does (the default is read here, in this process)
-            call_args["compilation_config"] = dict(compilation_config or {}, backend=lowering)
-            self.tp = tp_mod.start(world, launcher, self.device, call_args)
+            call_args["compilation_config"] = dict(call_args["compilation_config"] or {},
+                                                   backend=cfg.lowering)
+            self.tp = tp_mod.start(cfg.parallel, cfg.device, call_args)
             weakref.finalize(self, self.tp.shutdown)
             self.device = self.tp.device
-            self.tp.drafts_from_rank0 = self.spec is not None and not drafts_sharded
+            self.tp.drafts_from_rank0 = cfg.spec is not None and not cfg.parallel.drafts_sharded
         try:
-            self._build(model, torch_dtype, num_blocks, cache_len, kv_transfer_config,
-                        lowering, enforce_eager, seed)
+            self._build(cfg)
         except BaseException as e:
             if self.tp is not None:
                 try:
@@ -108,52 +93,23 @@ class LLM:
                     self.tp.shutdown()
             raise
 
-    def _build(self, model, torch_dtype, num_blocks, cache_len, kv_transfer_config, lowering,
-               enforce_eager, seed) -> None:
+    def _build(self, cfg: EngineConfig) -> None:
         """Load the target (this rank's shard of it) and the drafter, and build the runner."""
-        from npuspec.models import load_model
-        from npuspec.models.packing import pack_model
         if self.device.type == "cpu":
-            from npuspec.kernels import prebuild_cpu_kernels
             prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
-        self.model_config, self.model = load_model(model, dtype=torch_dtype, device=self.device)
-        cfg = self.model_config
-        self.eos_ids = frozenset(cfg.eos_token_ids)
-        tp = self.tp
-        self.proposer = None
-        if tp is None or tp.rank == 0 or not tp.drafts_from_rank0:
-            self.proposer = make_proposer(
-                self.spec, torch_dtype, self.device, cfg.vocab_size, self.max_num_seqs,
-                cache_len, target=self.model, target_path=model, num_blocks=num_blocks,
-                block_size=self.block_size, kv_transfer_config=kv_transfer_config,
-                shard=None if tp is None or tp.drafts_from_rank0 else (tp.rank, tp.world))
-        features = getattr(self.proposer, "features", None)
-        if tp is not None:
-            from npuspec.models.tp import shard_model
-            whole, self.model = self.model, shard_model(self.model, tp.rank, tp.world)
-            if tp.drafts_from_rank0:  # the ranks' steps return what rank 0's drafter reads
-                features = tp.broadcast_object(features)
-            module = getattr(self.proposer, "module", None)
-            if not tp.drafts_from_rank0 and hasattr(module, "bind_target"):
-                module.bind_target(self.model)  # every rank drafts: the shared pieces' shards
-            elif self.proposer is not None and self.spec.method in HIDDEN_STATE_METHODS:
-                # a drafter on rank 0 alone shares the target's embedding, norm and head:
-                # those stay whole there (the sharded ones need every rank); the layers go
-                whole.layers = torch.nn.ModuleList()
-                pack_model(whole)
+        self.model_config, self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.device)
+        self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.proposer = self._make_proposer(cfg)
+        features = self._shard(self.proposer.features if self.proposer is not None else None)
         pack_model(self.model)  # CPU: weights in the layout the step reads at streaming speed
         dsc = args.confidence_budget_config(self.spec)
         self.budget = dynamic_k.ConfidenceBudget(dsc, self.k_max) if dsc else None
-        self.runner = ModelRunner(
-            self.model, cfg, self.spec, max_num_seqs=self.max_num_seqs,
-            max_model_len=self.max_model_len, block_size=self.block_size, num_blocks=num_blocks,
-            max_num_batched_tokens=self.max_num_batched_tokens, device=self.device,
-            capture=self.capture, capture_sizes=self.capture_sizes, lowering=lowering,
-            enforce_eager=enforce_eager, features=features)
-        if hasattr(self.proposer, "attach"):  # hidden-state drafters read the runner's tables
-            self.proposer.attach(self.runner)
+        self.runner = ModelRunner(self.model, self.model_config, cfg, self.device,
+                                  features=features)
+        if self.proposer is not None:  # hidden-state drafters read the runner's tables
+            self.proposer.attach(self.runner.view())
         self.k_values = self.runner.k_values
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(cfg.seed)
         self._calls = itertools.count()
         self.metrics: Optional[EngineMetrics] = None   # of the last generate() call
         self.totals = EngineMetrics()   # of step() calls made without their own metrics
@@ -163,10 +119,40 @@ class LLM:
         self._live: dict[str, Request] = {}  # request id -> added and not finished
         if self.capture:
             self.runner.warm_up()
-            if hasattr(self.proposer, "warm_up"):
+            if self.proposer is not None:
                 self.proposer.warm_up(self.k_values, self.runner.top_rows)
         if self.tp is not None and self.tp.mirrors:
             self.tp.wait_ready()
+
+    def _make_proposer(self, cfg: EngineConfig) -> Optional[Proposer]:
+        """The drafter, on the ranks that draft: all, when it is sharded with the target."""
+        tp = self.tp
+        if tp is not None and tp.rank != 0 and tp.drafts_from_rank0:
+            return None
+        return make_proposer(BuildContext(
+            cfg.spec, cfg.dtype, self.device, self.model_config.vocab_size, cfg.max_num_seqs,
+            cfg.cache_len, target=self.model, target_path=cfg.model, num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size, kv_transfer_config=cfg.kv_transfer,
+            shard=None if tp is None or tp.drafts_from_rank0 else (tp.rank, tp.world)))
+
+    def _shard(self, features):
+        """Tensor parallelism: this rank's shard of the target, with the drafter bound to it.
+        -> the features the target's steps return (rank 0's drafter decides them)."""
+        tp = self.tp
+        if tp is None:
+            return features
+        whole, self.model = self.model, shard_model(self.model, tp.rank, tp.world)
+        if tp.drafts_from_rank0:  # the ranks' steps return what rank 0's drafter reads
+            features = tp.broadcast_object(features)
+        # every rank drafting: a head rebinds the pieces it shares to the target's shards
+        bound = (self.proposer is not None and not tp.drafts_from_rank0
+                 and self.proposer.bind_target(self.model))
+        if not bound and self.proposer is not None and METHODS[self.spec.method].hidden_states:
+            # otherwise a head shares the target's embedding, norm and LM head whole (the
+            # sharded ones need every rank); the whole model's layers go
+            whole.layers = torch.nn.ModuleList()
+            pack_model(whole)
+        return features
 
     # -- tensor parallelism: shutdown ---------------------------------------------------------
     def shutdown(self) -> None:
@@ -180,26 +166,6 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    # the runner's state under the names it had on LLM before the split (tests and
-    # npuspec.bench.tune reach some of them)
-    @property
-    def cache(self):
-        return self.runner.cache
-
-    @property
-    def step_module(self):
-        return self.runner.step_module
-
-    @property
-    def _plans(self) -> dict[int, Optional[list[int]]]:
-        return self.runner.plans
-
-    def _inputs(self, k: int, reqs: list[Request], rows: int, drafts, probs) -> dict:
-        return self.runner.step_inputs(k, reqs, rows, drafts, probs)
-
-    def _run_step(self, inp: dict) -> torch.Tensor:
-        return self.runner.run_step(inp)
 
     # -- generation ---------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
@@ -231,7 +197,7 @@ class LLM:
         m.num_preemptions = self._sched.num_preemptions - preempted
         self.metrics = m
         outs = [request_output(r, self.tokenizer) for r in reqs]
-        if hasattr(self.proposer, "finish_call"):  # extract_hidden_states: wait for the files
+        if self.proposer is not None:  # extract_hidden_states: waits for its files
             self.proposer.finish_call(outs)
         return outs
 
@@ -304,33 +270,89 @@ class LLM:
             raise
 
     def _step(self, m: Optional[EngineMetrics]) -> list[StepOutput]:
+        """schedule -> draft -> verify -> postprocess (nano-vllm's loop, with a draft phase)."""
         m = self.totals if m is None else m
+        batch, k = self._schedule(m)
+        outs: list[StepOutput] = []
+        if batch:
+            t0 = time.perf_counter()
+            drafts, probs = self._draft(batch, k)                     # [B, K], [B, K, V] | None
+            t1 = time.perf_counter()
+            rows, inputs, res, t_run = self._verify(batch, k, drafts, probs)  # [rows, K+2]
+            t2 = time.perf_counter()
+            outs = self._postprocess(batch, k, drafts, res, inputs)
+            # bookkeeping: building the step's inputs, and the postprocess
+            book = (t2 - t1 - t_run) + (time.perf_counter() - t2)
+            record_step(m, batch, k, res, drafts, rows, draft_s=t1 - t0, step_s=t_run,
+                        book_s=book)
+        self._retire()
+        return outs
+
+    def _schedule(self, m: EngineMetrics) -> tuple[list[Request], int]:
+        """Admit waiting requests, prefill chunks within the token budget, and reserve the
+        verify step's blocks. -> (the requests that verify this step, its K). The prefill's
+        token budget leaves K_max + 1 tokens to each running request; K is then chosen once,
+        from the batch that verifies (requests whose prompt completed this step included)."""
         sched = self._sched
         sched.admit()
-        k = dynamic_k.k_for_step(self.spec, len(sched.running))
-        self._prefill(sched, len(sched.running) * (k + 1), m)
+        self._prefill(sched, len(sched.running) * (self.k_max + 1), m)
+        if not sched.running:
+            return [], 0
+        sched.reserve(self.k_max)
+        return list(sched.running), dynamic_k.k_for_step(self.spec, len(sched.running))
+
+    def _draft(self, batch: list[Request], k: int):
+        """-> (drafts int64 [B, K], -1 = none; draft probs [B, K, V] or None), every rank's."""
+        B, tp = len(batch), self.tp
+        caps = [min(k, max(r.max_new - 1, 0)) for r in batch]  # never draft past the end
+        drafts = probs = None
+        if self.proposer is not None:
+            drafts, probs = draft(self.proposer, self.budget, batch, k, caps, self.runner.random)
+        if tp is not None and tp.drafts_from_rank0 and k > 0:
+            drafts = tp.sync_drafts(drafts, B, k)
+        elif drafts is None:  # no speculation (K = 0)
+            drafts = np.full((B, 0), -1, dtype=np.int64)
+        return drafts, probs
+
+    def _verify(self, batch: list[Request], k: int, drafts, probs):
+        """One verify step of the batch. -> (rows run, its inputs, res [rows, K+2] on the host:
+        emitted tokens -1 padded, then num_emitted; seconds the step itself took)."""
+        rows = self.runner.rows_for(len(batch), k)
+        inputs = self.runner.step_inputs(k, batch, rows, drafts, probs)
+        t0 = time.perf_counter()
+        res = self.runner.run_step(inputs).cpu().numpy()         # the one device->host copy
+        if self.tp is not None:  # rank 0's tokens: its draws and draft probabilities decide
+            res = self.tp.sync_result(res)
+        return rows, inputs, res, time.perf_counter() - t0
+
+    def _postprocess(self, batch: list[Request], k: int, drafts, res, inputs) -> list[StepOutput]:
+        """Append each request's tokens (stop rules), hand them to the drafter, and report."""
+        now = time.perf_counter()
         outs = []
-        if sched.running:
-            sched.reserve(self.k_max)
-            batch = list(sched.running)
-            before = [len(r.output) for r in batch]
-            self._decode_step(batch, m)
-            now = time.perf_counter()
-            for r, n in zip(batch, before):
-                if n == 0 and r.output:
-                    r.stats.first_token_s = now - r.arrival_time
-                outs.append(StepOutput(r, r.output[n:], r.finished))
-        for r in sched.retire():
+        for b, r in enumerate(batch):
+            n = len(r.output)
+            kept = r.append(res[b, :int(res[b, k + 1])].tolist())
+            if self.proposer is not None:  # a finishing step too: the suffix cache keeps it
+                self.proposer.extend(r.req_id, kept)
+            if n == 0 and r.output:
+                r.stats.first_token_s = now - r.arrival_time
+            outs.append(StepOutput(r, r.output[n:], r.finished))
+        if self.runner.features is not None and self.proposer is not None:
+            # the drafter's first pass on the step's rows
+            self.proposer.on_verify(batch, k, drafts, res, inputs, self.runner.last_features)
+        return outs
+
+    def _retire(self) -> None:
+        """Free the finished requests' blocks and drafter state."""
+        for r in self._sched.retire():
             r.stats.total_s = time.perf_counter() - r.arrival_time
             r.stats.num_output_tokens = len(r.output)
             self._live.pop(r.req_id, None)
             if self.proposer is not None:
                 self.proposer.stop_request(r.req_id)
-                if hasattr(self.proposer, "take_path"):
-                    path = self.proposer.take_path(r.req_id)
-                    if path is not None:
-                        r.kv_transfer_params = {"hidden_states_path": path}
-        return outs
+                path = self.proposer.take_path(r.req_id)
+                if path is not None:
+                    r.kv_transfer_params = {"hidden_states_path": path}
 
     def _prefill(self, sched: Scheduler, decode_tokens: int, m: EngineMetrics) -> None:
         rows = sched.prefill_rows(decode_tokens, self.runner.prefill_sizes
@@ -353,36 +375,3 @@ class LLM:
             if pre is not None:  # hidden-state drafters: their pass over the chunks
                 self.proposer.on_prefill(rows, pre)
         record_prefill(m, reqs, time.perf_counter() - t0)
-
-    def _decode_step(self, reqs: list[Request], m: EngineMetrics) -> None:
-        t0 = time.perf_counter()
-        B = len(reqs)
-        k = dynamic_k.k_for_step(self.spec, B)
-        caps = [min(k, max(r.max_new - 1, 0)) for r in reqs]  # never draft past the end
-        tp = self.tp
-        drafts = probs = None
-        if tp is None or tp.rank == 0 or not tp.drafts_from_rank0:
-            drafts, probs = draft(self.proposer, self.budget, reqs, k, caps,  # [B, K], [B, K, V]
-                                  self.runner.random)
-        if tp is not None and tp.drafts_from_rank0 and k > 0:
-            drafts = tp.sync_drafts(drafts, B, k)
-        elif drafts is None:
-            drafts = np.full((B, 0), -1, dtype=np.int64)
-        t1 = time.perf_counter()
-        rows = self.runner.rows_for(B, k)
-        inputs = self.runner.step_inputs(k, reqs, rows, drafts, probs)
-        t2 = time.perf_counter()
-        res = self.runner.run_step(inputs).cpu().numpy()         # the one device->host copy
-        if tp is not None:  # rank 0's tokens: its draws and draft probabilities decide
-            res = tp.sync_result(res)
-        t3 = time.perf_counter()
-        for b, r in enumerate(reqs):
-            kept = r.append(res[b, :int(res[b, k + 1])].tolist())
-            if self.proposer is not None:  # a finishing step too: the suffix cache keeps it
-                self.proposer.extend(r.req_id, kept)
-        if self.runner.features is not None and self.proposer is not None:
-            # the drafter's first pass on the step's rows
-            self.proposer.on_verify(reqs, k, drafts, res, inputs, self.runner.last_features)
-        t4 = time.perf_counter()
-        record_step(m, reqs, k, res, drafts, rows, draft_s=t1 - t0, step_s=t3 - t2,
-                    book_s=(t2 - t1) + (t4 - t3))

@@ -15,12 +15,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from npuspec.config import SpeculativeConfig
 from npuspec.engine.block_manager import BlockManager, seat_blocks
-from npuspec.engine.compiled import CompiledBySignature
+from npuspec.engine.config import EngineConfig
+from npuspec.compilation.compiled import CompiledBySignature
 from npuspec.engine.request import Request
 from npuspec.engine.scheduler import PrefillRow, pad_rows
 from npuspec.engine.step import PrefillStep, VerifyStep, fresh_prefill_fn, fresh_step_fn
+from npuspec.spec_decode.base import RunnerView
 
 # padding values of the step inputs' padded rows: no drafts, greedy, the scratch block
 # (slot 0), length 0 (attention reads nothing)
@@ -29,30 +30,29 @@ PREFILL_CHUNK = 32  # tokens per prefill row: a prompt wastes < one row on paddi
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, model_config, spec: Optional[SpeculativeConfig], *,
-                 max_num_seqs: int, max_model_len: int, block_size: int, num_blocks: int,
-                 max_num_batched_tokens: int, device: torch.device, capture: bool,
-                 capture_sizes: Optional[list[int]], lowering: Optional[str],
-                 enforce_eager: bool, features: Optional[tuple[tuple, bool]] = None):
+    def __init__(self, model: nn.Module, model_config, cfg: EngineConfig, device: torch.device,
+                 features: Optional[tuple[tuple, bool]] = None):
+        """`model`: this rank's shard; `model_config`: the whole model's (vocabulary, hidden
+        size); `device`: this rank's."""
+        spec = cfg.spec
         self.model = model
         self.model_config = model_config
         self.spec = spec
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = cfg.max_num_seqs
         self.device = device
-        self.capture = capture
-        self.capture_sizes = capture_sizes
-        self.enforce_eager = enforce_eager
+        self.capture = cfg.capture
+        self.capture_sizes = cfg.capture_sizes
+        self.enforce_eager = cfg.enforce_eager
         self.k_values = spec.k_values() if spec else (0,)
-        k_max = spec.num_speculative_tokens if spec else 0
         rs = spec.rejection_sampler_config if spec else None
         rates = spec.synthetic_rates() if spec else None
         self._rates = None if rates is None else torch.tensor(rates, dtype=torch.float32,
                                                               device=device)
-        self.block_size = block_size
+        self.block_size = cfg.block_size
         # a block table covers max_model_len plus the K draft positions a verify step writes
-        self.max_blocks = seat_blocks(max_model_len, k_max, block_size)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.cache = model.allocate_paged_cache(num_blocks, block_size)
+        self.max_blocks = seat_blocks(cfg.max_model_len, cfg.k_max, cfg.block_size)
+        self.blocks = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.cache = model.allocate_paged_cache(cfg.num_blocks, cfg.block_size)
         self.step_module = VerifyStep(
             model, self.cache, block_verify=bool(rs and rs.enable_block_verify),
             entropy_verify=rs.entropy_verify if rs else None, features=features)
@@ -60,7 +60,7 @@ class ModelRunner:
         self.last_features: Optional[torch.Tensor] = None  # [rows, K+1, F] of the last step
         self.prefill_module = PrefillStep(self.step_module)
         self.chunk = PREFILL_CHUNK
-        self.max_prefill_rows = max(1, max_num_batched_tokens // self.chunk)
+        self.max_prefill_rows = max(1, cfg.max_num_batched_tokens // self.chunk)
         # prefill row counts captured: powers of two up to the budget (the scheduler cuts a
         # prefill batch down to one of these, so no row is padding but a lone remainder's)
         self.prefill_sizes = sorted({min(1 << i, self.max_prefill_rows)
@@ -69,7 +69,7 @@ class ModelRunner:
         # a lone request runs one row: the graphs layer marks the row dim unbacked, so one
         # Dynamo graph (and its 1-row captured size) serves batch 1 too
         self.min_rows = 1
-        self._options = self._backend_options(lowering)
+        self.backend_options = self._backend_options(cfg.lowering)
         self._compiled: dict[tuple, Any] = {}  # step variant -> torch.compile'd step
         self._prefill_fn = None
         self.random = self.top_k = self.top_p = False  # what the current call's batch needs
@@ -90,6 +90,13 @@ class ModelRunner:
         if lowering is not None:
             opts["lowering"] = lowering
         return opts
+
+    def view(self) -> RunnerView:
+        """What a drafter may read of this runner."""
+        return RunnerView(self.device, self.enforce_eager, dict(self.backend_options),
+                          self.max_num_seqs, self.max_prefill_rows, list(self.prefill_sizes),
+                          self.chunk, self.max_blocks, self.model, self.model_config,
+                          self.slots, self.table)
 
     def top_rows(self, k: int) -> int:
         """Rows of K's largest captured size (the size warm-up captures the set at)."""
@@ -112,13 +119,13 @@ class ModelRunner:
         self.top_p = any(r.params.top_p < 1 for r in reqs)
 
     # -- metadata ------------------------------------------------------------------------------
-    def _table(self, reqs: list[Request], rows: int) -> np.ndarray:
+    def table(self, reqs: list[Request], rows: int) -> np.ndarray:
         bt = np.zeros((rows, self.max_blocks), dtype=np.int32)  # 0: the scratch block
         for b, r in enumerate(reqs):
             bt[b, :len(r.blocks)] = r.blocks
         return bt
 
-    def _slots(self, blocks: list[int], pos: np.ndarray) -> np.ndarray:
+    def slots(self, blocks: list[int], pos: np.ndarray) -> np.ndarray:
         bs = self.block_size
         return np.asarray(blocks, dtype=np.int64)[pos // bs] * bs + pos % bs
 
@@ -141,10 +148,10 @@ class ModelRunner:
             p = np.arange(r.start, r.end, dtype=np.int64)
             ids[i, C - m:] = r.req.tokens[r.start:r.end]
             pos[i, C - m:] = p
-            slots[i, C - m:] = self._slots(r.req.blocks, p)
+            slots[i, C - m:] = self.slots(r.req.blocks, p)
             lens[i] = r.end
         inp = {"input_ids": ids, "positions": pos, "slot_mapping": slots,
-               "block_table": self._table([r.req for r in rows], n), "seq_lens": lens}
+               "block_table": self.table([r.req for r in rows], n), "seq_lens": lens}
         inp = {k: self._tensor(v) for k, v in inp.items()}
         with torch.inference_mode():
             if self.enforce_eager:
@@ -160,7 +167,7 @@ class ModelRunner:
 
     def _prefill_compiled(self):
         if self._prefill_fn is None:
-            opts = dict(self._options, speculative_config=None,
+            opts = dict(self.backend_options, speculative_config=None,
                         max_num_seqs=self.max_prefill_rows, capture_sizes=self.prefill_sizes)
             self._prefill_fn = CompiledBySignature(fresh_prefill_fn(self.prefill_module), opts)
         return self._prefill_fn
@@ -183,7 +190,7 @@ class ModelRunner:
         for b, r in enumerate(reqs):
             n = len(r.tokens)
             pos[b] = np.arange(n - 1, n + k)
-            slots[b] = self._slots(r.blocks, pos[b])
+            slots[b] = self.slots(r.blocks, pos[b])
             lens[b] = n + k
             ids[b, 0] = r.tokens[-1]
         if B:
@@ -191,7 +198,7 @@ class ModelRunner:
             ids[:B, 1:] = np.maximum(drafts, 0)  # a -1 draft still needs a valid embedding row
         t = self._tensor
         inp = {"input_ids": t(ids), "positions": t(pos), "slots": t(slots), "draft_ids": t(draft),
-               "block_table": t(self._table(reqs, rows)), "seq_lens": t(lens)}
+               "block_table": t(self.table(reqs, rows)), "seq_lens": t(lens)}
         if self._rates is not None:
             inp["synthetic_rates"] = self._rates[:k]
         random = B > 0 and self.random
@@ -236,7 +243,7 @@ class ModelRunner:
         key = tuple(sorted(inp))
         fn = self._compiled.get(key)
         if fn is None:
-            fn = CompiledBySignature(fresh_step_fn(self.step_module), self._options)
+            fn = CompiledBySignature(fresh_step_fn(self.step_module), self.backend_options)
             self._compiled[key] = fn
         return fn
 

@@ -26,7 +26,6 @@ class Request:
     stop_ids: frozenset             # eos (unless ignore_eos) | stop_token_ids
     max_len: int                    # max_model_len: prompt + output never exceed it
     generator: Optional[torch.Generator] = None
-    slot: int = -1                  # unused by the paged engine; kept for callers of the old API
     blocks: list[int] = dataclasses.field(default_factory=list)   # KV block table (owned blocks)
     num_cached: int = 0             # leading tokens whose K/V is in the cache
     started: bool = False           # the proposer knows this request (survives preemption)

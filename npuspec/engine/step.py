@@ -1,19 +1,22 @@
 """The decode/verify step the engine compiles, and the prefill step.
 
-A decode step is one function of static-shape tensors (DESIGN.md §2):
+A decode step is one function of static-shape tensors (docs/design.md, "One decode step, as
+data", has every input and where it comes from):
 
-    tokens [B, K+1]   = last emitted token, then K drafts (-1 drafts fed as token 0)
-    positions [B, K+1], slots [B]
+    input_ids [B, K+1]  = last emitted token, then K drafts (-1 drafts fed as token 0)
+    positions [B, K+1], slots [B, K+1] (the slot mapping into the paged pool),
+    block_table [B, MB], seq_lens [B], draft_ids [B, K] (+ the sampling inputs)
     -> target logits [B, K+1, V] -> npuspec::rejection_sample -> [B, K+2] int32
 
-The result packs the emitted tokens (-1 padded) and, in the last column, num_emitted, so the
-engine does exactly one device->host transfer per step. All random draws (uniforms, Exp(1)
-races) are inputs, made by the engine from per-request generators, so the step is a pure
-function of its inputs: it can be captured in a device graph and replayed, and a seeded
-request's result does not depend on the batch it ran in.
+B here is the step's rows, padding rows included. The result packs the emitted tokens (-1
+padded) and, in the last column, num_emitted, so the engine does exactly one device->host
+transfer per step. All random draws (uniforms, Exp(1) races) are inputs, made by the engine
+from per-request generators, so the step is a pure function of its inputs: it can be captured
+in a device graph and replayed, and a seeded request's result does not depend on the batch it
+ran in. Attention reads only each row's live length (seq_lens).
 
-With the paged cache, `slots` is the slot mapping [B, K+1] and the step also takes
-block_table [B, MB] and seq_lens [B]; attention then reads only each row's live length.
+With the dense slot `KVCache` instead (benchmarks and tests), `slots` is one slot per row [B]
+and there is no block_table or seq_lens.
 
 The KV cache lives in the step module's buffers (static addresses, shared with prefill), so
 the graph runners never copy it; only the per-step inputs are copied into static buffers.
@@ -26,16 +29,16 @@ import torch
 from torch import nn
 
 import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
-from npuspec.engine.compiled import own_code
+from npuspec.compilation.compiled import own_code
 from npuspec.models.decoder import AttnMetadata, KVCache, PagedKVCache
 
 
 class VerifyStep(nn.Module):
     """model forward + fused verify. One instance per engine; compiled once per variant.
 
-    With a `PagedKVCache` the step takes the paged metadata (slot_mapping [B, K+1],
-    block_table [B, MB], seq_lens [B]) in place of `slots`; with the dense `KVCache` (the old
-    layout, kept as the oracle) it takes `slots` [B]."""
+    With a `PagedKVCache` (the engine's) `slots` is the slot mapping [B, K+1] and the step
+    also takes block_table [B, MB] and seq_lens [B]; with the dense `KVCache` (the old layout,
+    kept as the oracle for benchmarks and tests) `slots` is [B], one slot per row."""
 
     def __init__(self, model: nn.Module, cache, *, block_verify: bool = False,
                  entropy_verify: Optional[tuple[float, float]] = None,

@@ -40,10 +40,7 @@ import torch
 
 log = logging.getLogger("npuspec.engine")
 
-LAUNCHERS = ("mp", "external_launcher")
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-# set in a spawned worker before it builds its LLM: (rank, world, init_method)
-WORKER: Optional[tuple[int, int, str]] = None
 
 
 class WorkerDied(RuntimeError):
@@ -256,9 +253,11 @@ def _init_watching(tp: TP, backend: str, init_method: str, world: int) -> None:
         raise err[0]
 
 
-def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> TP:
-    """Join (or, as rank 0 of "mp", first launch) the tensor-parallel group of `world` ranks.
-    `llm_kwargs`: the LLM's arguments, which every spawned worker builds its engine from."""
+def start(parallel, device: torch.device, llm_kwargs: dict) -> TP:
+    """Join (or, as rank 0 of "mp", first launch) the tensor-parallel group of a ParallelConfig
+    (engine/config.py). `llm_kwargs`: the LLM's arguments, which every spawned worker builds
+    its engine from."""
+    world, launcher = parallel.world, parallel.launcher
     from npuspec.kernels import collectives
     if torch.distributed.is_initialized():
         raise RuntimeError("LLM: tensor_parallel_size > 1 but this process already belongs to "
@@ -266,8 +265,8 @@ def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> 
                            "shut the other down first (LLM.shutdown())")
     backend = BACKENDS[device.type]
     workers, store_dir = [], None
-    if WORKER is not None:                       # a spawned worker
-        rank, _, init_method = WORKER
+    if parallel.worker is not None:              # a spawned worker
+        rank, init_method = parallel.worker
         local = rank
     elif launcher == "external_launcher":        # torchrun
         from npuspec import envs
@@ -285,7 +284,7 @@ def start(world: int, launcher: str, device: torch.device, llm_kwargs: dict) -> 
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     tp = TP(rank, world, launcher, dev, workers, store_dir)
-    if WORKER is not None:
+    if parallel.worker is not None:
         shm = _shm_comm(device, rank, world, os.path.dirname(init_method[len("file://"):]))
     elif launcher == "external_launcher":
         shm = None  # torchrun's ranks may be on other hosts

@@ -30,11 +30,9 @@ def entry(argv: list[str]) -> None:
 def main(rank: int, world: int, init_method: str, llm_kwargs: dict, conn) -> None:
     # Ctrl-C in a terminal signals the whole process group: rank 0 shuts the workers down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from npuspec.engine import tp
-    tp.WORKER = (rank, world, init_method)
     from npuspec.engine.llm import LLM
     try:
-        llm = LLM(**llm_kwargs)
+        llm = LLM.for_worker(llm_kwargs, rank, init_method)
     except BaseException as e:  # noqa: B902 - every failure goes back to rank 0
         _report(conn, rank, e)
         sys.exit(1)

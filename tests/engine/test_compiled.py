@@ -62,7 +62,7 @@ def test_compiled_suffix_with_capture_sizes(ckpt, plain):
     # vLLM's cudagraph_capture_sizes count tokens: with K+1 = 7, 7 = 1 request, 21 = 3
     llm = LLM(ckpt, max_model_len=128, max_num_seqs=3, speculative_config=spec_for("suffix"),
               compilation_config={"backend": "eager", "cudagraph_capture_sizes": [7, 21]})
-    assert llm._plans == {6: [7, 21]}
+    assert llm.runner.plans == {6: [7, 21]}
     out, d = run_checked(llm, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == plain
     m = llm.metrics

@@ -3,7 +3,7 @@ guards; every call equals eager, a new K or a None-vs-tensor input compiles anew
 count does not."""
 import torch
 
-from npuspec.engine.compiled import CompiledBySignature, signature
+from npuspec.compilation.compiled import CompiledBySignature, signature
 from npuspec.graphs import mark_token_dim
 
 OPTS = {"lowering": "eager", "capture": False}

@@ -1,4 +1,5 @@
-"""DraftModelProposer: the DESIGN §3.4 protocol, its K/V catch-up, probabilities and confidences."""
+"""DraftModelProposer: the proposer protocol (spec_decode/base.py), its K/V catch-up,
+probabilities and confidences."""
 import numpy as np
 import pytest
 import torch

@@ -1,9 +1,10 @@
-"""Confidence budget and batch-size table (DESIGN.md §4) against hand-computed examples."""
+"""Confidence budget and batch-size table (docs/engine.md, "Dynamic K") against hand-computed
+examples."""
 import numpy as np
 import pytest
 
 from npuspec.config import DynamicSpecConfig, SpeculativeConfig
-from npuspec.runtime import dynamic_k as dk
+from npuspec.spec_decode import dynamic_k as dk
 
 CONF = np.array([[0.9, 0.8, 0.5], [0.6, 0.9, 0.9]])
 # survival by hand: row 0: 0.9, 0.72, 0.36; row 1: 0.6, 0.54, 0.486

@@ -257,7 +257,7 @@ def test_additional_config_block_verify_runs(ckpt, plain):
     llm = LLM(ckpt, enforce_eager=True, max_model_len=128, max_num_seqs=2,
               speculative_config=spec_for("ngram"),
               additional_config={"rejection_sampler_config": {"enable_block_verify": True}})
-    assert llm.step_module.block_verify
+    assert llm.runner.step_module.block_verify
     out = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == plain
     out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, seed=3, max_tokens=10))

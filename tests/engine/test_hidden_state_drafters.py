@@ -130,7 +130,7 @@ def test_sampled_requests_get_draft_probs(tmp_path):
 
 
 def test_extract_hidden_states_equal_targets_own(tmp_path):
-    from npuspec.engine.hidden_states import load_hidden_states
+    from npuspec.spec_decode.extract_files import load_hidden_states
     ids = [1, 2, 4]
     llm = LLM("tiny", speculative_config={
         "method": "extract_hidden_states", "num_speculative_tokens": 1,

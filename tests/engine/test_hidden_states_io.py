@@ -1,5 +1,5 @@
 """The storage side of extract_hidden_states: kv_transfer_config parsing and the per-request
-.safetensors files (npuspec/engine/hidden_states.py)."""
+.safetensors files (npuspec/spec_decode/extract_files.py)."""
 import dataclasses
 import fcntl
 import glob
@@ -17,10 +17,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import npuspec.engine.hidden_states as H
-from npuspec.engine.hidden_states import (
-    HiddenStatesWriteError, HiddenStatesWriter, KVTransferConfig, check_with_spec,
-    cleanup_hidden_states, escape_request_id, load_hidden_states, parse_kv_transfer_config)
+import npuspec.spec_decode.extract_files as H
+from npuspec.spec_decode.extract_config import (KVTransferConfig, check_with_spec,
+                                                parse_kv_transfer_config)
+from npuspec.spec_decode.extract_files import (
+    HiddenStatesWriteError, HiddenStatesWriter, cleanup_hidden_states, escape_request_id,
+    load_hidden_states)
 
 CONN = "ExampleHiddenStatesConnector"
 
@@ -321,7 +323,7 @@ def test_failed_first_write_leaves_nothing(tmp_path, monkeypatch):
 
 KILLED_WRITER = textwrap.dedent("""
     import os, sys, time, torch
-    import npuspec.engine.hidden_states as H
+    import npuspec.spec_decode.extract_files as H
     real, n = H._write_all, [0]
     def slow(fd, buf):
         real(fd, buf)

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from npuspec.runtime import NgramProposer, Proposer, SuffixProposer
-from npuspec.runtime import suffix as suffix_mod
-from npuspec.runtime.suffix import SuffixProposerReference
+from npuspec.spec_decode import suffix_tree as suffix_mod
+from npuspec.spec_decode.suffix_reference import SuffixProposerReference
 
 SUFFIX = [SuffixProposer, SuffixProposerReference]
 

@@ -23,9 +23,10 @@ from npuspec import counters
 from npuspec.bench.make_traces import TRACE_FILES, TRACES_DIR
 from npuspec.bench.propose import load_traces
 from npuspec.kernels import cpp_build, suffix_cpu
-from npuspec.runtime import SuffixProposer, suffix_native
-from npuspec.runtime import suffix as suffix_mod
-from npuspec.runtime.suffix import SuffixProposerReference
+from npuspec.runtime import SuffixProposer
+from npuspec.spec_decode import suffix as suffix_native
+from npuspec.spec_decode import suffix_tree as suffix_mod
+from npuspec.spec_decode.suffix_reference import SuffixProposerReference
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Dynamic K (DESIGN.md §4): the batch-size table and the confidence budget.
+"""Dynamic K (docs/engine.md): the batch-size table and the confidence budget.
 
 Two independent mechanisms pick how many draft tokens a step verifies:
 
@@ -17,16 +17,13 @@ allowance has to be known before the verify step's inputs are built.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 
-from npuspec.config import DynamicSpecConfig, SpeculativeConfig
-
-CONF_MIN = 1e-6
+from npuspec.spec_decode.base import CONF_MIN
 
 
-def k_for_step(spec: Optional[SpeculativeConfig], batch_size: int) -> int:
+def k_for_step(spec, batch_size: int) -> int:  # spec: a SpeculativeConfig or None
     """K from the batch-size table (0 without speculation or for an empty batch)."""
     if spec is None:
         return 0
@@ -39,7 +36,7 @@ def survival(conf: np.ndarray) -> np.ndarray:
     return np.cumprod(c, axis=1)
 
 
-def initial_budget(cfg: DynamicSpecConfig, k: int) -> int:
+def initial_budget(cfg, k: int) -> int:  # cfg: a DynamicSpecConfig
     return max(cfg.min_verify_tokens, min(cfg.initial_verify_budget_per_req, k))
 
 
@@ -96,7 +93,7 @@ class ConfidenceBudget:
     survival (so the new budget applies from the next step on).
     """
 
-    def __init__(self, cfg: DynamicSpecConfig, k: int):
+    def __init__(self, cfg, k: int):  # cfg: a DynamicSpecConfig
         self.cfg = cfg
         self.k = k
         self.budget = initial_budget(cfg, k)

@@ -1,12 +1,12 @@
-"""Suffix decoding (SuffixDecoding, arXiv 2411.04975; Arctic Inference), pure Python.
-
-`SuffixProposerReference` below is the reference implementation. The public `SuffixProposer`
-(npuspec/runtime/suffix_native.py; also importable from here) runs a C++ port of exactly this
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975; Arctic Inference), pure Python: the
+count trees and the match search. `SuffixProposerReference` (suffix_reference.py) drives them
+per request; it is the reference implementation. The public `SuffixProposer`
+(npuspec/spec_decode/suffix.py) runs a C++ port of exactly this
 algorithm (kernels/suffix_cpu_source.py) whose drafts and probabilities are bitwise equal to
 these (tests/runtime/test_suffix_native.py), and falls back to this class when the port cannot
 be compiled. A change to the algorithm here must be made there too.
 
-What it computes (the quantities of Arctic Inference's suffix trees, DESIGN.md §4):
+What it computes (the quantities of Arctic Inference's suffix trees, docs/proposers.md):
   * two "trees": one per request over its own tokens (prompt + what it emitted so far), and one
     global tree over the responses of previous and running requests, FIFO-evicted once more than
     `max_cached_requests` responses are cached (0 disables the global tree);
@@ -45,7 +45,6 @@ import gc
 import math
 from typing import Sequence
 
-from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
 
 _H = 4     # exact count table for strings of up to _H tokens: matches of 1 .. _H - 2 tokens
 _LONG = 8  # occurrence index levels: matches >= _LONG tokens, and _H - 1 .. _LONG - 1 tokens
@@ -85,6 +84,26 @@ def _check_ids(where: str, toks: list[int]) -> None:
         raise ValueError(f"{where}: token id {bad} is outside [0, 2**{_B}); pass the model's "
                          "token ids (non-negative ints)")
 
+
+
+def _bump(parent: list, t: int, depth: int, ref: int) -> list:
+    """parent's child for token t (a node of `depth` tokens) with its count + 1, created when
+    first seen; the parent's most frequent next token follows it (the first to reach the top
+    count keeps it: replaced only on a larger count). A 3-token node lists where its string
+    ends (oldest first), 4-token nodes are leaves."""
+    ch = parent[3]
+    a = ch.get(t)
+    if a is None:
+        a = ch[t] = ([1, None, None, {}, [ref]] if depth == 3
+                     else [1, None, None, {} if depth < 4 else None])
+    else:
+        a[0] += 1
+        if depth == 3:
+            a[4].append(ref)
+    if parent[1] != t and (parent[1] is None or a[0] > parent[2][0]):
+        parent[1] = t
+        parent[2] = a
+    return a
 
 class _Tree:
     """Token sequences, a count trie over every string of 1.._H tokens, and the _LONG-token
@@ -156,8 +175,8 @@ class _Tree:
             new = new[len(head):]
             if not new:
                 return
-        # steady state (>= _LONG tokens before each new one): _append_slow's updates unrolled,
-        # the nodes of the last 0..3 tokens carried in locals, the last _LONG tokens packed in
+        # steady state (>= _LONG tokens before each new one): _append_slow's updates, the
+        # nodes of the last 0..3 tokens carried in locals, the last _LONG tokens packed in
         # `w`; the state lists are rewritten once at the end
         index = self.index
         index_get = index.get
@@ -171,45 +190,12 @@ class _Tree:
         B, M8, H8 = _B, _M8, _H8
         for t in new:
             # per length: the string's node (count + 1), then its parent's most frequent next
-            # token (the first to reach the top count keeps it: replace only on a larger count)
-            ch = p0[3]
-            a = ch.get(t)
-            if a is None:
-                a = ch[t] = [1, None, None, {}]
-            else:
-                a[0] += 1
-            if p0[1] != t and (p0[1] is None or a[0] > p0[2][0]):
-                p0[1] = t
-                p0[2] = a
-            ch = p1[3]
-            b = ch.get(t)
-            if b is None:
-                b = ch[t] = [1, None, None, {}]
-            else:
-                b[0] += 1
-            if p1[1] != t and (p1[1] is None or b[0] > p1[2][0]):
-                p1[1] = t
-                p1[2] = b
-            ch = p2[3]
-            c = ch.get(t)
+            # token; the 3-token node also lists where the string ends
             ref = base | e
-            if c is None:  # a 3-token node also lists where the string ends (oldest first)
-                c = ch[t] = [1, None, None, {}, [ref]]
-            else:
-                c[0] += 1
-                c[4].append(ref)
-            if p2[1] != t and (p2[1] is None or c[0] > p2[2][0]):
-                p2[1] = t
-                p2[2] = c
-            ch = p3[3]
-            d = ch.get(t)
-            if d is None:
-                d = ch[t] = [1, None, None, None]
-            else:
-                d[0] += 1
-            if p3[1] != t and (p3[1] is None or d[0] > p3[2][0]):
-                p3[1] = t
-                p3[2] = d
+            a = _bump(p0, t, 1, ref)
+            b = _bump(p1, t, 2, ref)
+            c = _bump(p2, t, 3, ref)
+            _bump(p3, t, 4, ref)
             p1, p2, p3 = a, b, c
             # the 8-gram occurrence index (the 3-gram's is its trie node, above)
             w = ((w << B) | t) & M8
@@ -409,262 +395,3 @@ def check_params(max_tree_depth, max_cached_requests, max_spec_factor, min_token
     if not isinstance(max_spec_offset, (int, float)) or not math.isfinite(max_spec_offset):
         raise ValueError(f"SuffixProposer: max_spec_offset={max_spec_offset!r} must be a "
                          "finite number (default 0.0)")
-
-
-class SuffixProposerReference:
-    """The pure-Python suffix proposer: the oracle of the compiled `SuffixProposer`, and what
-    that runs when its library cannot be built."""
-
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000,
-                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1,
-                 max_spec_offset: float = 0.0):
-        check_params(max_tree_depth, max_cached_requests, max_spec_factor, min_token_prob,
-                     max_spec_offset)
-        self.max_tree_depth = max_tree_depth
-        self.max_cached_requests = max_cached_requests
-        self.max_spec_factor = float(max_spec_factor)
-        self.min_token_prob = float(min_token_prob)
-        self.max_spec_offset = float(max_spec_offset)
-        self._local: dict[str, _Tree] = {}      # req_id -> tree over its prompt + output
-        self._global = _Tree(evictable=True)    # responses, FIFO order = self._cached order
-        self._cached: dict[str, int] = {}       # req_id -> seq id in the global tree
-        self._next_sid = 0
-        self._lim: dict[int, tuple[list[int], list[int]]] = {}
-
-    # -- request lifecycle -------------------------------------------------------------------
-    def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
-        if req_id in self._local:
-            raise duplicate_request("SuffixProposer.start_request", req_id)
-        toks = _as_list(prompt)
-        _check_ids("SuffixProposer.start_request", toks)
-        tree = _Tree()
-        tree.add_seq(0, toks)
-        self._local[req_id] = tree
-        if self.max_cached_requests == 0:
-            return
-        if req_id in self._cached:  # a reused id replaces its old cached response
-            self._global.remove_seq(self._cached.pop(req_id))
-        sid = self._next_sid
-        self._next_sid += 1
-        self._global.add_seq(sid, [])
-        self._cached[req_id] = sid
-        while len(self._cached) > self.max_cached_requests:  # FIFO; never the new one
-            old = next(iter(self._cached))
-            self._global.remove_seq(self._cached.pop(old))
-
-    def extend(self, req_id: str, new_tokens: Sequence[int]) -> None:
-        tree = self._local.get(req_id)
-        if tree is None:
-            raise unknown_request("SuffixProposer.extend", req_id)
-        new = new_tokens if type(new_tokens) is list else _as_list(new_tokens)  # not copied
-        if new and (min(new) < 0 or max(new) > _MASK):
-            _check_ids("SuffixProposer.extend", new)
-        tree.append(0, tree.seqs[0], new)
-        sid = self._cached.get(req_id)
-        if sid is not None:  # still cached (it may have been evicted while running)
-            self._global.append(sid, self._global.seqs[sid], new)
-
-    def stop_request(self, req_id: str) -> None:
-        if self._local.pop(req_id, None) is None:
-            raise unknown_request("SuffixProposer.stop_request", req_id)
-        # the response stays in the global tree until FIFO eviction
-
-    def evict_cached_response(self, req_id: str) -> None:
-        sid = self._cached.pop(req_id, None)
-        if sid is None:
-            raise KeyError(f"SuffixProposer.evict_cached_response: {req_id!r} has no cached "
-                           f"response; cached ids are listed by .cached_requests")
-        self._global.remove_seq(sid)
-
-    @property
-    def active_requests(self) -> list[str]:
-        return list(self._local)
-
-    @property
-    def cached_requests(self) -> list[str]:
-        return list(self._cached)
-
-    # -- drafting ----------------------------------------------------------------------------
-    def propose(self, req_ids: Sequence[str], max_tokens: int | Sequence[int]) -> list[list[int]]:
-        ks = per_request_k(req_ids, max_tokens)
-        return [self.propose_with_probs(r, k)[0] for r, k in zip(req_ids, ks)]
-
-    def propose_batch_with_probs(self, req_ids: Sequence[str], max_tokens: int | Sequence[int]
-                                 ) -> list[tuple[list[int], list[float]]]:
-        """`propose_with_probs` for each request: [(tokens, probs), ...]."""
-        ks = per_request_k(req_ids, max_tokens)
-        return [self.propose_with_probs(r, k) for r, k in zip(req_ids, ks)]
-
-    def propose_with_probs(self, req_id: str, k: int) -> tuple[list[int], list[float]]:
-        """Draft for one request plus each token's estimated probability (non-increasing;
-        prob_j / prob_{j-1} is the per-position confidence a dynamic-K budget can use)."""
-        tree = self._local.get(req_id)
-        if tree is None:
-            raise unknown_request("SuffixProposer.propose", req_id)
-        if k <= 0:
-            return [], []
-        ctx = tree.seqs[0]
-        qk = tree.state[0]  # packed keys of the context's last 0.._LONG tokens
-        lt, lp, ls = self._draft(tree, ctx, qk, k, 0.0, ctx)
-        if self._cached:
-            # the global tree must score strictly higher to win: search it only above `ls`
-            sid = self._cached.get(req_id)
-            own = self._global.seqs[sid] if sid is not None else None
-            gt, gp, gs = self._draft(self._global, ctx, qk, k, ls, own)
-            if gs > ls:
-                return gt, gp
-        return lt, lp
-
-    def _limits(self, K: int):
-        """need[m]: token budget of a match of length m; span[lo][hi]: the most tokens any match
-        length in [lo, hi] may draft (budget and depth cap), largest m on ties not needed."""
-        lim = self._lim.get(K)
-        if lim is None:
-            D, f, off = self.max_tree_depth, self.max_spec_factor, self.max_spec_offset
-            need = [_budget(m * f + off + 1e-6, K) for m in range(D + 1)]
-            caps = [min(need[m], D - m) for m in range(D + 1)]
-            span = [[0] * (D + 1) for _ in range(D + 1)]
-            for lo in range(D + 1):
-                run = 0
-                for hi in range(lo, D + 1):
-                    run = run if run > caps[hi] else caps[hi]
-                    span[lo][hi] = run
-            lim = self._lim[K] = (need, span)
-        return lim
-
-    def _draft(self, tree: _Tree, ctx: list[int], qk: list[int], K: int, floor: float, own=None):
-        """Best (tokens, probs, score) of one tree for the context's tail (see module doc),
-        or ([], [], floor) when nothing scores above `floor`. `own` is the request's own
-        sequence in this tree, whose tail is the context's tail."""
-        T = len(ctx)
-        D = self.max_tree_depth
-        upper = min(T, D) - 1  # match lengths 1 .. upper
-        best_t: list[int] = []
-        best_p: list[float] = []
-        best = floor
-        if upper < 1:
-            return best_t, best_p, best
-        need, span = self._limits(K)
-        pmin, seqs, index = self.min_token_prob, tree.seqs, tree.index
-        m_lo = 1  # shortest match that could still beat `best` (need[m] > best)
-        while m_lo <= upper and need[m_lo] <= best:
-            m_lo += 1
-        last_key, last_len = None, 0  # the levels often find the same occurrence set again
-        toks: list[int] = []
-        probs: list[float] = []
-        work = 0
-        for k, window in _SEARCH:
-            if k > upper:
-                continue
-            if upper < m_lo or work > _WORK:
-                break
-            if k == _LONG:
-                lst = index.get(qk[k])
-            else:  # the 3-gram's occurrences are listed in its trie node
-                lst = tree.root[3].get(ctx[T - 3])
-                if lst is not None:
-                    lst = lst[3].get(ctx[T - 2])
-                    if lst is not None:
-                        lst = lst[3].get(ctx[T - 1])
-                        if lst is not None:
-                            lst = lst[4]
-            if lst is None:
-                upper = k - 1
-                continue
-            refs = lst[-window:] if len(lst) > window else lst
-            lo = max(k, m_lo)
-            want = ctx[T - upper:]  # the longest match we look for
-            scored = []  # (match length, age order, seq id, end) of occurrences with L >= lo
-            for order, ref in enumerate(refs):
-                sid = ref >> 32
-                e = ref & 0xFFFFFFFF
-                seq = seqs.get(sid)
-                if seq is None:
-                    continue  # evicted, not yet compacted
-                if seq is own and e == len(seq) - 1:
-                    continue  # the context's own tail: no continuation, not evidence
-                elif e + 1 >= upper and seq[e + 1 - upper:e + 1] == want:
-                    L = upper  # one C-level compare settles the common long match
-                else:
-                    L = k
-                    while L < upper and L <= e and seq[e - L] == ctx[T - 1 - L]:
-                        L += 1
-                if L >= lo:
-                    scored.append((L, order, sid, e))
-            if not scored:
-                upper = k - 1
-                continue
-            scored.sort(reverse=True)  # longest match first
-            n_all = len(scored)
-            i = 0
-            while i < n_all:
-                top = scored[i][0]
-                while i < n_all and scored[i][0] >= top:
-                    i += 1
-                # scored[:i] are the occurrences of every match length m in [bottom, top]
-                bottom = scored[i][0] + 1 if i < n_all else lo
-                if need[top] <= best or work > _WORK:
-                    break
-                length = min(need[top], D - bottom)
-                if i == 1:
-                    key = [(scored[0][2], scored[0][3])]
-                else:
-                    key = [(r[2], r[3]) for r in sorted(scored[:i], key=_age)]  # oldest first
-                if key != last_key or (length > last_len and len(toks) == last_len):
-                    toks, probs = _path(key, seqs, length, i, pmin)
-                    work += i * length
-                    last_key, last_len = key, length
-                c = span[bottom][top]
-                if c > len(toks):
-                    c = len(toks)
-                if c:
-                    score = sum(probs[:c])
-                    if score > best:
-                        best, best_t, best_p = score, toks[:c], probs[:c]
-                        while m_lo <= upper and need[m_lo] <= best:
-                            m_lo += 1
-            upper = k - 1
-        # matches of 1 .. _H - 2 tokens: read the exact count table, no scan
-        for m in range(min(upper, _H - 2), 0, -1):
-            if need[m] <= best:
-                break
-            node = tree.root
-            for i in range(T - m, T):  # the trie node of the context's last m tokens
-                node = node[3].get(ctx[i])
-                if node is None:
-                    break
-            total = node[0] if node is not None else 0
-            if total and own is not None and len(own) >= m:
-                total -= 1  # minus the context's own tail
-            if not total:
-                continue  # no occurrence of s here
-            t_, p_ = [], []
-            steps = min(need[m], D - m)
-            for _ in range(min(steps, _H - m)):
-                b = node[1]
-                if b is None:
-                    break
-                node = node[2]
-                p = node[0] / total
-                if p < pmin:
-                    break
-                t_.append(b)
-                p_.append(p)
-            if len(t_) == _H - m < steps:  # past the table: walk the occurrences (Arctic's budget)
-                more_t, more_p = _past_table(tree, ctx[T - m:] + t_, steps - len(t_), total,
-                                             pmin)
-                t_ += more_t
-                p_ += more_p
-            score = sum(p_)
-            if score > best:
-                best, best_t, best_p = score, t_, p_
-        return best_t, best_p, best
-
-
-def __getattr__(name):
-    # the public SuffixProposer (compiled, falling back to the reference above) lives in
-    # suffix_native, which imports this module: a lazy attribute keeps the import acyclic
-    if name == "SuffixProposer":
-        from npuspec.runtime.suffix_native import SuffixProposer
-        return SuffixProposer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

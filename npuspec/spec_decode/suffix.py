@@ -1,8 +1,8 @@
 """`SuffixProposer`: suffix decoding through the compiled port of the Python reference.
 
 The algorithm, its tie-breaks and its limits are those of `SuffixProposerReference`
-(npuspec/runtime/suffix.py); the C++ (kernels/suffix_cpu_source.py) drafts the same tokens with
-bitwise-equal probabilities for every call sequence (tests/runtime/test_suffix_native.py). This
+(suffix_reference.py over suffix_tree.py); the C++ (kernels/suffix_cpu_source.py) drafts the
+same tokens with bitwise-equal probabilities for every call sequence (tests/runtime/test_suffix_native.py). This
 class keeps only what Python must: the request-id maps, the FIFO order of the cached responses
 (so `cached_requests` and eviction follow the reference's dict order) and the argument checks,
 with the reference's messages. `propose` for a whole batch is one native call.
@@ -21,10 +21,11 @@ from array import array
 from typing import Sequence
 
 from npuspec._counters import counters
-from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
-from npuspec.runtime.suffix import (_COMPACT_MIN, _H, _LONG, _SEARCH, _WORK,
-                                    SuffixProposerReference, _as_list, _check_ids,
-                                    check_params)
+from npuspec.spec_decode.base import (BuildContext, Proposer, duplicate_request, per_request_k,
+                                      unknown_request)
+from npuspec.spec_decode.suffix_reference import SuffixProposerReference
+from npuspec.spec_decode.suffix_tree import (_COMPACT_MIN, _H, _LONG, _SEARCH, _WORK, _as_list,
+                                             _check_ids, check_params)
 
 assert array("I").itemsize == 4, "token buffers are uint32"
 _WINDOW = dict(_SEARCH)
@@ -42,7 +43,7 @@ def _u32(where: str, toks) -> array:
         raise
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix decoding (see SuffixProposerReference for what it computes): the compiled port,
     or the reference itself when the library cannot be built (`.native` says which)."""
 
@@ -202,3 +203,11 @@ class SuffixProposer:
                               None if ks is None else ks.buffer_info()[0], k0, n,
                               self._toks_ptr, probs_ptr, self._offs_ptr)
         return n, total
+
+
+def build(ctx: BuildContext) -> SuffixProposer:
+    s = ctx.spec
+    return SuffixProposer(max_tree_depth=s.suffix_decoding_max_tree_depth,
+                          max_cached_requests=s.suffix_decoding_max_cached_requests,
+                          max_spec_factor=s.suffix_decoding_max_spec_factor,
+                          min_token_prob=s.suffix_decoding_min_token_prob)

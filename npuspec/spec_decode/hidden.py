@@ -33,20 +33,20 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from npuspec.engine.compiled import CompiledBySignature
-from npuspec.engine.draft_step import DraftFirstPass, DraftLoop, MedusaStep, fresh_fn, sample_drafts
-from npuspec.runtime.draft_model import CONF_MIN, Drafts
-from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
-
+from npuspec.compilation.compiled import CompiledBySignature
+from npuspec.graphs import mark_token_dim
+from npuspec.spec_decode.base import (CONF_MIN, DraftBatch, Drafts, Proposer, RunnerView,
+                                      duplicate_request, per_request_k, unknown_request)
+from npuspec.spec_decode.draft_step import fresh_fn
 
 @dataclasses.dataclass
-class _Pending:
+class Pending:
     t: int                          # position of the row the draft continues from
     logits: torch.Tensor            # [V] (Medusa: [heads, V]) logits of the next draft token(s)
     hidden: Optional[torch.Tensor]  # [H] the draft hidden state the chain starts from
 
 
-class _HiddenStateProposer:
+class HiddenStateProposer(Proposer):
     """What EAGLE-family and Medusa proposers share: request bookkeeping and compiled calls."""
 
     def __init__(self, module, features: tuple[tuple, bool], *, padded: bool = True):
@@ -54,7 +54,7 @@ class _HiddenStateProposer:
         self.features = features  # (aux layer ids, final): ModelRunner(features=...)
         self.padded = padded
         self.runner = None
-        self.reqs: dict[str, Optional[_Pending]] = {}
+        self.reqs: dict[str, Optional[Pending]] = {}
         self._req_objs: dict[str, object] = {}
         self._fns: dict[tuple, object] = {}
 
@@ -83,9 +83,13 @@ class _HiddenStateProposer:
         d = self.draft_requests([self._req_objs[r] for r in req_ids], k, None, None, False)
         return [[int(t) for t in row[:kk] if t >= 0] for row, kk in zip(d.tokens, ks)]
 
-    def attach(self, runner) -> None:
+    def attach(self, runner: RunnerView) -> None:
         """Bind to the target's runner: its device, block tables and compile options."""
         self.runner = runner
+
+    def draft_batch(self, batch: DraftBatch) -> Drafts:
+        return self.draft_requests(batch.reqs, batch.k, batch.temps, batch.generators,
+                                   want_probs=batch.want_probs)
 
     # -- compiled calls -----------------------------------------------------------------------
     def _call(self, key: tuple, module, args: list, opts: Optional[dict]):
@@ -96,18 +100,17 @@ class _HiddenStateProposer:
         if fn is None:
             fn = CompiledBySignature(fresh_fn(module, f"npuspec_{key[0]}"), opts)
             self._fns[key] = fn
-        from npuspec.graphs import mark_token_dim
         for a in args:
             mark_token_dim(a, 0, pad=0)
         return fn(*args)
 
     def _prefill_opts(self) -> dict:
         r = self.runner
-        return dict(r._options, speculative_config=None, max_num_seqs=r.max_prefill_rows,
+        return r.options(speculative_config=None, max_num_seqs=r.max_prefill_rows,
                     capture_sizes=r.prefill_sizes)
 
     def _rows_opts(self) -> dict:
-        return dict(self.runner._options, speculative_config=None, capture_sizes=None)
+        return self.runner.options(speculative_config=None, capture_sizes=None)
 
     # -- hooks the engine calls ---------------------------------------------------------------
     def on_prefill(self, rows, pre: dict) -> None:
@@ -124,7 +127,7 @@ class _HiddenStateProposer:
             r = row.req
             self._req_objs[r.req_id] = r
             if row.end == len(r.tokens) - 1 and r.req_id in self.reqs:
-                self.reqs[r.req_id] = _Pending(row.end - 1, logits[i],
+                self.reqs[r.req_id] = Pending(row.end - 1, logits[i],
                                                None if hidden is None else hidden[i])
 
     def on_verify(self, reqs, k: int, drafts: np.ndarray, res: np.ndarray, inp: dict,
@@ -146,7 +149,7 @@ class _HiddenStateProposer:
             self._req_objs[r.req_id] = r
             if r.finished or r.req_id not in self.reqs:
                 continue
-            self.reqs[r.req_id] = _Pending(len(r.tokens) - 2, logits[b],
+            self.reqs[r.req_id] = Pending(len(r.tokens) - 2, logits[b],
                                            None if hidden is None else hidden[b])
 
     def _unpadded(self, reqs, k, ids, acc, inp, feats):
@@ -211,140 +214,3 @@ class _HiddenStateProposer:
                 e[j].exponential_(generator=g)
         return [torch.tensor(temps, dtype=torch.float32, device=dev), e]
 
-
-class EagleProposer(_HiddenStateProposer):
-    """EAGLE, EAGLE-3 and MTP: `draft` is an `EagleDraft`, `Eagle3Draft` or `MTPDraft`."""
-
-    def __init__(self, draft, num_blocks: int, block_size: int, *, padded: bool = True):
-        super().__init__(draft, (tuple(draft.aux_layer_ids), bool(draft.final_feature)),
-                         padded=padded)
-        self.cache = draft.allocate_paged_cache(num_blocks, block_size)
-        self.first = DraftFirstPass(draft, self.cache)
-        self.loop = DraftLoop(draft, self.cache)
-
-    def _opts(self) -> dict:
-        return self.runner._options
-
-    @torch.inference_mode()
-    def _first_pass(self, key, ids, feats, inp, last, opts):
-        args = [self._t(ids), feats, inp["positions"],
-                inp["slot_mapping"] if "slot_mapping" in inp else inp["slots"],
-                inp["block_table"], inp["seq_lens"], self._t(np.asarray(last, dtype=np.int64))]
-        logits, hidden = self._call(("first",) + key, self.first, args, opts)
-        return logits.clone(), hidden.clone()
-
-    @torch.inference_mode()
-    def draft_requests(self, reqs, k: int, temps: Optional[np.ndarray], generators,
-                       want_probs: bool = True) -> Drafts:
-        """K draft tokens per request ([B, K], -1 where a request has nothing pending): one
-        call of the draft loop (token 0 from the pending logits, K-1 chain steps)."""
-        d, sel = self._no_drafts(reqs, k, want_probs)
-        if not sel or k == 0:
-            return d
-        V = self.module.config.vocab_size
-        rs = [reqs[b] for b in sel]
-        pend = [self.reqs[r.req_id] for r in rs]
-        for r, p in zip(rs, pend):
-            assert p.t == len(r.tokens) - 2, (r.req_id, p.t, len(r.tokens))
-        args = self._loop_args(rs, pend, k)
-        random = temps is not None
-        if random:
-            args += self._draws(np.asarray(temps, dtype=np.float64)[sel],
-                                [generators[b] for b in sel], k, V)
-        opts = self._rows_opts() if k > 1 else None  # K = 1: no chain, a few ops
-        out = self._call(("loop", k, random), self.loop, args, opts)
-        return self._fill(d, sel, *out)
-
-    def _loop_args(self, rs, pend, k: int) -> list:
-        """The draft loop's inputs: pending logits and hidden, chain positions t+1..t+K-1 with
-        their slots and lengths, the requests' block tables."""
-        r = self.runner
-        pos = np.array([p.t for p in pend], dtype=np.int64)[:, None] + np.arange(1, k)
-        slots = np.stack([r._slots(q.blocks, pos[j]) for j, q in enumerate(rs)])
-        return [torch.stack([p.logits for p in pend]), torch.stack([p.hidden for p in pend]),
-                self._t(pos), self._t(slots), self._t(r._table(rs, len(rs))),
-                self._t((pos + 1).astype(np.int32))]
-
-    def warm_up(self, k_values, top_rows) -> None:
-        """Compile and capture the first pass at every K and the chain step before the first
-        request (inputs pointing at the scratch block: no K/V of any request is touched).
-        Dynamo guards on inference-mode-ness and strides, so each input is made the way the
-        real one is: step metadata outside inference mode, the target's features and all
-        chain inputs inside it."""
-        r = self.runner
-        F = self._feature_size()
-        dt = r.model.norm.weight.dtype
-        z, feats = self._zeros, self._features
-
-        for k in k_values:
-            n = top_rows(k)
-            inp = {"positions": z(n, k + 1), "slots": z(n, k + 1),
-                   "block_table": z(n, r.max_blocks, dtype=torch.int32),
-                   "seq_lens": z(n, dtype=torch.int32)}
-            self._first_pass(("verify", k), np.zeros((n, k + 1), np.int64), feats(n, k + 1, F),
-                             inp, np.zeros(n), self._opts())
-        C, n = r.chunk, r.max_prefill_rows
-        pre = {"positions": z(n, C), "slot_mapping": z(n, C),
-               "block_table": z(n, r.max_blocks, dtype=torch.int32),
-               "seq_lens": z(n, dtype=torch.int32)}
-        self._first_pass(("prefill",), np.zeros((n, C), np.int64), feats(n, C, F), pre,
-                         np.zeros(n), self._prefill_opts())
-        n = r.max_num_seqs
-        V, H = self.module.config.vocab_size, self.module.config.hidden_size
-        for k in k_values:
-            if k < 2:
-                continue
-            with torch.inference_mode():
-                args = [z(n, V, dtype=torch.float32), z(n, H, dtype=dt), z(n, k - 1),
-                        z(n, k - 1), z(n, r.max_blocks, dtype=torch.int32),
-                        z(n, k - 1, dtype=torch.int32)]
-                self._call(("loop", k, False), self.loop, args, self._rows_opts())
-
-    def _feature_size(self) -> int:
-        aux, final = self.features
-        return (len(aux) + final) * self.runner.model_config.hidden_size
-
-
-class MedusaProposer(_HiddenStateProposer):
-    """Medusa: `heads` is a `MedusaHeads`; K must equal its number of heads."""
-
-    def __init__(self, heads):
-        super().__init__(heads, ((), True))
-        self.step = MedusaStep(heads)
-
-    def _opts(self) -> dict:
-        return self.runner._options
-
-    @torch.inference_mode()
-    def _first_pass(self, key, ids, feats, inp, last, opts):
-        # the heads read one row per request: no draft K/V, so `ids` is not needed
-        logits = self._call(("medusa",) + key, self.step,
-                            [feats, self._t(np.asarray(last, dtype=np.int64))], opts)
-        return logits.clone(), None  # [R, heads, V]
-
-    @torch.inference_mode()
-    def draft_requests(self, reqs, k: int, temps: Optional[np.ndarray], generators,
-                       want_probs: bool = True) -> Drafts:
-        d, sel = self._no_drafts(reqs, k, want_probs)
-        if not sel or k == 0:
-            return d
-        V = self.module.config.vocab_size
-        logits = torch.stack([self.reqs[reqs[b].req_id].logits for b in sel])[:, :k]  # [B', K, V]
-        draws = [] if temps is None else self._draws(
-            np.asarray(temps, dtype=np.float64)[sel], [generators[b] for b in sel], k, V)
-        return self._fill(d, sel, *sample_drafts(logits, *draws))
-
-    @torch.inference_mode()  # its only inputs, the target's features, are inference tensors
-    def warm_up(self, k_values, top_rows) -> None:
-        r = self.runner
-        H = r.model_config.hidden_size
-        dt = r.model.norm.weight.dtype
-        for k in k_values:
-            n = top_rows(k)
-            self._first_pass(("verify", k), None, torch.zeros(n, k + 1, H, dtype=dt,
-                                                              device=r.device), None,
-                             np.zeros(n), self._opts())
-        n = r.max_prefill_rows
-        self._first_pass(("prefill",), None, torch.zeros(n, r.chunk, H, dtype=dt,
-                                                         device=r.device), None, np.zeros(n),
-                         self._prefill_opts())

@@ -1,4 +1,4 @@
-"""Block drafters: DFlash and DSpark (npuspec.models.dflash, engine/dflash_step.py).
+"""Block drafters: DFlash and DSpark (npuspec.models.dflash, spec_decode/dflash_step.py).
 
 They read the target's aux features, which its verify and prefill steps return, so a round has
 no extra target pass. Per request:
@@ -24,12 +24,13 @@ from typing import Optional
 import numpy as np
 import torch
 
-from npuspec.engine.dflash_step import DFlashBlock, DFlashContext
-from npuspec.runtime.draft_model import Drafts
-from npuspec.runtime.eagle import _HiddenStateProposer, _Pending
+from npuspec.spec_decode.base import BuildContext, Drafts
+from npuspec.spec_decode.dflash_step import DFlashBlock, DFlashContext
+from npuspec.spec_decode.heads import load_head
+from npuspec.spec_decode.hidden import HiddenStateProposer, Pending
 
 
-class BlockDraftProposer(_HiddenStateProposer):
+class BlockDraftProposer(HiddenStateProposer):
     """DFlash and DSpark: `draft` is a `DFlashDraft` or `DSparkDraft`."""
 
     def __init__(self, draft, num_blocks: int, block_size: int, *, padded: bool = True):
@@ -50,7 +51,7 @@ class BlockDraftProposer(_HiddenStateProposer):
                 f"set {key} <= {most}")
 
     def _opts(self) -> dict:
-        return self.runner._options
+        return self.runner.backend_options
 
     # -- context --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -64,7 +65,7 @@ class BlockDraftProposer(_HiddenStateProposer):
             r = row.req
             self._req_objs[r.req_id] = r
             if row.end == len(r.tokens) - 1 and r.req_id in self.reqs:
-                self.reqs[r.req_id] = _Pending(row.end - 1, None, None)
+                self.reqs[r.req_id] = Pending(row.end - 1, None, None)
 
     def on_verify(self, reqs, k: int, drafts: np.ndarray, res: np.ndarray, inp: dict,
                   feats: torch.Tensor) -> None:
@@ -79,7 +80,7 @@ class BlockDraftProposer(_HiddenStateProposer):
         for r in reqs:
             self._req_objs[r.req_id] = r
             if not r.finished and r.req_id in self.reqs:
-                self.reqs[r.req_id] = _Pending(len(r.tokens) - 2, None, None)
+                self.reqs[r.req_id] = Pending(len(r.tokens) - 2, None, None)
 
     # -- drafting -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,8 +110,8 @@ class BlockDraftProposer(_HiddenStateProposer):
         ids = np.full((len(rs), S), self.module.config.mask_token_id, dtype=np.int64)
         ids[:, 0] = [q.tokens[-1] for q in rs]
         pos = np.array([len(q.tokens) - 1 for q in rs], dtype=np.int64)[:, None] + np.arange(S)
-        slots = np.stack([r._slots(q.blocks, pos[j]) for j, q in enumerate(rs)])
-        return [self._t(ids), self._t(pos), self._t(slots), self._t(r._table(rs, len(rs))),
+        slots = np.stack([r.slots(q.blocks, pos[j]) for j, q in enumerate(rs)])
+        return [self._t(ids), self._t(pos), self._t(slots), self._t(r.table(rs, len(rs))),
                 self._t((pos[:, -1] + 1).astype(np.int32))]
 
     def warm_up(self, k_values, top_rows) -> None:
@@ -138,3 +139,10 @@ class BlockDraftProposer(_HiddenStateProposer):
                 args = [z(n, S), z(n, S), z(n, S), z(n, r.max_blocks, dtype=torch.int32),
                         z(n, dtype=torch.int32)]
                 self._call(("block", k, False), self.block, args, self._rows_opts())
+
+
+def build(ctx: BuildContext) -> BlockDraftProposer:
+    p = BlockDraftProposer(load_head(ctx), ctx.num_blocks, ctx.block_size,
+                           padded=not ctx.spec.disable_padded_drafter_batch)
+    p.check_k(ctx.spec.num_speculative_tokens)
+    return p

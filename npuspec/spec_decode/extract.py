@@ -2,9 +2,9 @@
 
 It drafts nothing (so the output is plain decoding's); the target's prefill and verify steps
 return the residual streams entering the requested layers (vLLM's layer-id semantics,
-DESIGN.md §7), and this proposer keeps each token's row on the host. When a request
+docs/hidden_states.md), and this proposer keeps each token's row on the host. When a request
 finishes, its `token_ids` [num_tokens] and `hidden_states` [num_tokens, num_layers, hidden]
-go to `{shared_storage_path}/{request_id}.safetensors` (npuspec.engine.hidden_states: atomic
+go to `{shared_storage_path}/{request_id}.safetensors` (npuspec.spec_decode.extract_files: atomic
 and locked), and the request's output carries the path in
 `kv_transfer_params["hidden_states_path"]`.
 
@@ -19,8 +19,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from npuspec.runtime.draft_model import CONF_MIN, Drafts
-from npuspec.runtime.proposer import duplicate_request, unknown_request
+from npuspec.spec_decode.base import (CONF_MIN, BuildContext, DraftBatch, Drafts, Proposer,
+                                      duplicate_request, unknown_request)
+from npuspec.spec_decode.extract_config import check_with_spec, parse_kv_transfer_config
+from npuspec.spec_decode.extract_files import HiddenStatesWriter
 
 LAYER_IDS_KEY = "draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids"
 
@@ -35,15 +37,14 @@ def layer_ids(spec, num_layers: int) -> tuple[int, ...]:
     return ids
 
 
-class ExtractHiddenStatesProposer:
+class ExtractHiddenStatesProposer(Proposer):
     def __init__(self, spec, kv_transfer_config, target_config, dtype: torch.dtype):
-        from npuspec.engine import hidden_states as hs
-        kv = hs.parse_kv_transfer_config(kv_transfer_config)
-        hs.check_with_spec(kv, spec.method)
+        kv = parse_kv_transfer_config(kv_transfer_config)
+        check_with_spec(kv, spec.method)
         self.ids = layer_ids(spec, target_config.num_layers)
         self.features = (self.ids, False)
         self.hidden = target_config.hidden_size
-        self.writer = hs.HiddenStatesWriter(kv, dtype)
+        self.writer = HiddenStatesWriter(kv, dtype)
         self.rows: dict[str, dict[int, torch.Tensor]] = {}  # req -> position -> [n, hidden]
         self.reqs: dict[str, object] = {}
         self.paths: dict[str, str] = {}
@@ -76,8 +77,8 @@ class ExtractHiddenStatesProposer:
     def propose(self, req_ids, max_tokens) -> list[list[int]]:
         return [[] for _ in req_ids]
 
-    def draft_requests(self, reqs, k: int, temps, generators, want_probs: bool = True) -> Drafts:
-        B = len(reqs)
+    def draft_batch(self, batch: DraftBatch) -> Drafts:
+        B, k = len(batch.reqs), batch.k
         return Drafts(np.full((B, k), -1, dtype=np.int64), None, np.full((B, k), CONF_MIN))
 
     # -- what the engine hands over -----------------------------------------------------------
@@ -128,3 +129,8 @@ class ExtractHiddenStatesProposer:
             p = self.paths.pop(o.request_id, None)
             if p is not None:
                 o.kv_transfer_params = {"hidden_states_path": p}
+
+
+def build(ctx: BuildContext) -> ExtractHiddenStatesProposer:
+    return ExtractHiddenStatesProposer(ctx.spec, ctx.kv_transfer_config, ctx.target.config,
+                                       ctx.dtype)

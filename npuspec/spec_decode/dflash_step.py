@@ -8,14 +8,14 @@
                     before (the anchor for the first) and reading the confidence head.
 
 Both are compiled with torch.compile(backend="npuspec") and replayed from captured graphs, like
-the EAGLE steps (engine/draft_step.py). The block graph is keyed by K, so dynamic K and the
+the EAGLE steps (spec_decode/draft_step.py). The block graph is keyed by K, so dynamic K and the
 confidence budget never recapture it.
 """
 from __future__ import annotations
 
 import torch
 
-from npuspec.engine.draft_step import _DraftModule, sample_drafts
+from npuspec.spec_decode.draft_step import _DraftModule, sample_drafts
 from npuspec.models.decoder import AttnMetadata, PagedKVCache
 
 

@@ -1,6 +1,6 @@
 """Prompt-lookup (n-gram) drafting with an incremental per-request index.
 
-Rule (DESIGN.md §4): find the longest suffix of the context, of length n in
+Rule (docs/proposers.md): find the longest suffix of the context, of length n in
 [prompt_lookup_min, prompt_lookup_max], that occurred earlier; propose up to K tokens that
 followed that earlier occurrence.
 
@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
+from npuspec.spec_decode.base import (BuildContext, Proposer, duplicate_request, per_request_k,
+                                      unknown_request)
 
 
 def _as_list(tokens) -> list[int]:
@@ -32,7 +33,7 @@ def _as_list(tokens) -> list[int]:
     return list(tokens)
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_min: int = 5, prompt_lookup_max: int = 5):
         for key, v in (("prompt_lookup_min", prompt_lookup_min),
                        ("prompt_lookup_max", prompt_lookup_max)):
@@ -116,3 +117,8 @@ class NgramProposer:
     @property
     def active_requests(self) -> list[str]:
         return list(self._tokens)
+
+
+def build(ctx: BuildContext) -> NgramProposer:
+    return NgramProposer(prompt_lookup_min=ctx.spec.prompt_lookup_min,
+                         prompt_lookup_max=ctx.spec.prompt_lookup_max)

@@ -13,8 +13,8 @@ end. Each position also reports a confidence, the max of softmax(draft_logits) (
 choice for a drafter without a confidence head), which the confidence budget turns into a
 per-request draft allowance.
 
-`propose()` (the plain DESIGN §3.4 protocol) drafts greedily; the engine calls `draft()` to
-get probabilities and confidences too.
+`propose()` (the plain protocol of spec_decode/base.py) drafts greedily; the engine's
+`draft_batch()` calls `draft()` to get probabilities and confidences too.
 """
 from __future__ import annotations
 
@@ -24,9 +24,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from npuspec.runtime.proposer import duplicate_request, per_request_k, unknown_request
+from npuspec.models import load_model
+from npuspec.models.packing import pack_model
+from npuspec.models.tp import check_shardable, shard_model
+from npuspec.spec_decode.base import (CONF_MIN, BuildContext, DraftBatch, Drafts, Proposer,
+                                      duplicate_request, per_request_k, unknown_request)
 
-CONF_MIN = 1e-6
 _BATCHED_CATCH_UP = 16  # longer backlogs are prefilled per request
 
 
@@ -37,14 +40,7 @@ class _State:
     cached: int           # tokens whose K/V are in the draft cache
 
 
-@dataclasses.dataclass
-class Drafts:
-    tokens: np.ndarray            # int64 [B, K], -1 = none
-    probs: Optional[torch.Tensor]  # float32 [B, K, V] (q_i), None when not asked for
-    conf: np.ndarray              # float64 [B, K] in [1e-6, 1]
-
-
-class DraftModelProposer:
+class DraftModelProposer(Proposer):
     def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device="cpu"):
         self.model = model
         self.device = torch.device(device)
@@ -84,6 +80,10 @@ class DraftModelProposer:
         return [[int(t) for t in row[:kk]] for row, kk in zip(d.tokens, ks)]
 
     # -- batched drafting -------------------------------------------------------------------
+    def draft_batch(self, batch: DraftBatch) -> Drafts:
+        return self.draft(batch.req_ids, batch.k, batch.temps, batch.generators,
+                          want_probs=batch.want_probs)
+
     @torch.inference_mode()
     def draft(self, req_ids: Sequence[str], k: int, temperature: Optional[np.ndarray] = None,
               generators: Optional[Sequence[Optional[torch.Generator]]] = None,
@@ -150,3 +150,18 @@ class DraftModelProposer:
         for s in states:
             s.cached = len(s.tokens)
         return logits[torch.arange(B, device=self.device), last]
+
+
+def build(ctx: BuildContext) -> DraftModelProposer:
+    s = ctx.spec
+    dcfg, dmodel = load_model(s.model, dtype=ctx.dtype, device=ctx.device)
+    if dcfg.vocab_size != ctx.vocab_size:
+        raise ValueError(
+            f"speculative_config.model={s.model!r}: the draft model's vocab_size "
+            f"({dcfg.vocab_size}) differs from the target's ({ctx.vocab_size}); "
+            f"a draft model must share the target's tokenizer and vocabulary")
+    if ctx.shard is not None:
+        check_shardable(dcfg, ctx.shard[1], "speculative_config.draft_tensor_parallel_size")
+        dmodel = shard_model(dmodel, *ctx.shard)
+    pack_model(dmodel)
+    return DraftModelProposer(dmodel, ctx.max_num_seqs, ctx.cache_len, device=ctx.device)

@@ -1,5 +1,5 @@
-"""The storage side of `extract_hidden_states` (DESIGN.md §8): `kv_transfer_config` and the
-per-request `.safetensors` files.
+"""The storage side of `extract_hidden_states`: the per-request `.safetensors` files (its
+`kv_transfer_config` is parsed in extract_config.py).
 
 `LLM(..., speculative_config={"method": "extract_hidden_states", ...},
 kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import dataclasses
-import difflib
 import errno
 import fcntl
 import json
@@ -40,19 +38,9 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-CONNECTORS = ("ExampleHiddenStatesConnector",)
-KV_ROLES = ("kv_producer",)
-TOP_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
-EXTRA_DEFAULTS = {
-    "shared_storage_path": "/tmp",
-    "num_writer_threads": 8,
-    "use_synchronization_lock": True,
-    "allow_custom_save_path": False,
-}
-EXAMPLE = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-           "kv_connector_extra_config": {"shared_storage_path": "/dev/shm/hidden_states"}}
-SPEC_METHOD = "extract_hidden_states"
-REQUEST_PATH_KEY = "kv_transfer_params.hidden_states_path"
+from npuspec.spec_decode.extract_config import (REQUEST_PATH_KEY, SPEC_METHOD, KVTransferConfig,
+                                                arg_error)
+
 SUFFIX = ".safetensors"
 LOCK_SUFFIX = ".lock"
 TMP_SUFFIX = ".tmp"
@@ -71,116 +59,6 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _ST_DTYPES[getattr(torch, _name)] = _code
 
 
-def _err(key: str, value: Any, fix: str) -> ValueError:
-    # The phrasing of npuspec.engine.args.arg_error (not imported: args may import this module).
-    return ValueError(f"LLM: {key}={value!r}: {fix}")
-
-
-def _choices(values) -> str:
-    return ", ".join(repr(v) for v in values)
-
-
-def _reject_unknown(d: dict, known, where: str) -> None:
-    for k in d:
-        if k not in known:
-            near = difflib.get_close_matches(str(k), list(known), n=1, cutoff=0.5)
-            hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ValueError(f"LLM: {where} has unknown key {k!r}; {hint}"
-                             f"valid keys: {', '.join(known)}")
-
-
-# --------------------------------------------------------------------------------------------
-# kv_transfer_config
-
-
-@dataclasses.dataclass(frozen=True)
-class KVTransferConfig:
-    """vLLM's `kv_transfer_config` for ExampleHiddenStatesConnector, validated."""
-    kv_connector: str = "ExampleHiddenStatesConnector"
-    kv_role: str = "kv_producer"
-    shared_storage_path: str = "/tmp"
-    num_writer_threads: int = 8
-    use_synchronization_lock: bool = True
-    allow_custom_save_path: bool = False
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "KVTransferConfig":
-        cfg = parse_kv_transfer_config(d)
-        if cfg is None:
-            raise _err("kv_transfer_config", d, f"must be a dict such as {EXAMPLE!r}")
-        return cfg
-
-    def to_dict(self) -> dict:
-        """vLLM's shape; `parse_kv_transfer_config(cfg.to_dict()) == cfg`."""
-        return {"kv_connector": self.kv_connector, "kv_role": self.kv_role,
-                "kv_connector_extra_config": {k: getattr(self, k) for k in EXTRA_DEFAULTS}}
-
-
-def parse_kv_transfer_config(d: Any) -> Optional[KVTransferConfig]:
-    """`LLM(kv_transfer_config=...)`: None, a KVTransferConfig, a dict of vLLM's shape or a JSON
-    string of one -> KVTransferConfig (None for None). Bad keys, values and types raise a
-    ValueError naming the key and value and listing what is accepted."""
-    if d is None or isinstance(d, KVTransferConfig):
-        return d
-    if isinstance(d, (str, bytes)):
-        try:
-            d = json.loads(d)
-        except ValueError as e:
-            raise _err("kv_transfer_config", d, f"is not valid JSON ({e}); pass a dict or a JSON "
-                       f"object such as {json.dumps(EXAMPLE)}") from None
-    if not isinstance(d, dict):
-        raise _err("kv_transfer_config", d, f"must be a dict (or JSON object) such as {EXAMPLE!r}")
-    _reject_unknown(d, TOP_KEYS, "kv_transfer_config")
-    for key, allowed in (("kv_connector", CONNECTORS), ("kv_role", KV_ROLES)):
-        if key not in d:
-            raise ValueError(f"LLM: kv_transfer_config.{key} is required; supported: "
-                             f"{_choices(allowed)} (e.g. {EXAMPLE!r})")
-        if d[key] not in allowed:
-            raise _err(f"kv_transfer_config.{key}", d[key], f"supported: {_choices(allowed)}")
-    extra = d.get("kv_connector_extra_config")
-    if extra is None:
-        extra = {}
-    if not isinstance(extra, dict):
-        raise _err("kv_transfer_config.kv_connector_extra_config", extra,
-                   f"must be a dict with keys {', '.join(EXTRA_DEFAULTS)}, e.g. "
-                   f"{EXAMPLE['kv_connector_extra_config']!r}")
-    where = "kv_transfer_config.kv_connector_extra_config"
-    _reject_unknown(extra, tuple(EXTRA_DEFAULTS), where)
-    vals = {**EXTRA_DEFAULTS, **extra}
-    path = vals["shared_storage_path"]
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise _err(f"{where}.shared_storage_path", vals["shared_storage_path"],
-                   "must be a non-empty directory path string (default '/tmp'; "
-                   "'/dev/shm/...' for online use)")
-    n = vals["num_writer_threads"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise _err(f"{where}.num_writer_threads", n, "must be an integer >= 1 (default 8)")
-    for key in ("use_synchronization_lock", "allow_custom_save_path"):
-        if not isinstance(vals[key], bool):
-            raise _err(f"{where}.{key}", vals[key],
-                       f"must be True or False (default {EXTRA_DEFAULTS[key]})")
-    return KVTransferConfig(kv_connector=d["kv_connector"], kv_role=d["kv_role"],
-                            shared_storage_path=path, num_writer_threads=n,
-                            use_synchronization_lock=vals["use_synchronization_lock"],
-                            allow_custom_save_path=vals["allow_custom_save_path"])
-
-
-def check_with_spec(kv_cfg: Optional[KVTransferConfig], spec_method: Optional[str]) -> None:
-    """kv_transfer_config and speculative_config.method must come together:
-    ExampleHiddenStatesConnector only stores what method extract_hidden_states captures."""
-    if kv_cfg is not None and spec_method != SPEC_METHOD:
-        raise _err("speculative_config.method", spec_method,
-                   f"kv_transfer_config (kv_connector={kv_cfg.kv_connector!r}) stores the hidden "
-                   f"states captured by method {SPEC_METHOD!r}; set speculative_config.method="
-                   f"{SPEC_METHOD!r} or drop kv_transfer_config")
-    if kv_cfg is None and spec_method == SPEC_METHOD:
-        raise ValueError(f"LLM: speculative_config.method={SPEC_METHOD!r} needs a "
-                         f"kv_transfer_config telling where to write the hidden states; pass "
-                         f"kv_transfer_config={EXAMPLE!r}")
-
-
 # --------------------------------------------------------------------------------------------
 # file names
 
@@ -193,7 +71,7 @@ def escape_request_id(req_id: Any) -> str:
     names, no `.` or `..`). Ids made of safe characters are kept as they are; distinct ids give
     distinct names."""
     if not isinstance(req_id, str) or not req_id:
-        raise _err("request_id", req_id, "must be a non-empty string")
+        raise arg_error("request_id", req_id, "must be a non-empty string")
     out = []
     for i, ch in enumerate(req_id):
         if ch in _SAFE and not (i == 0 and ch == "."):
@@ -202,7 +80,7 @@ def escape_request_id(req_id: Any) -> str:
             out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
     name = "".join(out)
     if len(name.encode()) > MAX_NAME:
-        raise _err("request_id", req_id if len(req_id) <= 80 else req_id[:80] + "...",
+        raise arg_error("request_id", req_id if len(req_id) <= 80 else req_id[:80] + "...",
                    f"is too long for a file name ({len(name)} bytes escaped, limit {MAX_NAME}); "
                    "use shorter request ids")
     return name
@@ -346,18 +224,18 @@ class HiddenStatesWriter:
         cfg = KVTransferConfig.from_dict(cfg)
         self.cfg = cfg
         if dtype is not None and dtype not in _ST_DTYPES:
-            raise _err("dtype", dtype, f"hidden states are stored as one of "
+            raise arg_error("dtype", dtype, f"hidden states are stored as one of "
                        f"{', '.join(str(t) for t in _ST_DTYPES)}")
         self.dtype = dtype
         self.directory = os.path.abspath(cfg.shared_storage_path)
         try:
             os.makedirs(self.directory, mode=0o755, exist_ok=True)
         except OSError as e:
-            raise _err("kv_transfer_config.kv_connector_extra_config.shared_storage_path",
+            raise arg_error("kv_transfer_config.kv_connector_extra_config.shared_storage_path",
                        cfg.shared_storage_path, f"cannot create the directory ({e}); "
                        "use a writable directory such as /dev/shm/hidden_states") from None
         if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK | os.X_OK):
-            raise _err("kv_transfer_config.kv_connector_extra_config.shared_storage_path",
+            raise arg_error("kv_transfer_config.kv_connector_extra_config.shared_storage_path",
                        cfg.shared_storage_path, "is not a writable directory; use one that is")
         self._pool = cf.ThreadPoolExecutor(max_workers=cfg.num_writer_threads,
                                            thread_name_prefix="npuspec-hidden-states")
@@ -374,13 +252,13 @@ class HiddenStatesWriter:
         allow_custom_save_path is on."""
         if path is not None:
             if not self.cfg.allow_custom_save_path:
-                raise _err(REQUEST_PATH_KEY, path,
+                raise arg_error(REQUEST_PATH_KEY, path,
                            "a request may choose its file only with kv_transfer_config."
                            "kv_connector_extra_config.allow_custom_save_path=True; set it or "
                            "drop the request's hidden_states_path")
             p = os.fspath(path) if isinstance(path, os.PathLike) else path
             if not isinstance(p, str) or not p or "\0" in p or p.endswith(os.sep):
-                raise _err(REQUEST_PATH_KEY, path, "must be a file path string such as "
+                raise arg_error(REQUEST_PATH_KEY, path, "must be a file path string such as "
                            "'/data/hs/sample_0.safetensors'")
             return os.path.abspath(p)
         return os.path.join(self.directory, escape_request_id(req_id) + SUFFIX)
@@ -423,7 +301,7 @@ class HiddenStatesWriter:
 
     def _snapshot(self, req_id, token_ids, hidden_states) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            raise _err("hidden_states", getattr(hidden_states, "shape", type(hidden_states)),
+            raise arg_error("hidden_states", getattr(hidden_states, "shape", type(hidden_states)),
                        f"request {req_id!r}: must be a tensor [num_tokens, num_layers, "
                        "hidden_size]")
         if isinstance(token_ids, torch.Tensor):
@@ -435,16 +313,16 @@ class HiddenStatesWriter:
             t = torch.from_numpy(np.ascontiguousarray(a)) if a.dtype != object else None
         if (t is None or t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex
                 or t.dtype == torch.bool):
-            raise _err("token_ids", token_ids if isinstance(token_ids, list) and len(token_ids) < 20
+            raise arg_error("token_ids", token_ids if isinstance(token_ids, list) and len(token_ids) < 20
                        else type(token_ids), f"request {req_id!r}: must be a 1-D list or array "
                        "of integer token ids")
         if t.shape[0] != hidden_states.shape[0]:
-            raise _err("token_ids", f"<{t.shape[0]} ids>",
+            raise arg_error("token_ids", f"<{t.shape[0]} ids>",
                        f"request {req_id!r}: hidden_states has {hidden_states.shape[0]} rows; "
                        "there must be one token id per row")
         dtype = self.dtype or hidden_states.dtype
         if dtype not in _ST_DTYPES:
-            raise _err("hidden_states.dtype", hidden_states.dtype,
+            raise arg_error("hidden_states.dtype", hidden_states.dtype,
                        f"must be one of {', '.join(str(x) for x in _ST_DTYPES)}")
         tok = torch.empty(t.shape, dtype=torch.int64)
         tok.copy_(t)

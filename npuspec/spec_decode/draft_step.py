@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from npuspec.engine.compiled import own_code
+from npuspec.compilation.compiled import own_code
 from npuspec.models.decoder import AttnMetadata, PagedKVCache
 
 

@@ -1,0 +1,47 @@
+"""Draft heads' checkpoints: the shipped heads of the embedded model by name, and loading a
+head (EAGLE, EAGLE-3, MTP, Medusa, DFlash, DSpark) for the target, sharded and packed."""
+from __future__ import annotations
+
+import os
+
+from npuspec.models import TINY_MODEL_DIR
+from npuspec.models.draft_loading import load_draft
+from npuspec.models.packing import pack_draft
+from npuspec.models.tp import shard_draft
+from npuspec.spec_decode.base import BuildContext
+
+# heads for the embedded model, trained by `npuspec train-draft` (their train_recipe.json
+# records how), shipped beside it in npuspec/models/tiny_drafts/
+TINY_DRAFTS = {"tiny-eagle": "eagle", "tiny-eagle3": "eagle3", "tiny-medusa": "medusa",
+               "tiny-dflash": "dflash", "tiny-dspark": "dspark"}
+
+
+def resolve_draft(name: str) -> str:
+    """speculative_config.model -> a checkpoint directory ("tiny-eagle3" etc. -> the package's)."""
+    if name not in TINY_DRAFTS:
+        return name
+    d = os.path.join(os.path.dirname(TINY_MODEL_DIR), "tiny_drafts", TINY_DRAFTS[name])
+    if not os.path.isfile(os.path.join(d, "config.json")):
+        raise FileNotFoundError(f"speculative_config.model={name!r}: the embedded head is missing "
+                                f"from this install ({d}); reinstall npuspec, or train one with "
+                                f"`npuspec train-draft --target tiny --method "
+                                f"{TINY_DRAFTS[name]} --out DIR` and pass model=DIR")
+    return d
+
+
+def head_path(spec, target_path: str) -> str:
+    """MTP's layers ship inside the target's checkpoint; every other head has its own."""
+    return target_path if spec.method == "mtp" else resolve_draft(spec.model)
+
+
+def load_head(ctx: BuildContext):
+    """The head module on ctx.device, its layers sharded like the target's when ctx.shard is
+    set (bound to the target's shard later: Proposer.bind_target), CPU projections packed."""
+    s = ctx.spec
+    module = load_draft(s.method, head_path(s, ctx.target_path), ctx.target.config, ctx.target,
+                        dtype=ctx.dtype, device=ctx.device,
+                        draft_model_config=s.draft_model_config)
+    if ctx.shard is not None:
+        shard_draft(module, *ctx.shard)
+    pack_draft(module)  # CPU: fused, packed projections (one kernel call each for q|k|v, gate|up)
+    return module
