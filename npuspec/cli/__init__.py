@@ -11,7 +11,10 @@
 
 Every subcommand has --help. User errors print one line and exit 2; --debug (anywhere on the
 line) shows the traceback instead. Only the subcommand on the command line has its module
-imported (for its flags, then to run), so `npuspec --help` does not import torch.
+imported, for its docstring, flags and `run`; so `npuspec --help` does not import torch. Those
+modules do not import it either (their `run` imports the part that does, npuspec/cli/*_run.py),
+so `npuspec CMD --help` and flag errors stay fast; tune's module is still npuspec/bench/tune.py,
+which does.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Argument checks shared by every command line (the CLI's subcommands, the server, the benches,
 train-draft), each turning a bad value into a UsageError that names the flag; the default
-speculative configs; and a progress bar that only draws on a terminal."""
+speculative configs; and a progress bar that only draws on a terminal. The parts that build
+flags (argparse types, --threads, the default configs) live in flags.py, which imports no torch,
+and are re-exported here."""
 from __future__ import annotations
 
-import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -13,28 +13,11 @@ import time
 import torch
 
 from npuspec.cli_util.errors import UsageError, with_field
+from npuspec.cli_util.flags import (DEFAULT_SPEC, METHOD_SPECS, SPEC_FLAG, add_threads_flag,  # noqa: F401
+                                    finite, float_list, int_list, positive)
 from npuspec.config import SpeculativeConfig
 from npuspec.models.gguf import find_gguf, is_gguf_path
 from npuspec.models.loading import TINY_MODEL_DIR, load_tokenizer, read_model_config
-
-SPEC_FLAG = "--speculative-config"
-# The demo's default: HF prompt lookup's matching rule (longest n-gram of 3 down to 1) with
-# K=4; on the embedded model this accepts ~1.3 drafts per step on the demo prompts.
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
-                "prompt_lookup_max": 3}
-# `npuspec demo --method M` (and the benches' method rows): the embedded model's default
-# speculative config per method (K = 4; the tiny heads are trained by `npuspec train-draft`,
-# see npuspec/models/tiny_drafts)
-METHOD_SPECS = {
-    "ngram": None,  # DEFAULT_SPEC
-    "suffix": {"method": "suffix", "num_speculative_tokens": 8},
-    "eagle": {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 4},
-    "eagle3": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4},
-    "medusa": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
-    "mtp": {"method": "mtp", "num_speculative_tokens": 4},
-    "dflash": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 7},
-    "dspark": {"method": "dspark", "model": "tiny-dspark", "num_speculative_tokens": 7},
-}
 
 
 def spec_dict(value: str | dict | None, field: str = SPEC_FLAG) -> dict | None:
@@ -146,12 +129,6 @@ def fit_max_model_len(model_dir: str, prompts, max_tokens: int, margin: int = 16
     return min(need, read_model_config(model_dir).max_position_embeddings)
 
 
-def add_threads_flag(p) -> None:
-    p.add_argument("--threads", type=positive, default=None,
-                   help="torch CPU threads (default: 1 for the embedded model, whose matrices are too "
-                        "small to split, else torch's choice); 1 also gives steadier timings on a busy machine")
-
-
 def set_threads(n: int | None, model_dir: str | None = None) -> int:
     """Apply --threads. The embedded model's matmuls are a few microseconds: with more threads
     the synchronisation costs more than it saves, and on a shared machine a preempted thread
@@ -163,28 +140,6 @@ def set_threads(n: int | None, model_dir: str | None = None) -> int:
     return torch.get_num_threads()
 
 
-def positive(s: str) -> int:
-    """argparse type: an int >= 1 (argparse names the flag in its error)."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
-    return v
-
-
-def finite(s: str) -> float:
-    """argparse type: a finite number (float() also takes 'nan' and 'inf')."""
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"{s!r} must be a finite number")
-    return v
-
-
 def out_file(path: str | None, field: str) -> str | None:
     """An output file path whose directory exists, checked before the work that fills it."""
     if path is None:
@@ -194,25 +149,6 @@ def out_file(path: str | None, field: str) -> str | None:
         what = "is a directory" if os.path.isdir(path) else f"has no directory {d}"
         raise UsageError(f"{path!r} {what}; pass a file path in an existing directory", field)
     return path
-
-
-def int_list(s: str) -> list[int]:
-    """argparse type: comma-separated ints >= 1, e.g. 1,2,4,8."""
-    try:
-        v = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        v = []
-    if not v or min(v) < 1:
-        raise argparse.ArgumentTypeError(f"{s!r} must be comma-separated integers >= 1 such as 1,2,4,8")
-    return v
-
-
-def float_list(s: str) -> list[float]:
-    """argparse type: comma-separated numbers, e.g. 0.8,0.6,0.5."""
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} must be comma-separated numbers such as 0.8,0.6,0.5") from None
 
 
 class Progress:

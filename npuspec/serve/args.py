@@ -1,16 +1,15 @@
 """The server's flags (`vllm serve`'s names) and what they build: `add_arguments` for the
 parser, `llm_kwargs` (the checks that need no model, run in the HTTP process before the engine
-process starts) and `build_llm` (the engine, in the engine process, npuspec.serve.core)."""
+process starts) and `build_llm` (the engine, in the engine process, npuspec.serve.core). Only
+the last two import the engine and the models (torch), when called: building the flags does not,
+so `npuspec serve --help` and its flag errors stay fast."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from npuspec.cli_util import common
-from npuspec.cli_util.common import positive
 from npuspec.cli_util.errors import UsageError, with_field
-from npuspec.engine import LLM
-from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS
+from npuspec.cli_util.flags import positive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,6 +61,7 @@ def _json_flag(value, flag: str):
 def llm_kwargs(args) -> dict:
     """`LLM(**llm_kwargs(args))`, with every flag that needs no model checked (each error
     names its flag). The HTTP process runs it before it starts the engine process."""
+    common, engine = _engine_side()
     cfg = common.spec_config(args.speculative_config)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
@@ -70,7 +70,7 @@ def llm_kwargs(args) -> dict:
     kw = {k: _json_flag(getattr(args, k), f) for k, f in flags.items()}
     return dict(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
                 max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+                max_num_seqs=args.max_num_seqs or engine.DEFAULT_MAX_NUM_SEQS,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
                 dtype=args.dtype, seed=args.seed, **kw)
@@ -78,10 +78,11 @@ def llm_kwargs(args) -> dict:
 
 def build_llm(args):
     """The engine (in the engine process, npuspec.serve.core)."""
+    common, engine = _engine_side()
     kw = llm_kwargs(args)
     common.set_threads(args.threads, kw["model"])
     try:
-        return LLM(**kw)
+        return engine.LLM(**kw)
     except ValueError as e:  # name the flag: "LLM: max_model_len=..." -> "--max-model-len: ..."
         raise _flag_error(e) from None
 
@@ -95,3 +96,10 @@ def _flag_error(e: ValueError):
             return with_field(e, "--" + key.replace("_", "-"))
     return e
 
+
+def _engine_side():
+    """The model checks (cli_util.common) and the engine package, for llm_kwargs and build_llm."""
+    # heavy: keeps `--help` and flag errors off torch's import
+    from npuspec import engine
+    from npuspec.cli_util import common
+    return common, engine
