@@ -24,7 +24,6 @@ def cut_at_eos(ids: Sequence[int], eos: Sequence[int]) -> list[int]:
     return out
 
 
-
 def encode(model_dir: str, prompts: Sequence[str], hf_tokenizer=None) -> list[list[int]]:
     """Token ids of text prompts: with `hf_tokenizer` (chat-templated text, which carries its own
     special tokens) transformers' encoding without added special tokens, else npuspec's tokenizer."""
@@ -41,7 +40,6 @@ def encode(model_dir: str, prompts: Sequence[str], hf_tokenizer=None) -> list[li
     if any(not x for x in ids):
         raise UsageError("a prompt encodes to no tokens; remove empty prompts", "--prompts")
     return ids
-
 
 
 class Runner:
@@ -87,7 +85,6 @@ def run_interleaved(runners: Sequence[Runner], repeats: int, progress=None,
                 progress.update()
 
 
-
 def aggregate_metrics(results, engine=None) -> dict:
     """Counts summed over the requests (in request-steps), times from the engine's wall clock
     (`llm.metrics`) when given. acceptance_by_position[i] = fraction of request-steps whose
@@ -114,12 +111,10 @@ def aggregate_metrics(results, engine=None) -> dict:
             "engine_steps": src.num_engine_steps if src else None}
 
 
-
 def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,
              enforce_eager: bool = False, dtype: str = "auto"):
     return LLM(model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=max_model_len, enforce_eager=enforce_eager, dtype=dtype)
-
 
 
 def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
@@ -150,17 +145,6 @@ def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num
                                                  enforce_eager, eos))
     run_interleaved([r], repeats)
     return dict(r.result, seconds=r.seconds, warmup_seconds=r.warmup_seconds)
-
-
-
-def run_npuspec(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
-                repeats: int = 1, enforce_eager: bool = False, eos=()) -> dict:
-    """One npuspec row on its own (used by `npuspec tune`): result of the last timed pass."""
-    r = Runner("npuspec", "", 0, npuspec_runner(model, spec, prompts, max_tokens, max_num_seqs,
-                                                 enforce_eager, eos))
-    run_interleaved([r], repeats)
-    return dict(r.result, seconds=r.seconds, warmup_seconds=r.warmup_seconds)
-
 
 
 def spec_from_flag(value, field: str = "--speculative-config") -> dict | None:

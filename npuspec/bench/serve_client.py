@@ -216,67 +216,6 @@ async def send_request(client, base: str, model: str, prompt: str, max_tokens: i
     return rec
 
 
-async def send_request(client, base: str, model: str, prompt: str, max_tokens: int,
-                       index: int = -1, prompt_index: int = -1, t_ref: float = 0.0) -> dict:
-    """One streaming /v1/completions request, timed on arrival of each SSE line."""
-    import httpx
-
-    rec = _new_record(index, prompt_index)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    parts: list[str] = []
-    usage = None
-    done = False
-    last = None
-    t0 = time.perf_counter()
-    rec["sent_s"] = t0 - t_ref
-    try:
-        async with client.stream("POST", base + "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                raw = (await resp.aread()).decode("utf-8", "replace")
-                rec["error"] = f"HTTP {resp.status_code}: {' '.join(raw.split())[:300]}"
-                return rec
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                obj = json.loads(data)
-                if "error" in obj:
-                    rec["error"] = f"error chunk: {json.dumps(obj['error'])[:300]}"
-                    return rec
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for ch in obj.get("choices") or ():
-                    text = ch.get("text") or ""
-                    if text:
-                        now = time.perf_counter()
-                        if last is None:
-                            rec["ttft"] = now - t0
-                        else:
-                            rec["itl"].append(now - last)
-                        last = now
-                        parts.append(text)
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        rec["error"] = f"{type(e).__name__}: {e}"
-        return rec
-    rec["e2e"] = time.perf_counter() - t0
-    rec["text"] = "".join(parts)
-    if not done:
-        rec["error"] = "the stream ended without data: [DONE]"
-    elif usage is None:
-        rec["error"] = "no usage chunk (stream_options.include_usage)"
-    else:
-        rec["ok"] = True
-        rec["output_tokens"] = int(usage.get("completion_tokens") or 0)
-        rec["prompt_tokens"] = usage.get("prompt_tokens")
-        if rec["ttft"] is not None and rec["output_tokens"] > 1:
-            rec["tpot"] = (rec["e2e"] - rec["ttft"]) / (rec["output_tokens"] - 1)
-    return rec
-
-
 def http_client(max_concurrency: int):
     import httpx
 

@@ -20,14 +20,14 @@ def entry(argv: list[str]) -> None:
     is (world, init_method, llm_kwargs)."""
     conn, rank = Connection(int(argv[0])), int(argv[2])
     try:
-        world, init_method, llm_kwargs = conn.recv()
+        _world, init_method, llm_kwargs = conn.recv()  # the size is in llm_kwargs too
     except Exception as e:  # noqa: BLE001 - an argument rank 0 pickled but this one cannot load
         _report(conn, rank, e)
         sys.exit(1)
-    main(rank, world, init_method, llm_kwargs, conn)
+    main(rank, init_method, llm_kwargs, conn)
 
 
-def main(rank: int, world: int, init_method: str, llm_kwargs: dict, conn) -> None:
+def main(rank: int, init_method: str, llm_kwargs: dict, conn) -> None:
     # Ctrl-C in a terminal signals the whole process group: rank 0 shuts the workers down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from npuspec.engine.llm import LLM

@@ -8,9 +8,9 @@ The engine calls, per request:
     extend(id, emitted_tokens)     after each verify step (accepted drafts + 1 target token),
                                    the request's last step included
     stop_request(id)               once, when the request finishes or is aborted
-and per engine step or call the optional hooks below. A subclass overrides what it uses; a
-misspelt override is a method nobody calls, so tests/spec_decode checks every drafter's
-overrides name a hook of this class.
+and per engine step or call the optional hooks below. A subclass overrides what it uses;
+tests/spec_decode checks that the engine calls nothing but these hooks and that every
+drafter's overrides keep their signatures.
 """
 from __future__ import annotations
 
