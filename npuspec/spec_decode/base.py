@@ -14,6 +14,7 @@ drafter's overrides keep their signatures.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
@@ -90,9 +91,19 @@ class BuildContext:
     shard: Optional[tuple[int, int]] = None  # (rank, world): sharded with the target
 
 
-class Proposer:
+_REQUIRED = ("start_request", "extend", "propose", "stop_request")
+
+
+class Proposer(metaclass=abc.ABCMeta):
     """Base class of every drafter. The four request hooks are required; the rest default to
-    doing nothing."""
+    doing nothing. As the protocol `npuspec.runtime.Proposer` was before, isinstance() also
+    accepts an object of any class that defines the four request hooks."""
+
+    @classmethod
+    def __subclasshook__(cls, other):
+        if cls is Proposer and all(callable(getattr(other, n, None)) for n in _REQUIRED):
+            return True
+        return NotImplemented
 
     # (aux layer ids, final hidden?) the target's steps must return for this drafter, or None
     features: Optional[tuple[tuple, bool]] = None

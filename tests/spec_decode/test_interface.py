@@ -101,6 +101,19 @@ def test_default_draft_batch_caps_and_pads_propose():
     assert p.take_path("a") is None and p.bind_target(None) is False and p.features is None
 
 
+def test_isinstance_accepts_any_object_with_the_request_hooks():
+    class Duck:  # the four methods of the protocol, no base class
+        def start_request(self, req_id, prompt): ...
+        def extend(self, req_id, new_tokens): ...
+        def propose(self, req_ids, max_tokens): ...
+        def stop_request(self, req_id): ...
+
+    class Lame:
+        def propose(self, req_ids, max_tokens): ...
+
+    assert isinstance(Duck(), Proposer) and not isinstance(Lame(), Proposer)
+
+
 def test_required_hooks_name_the_class_when_missing():
     class Half(Proposer):
         pass
