@@ -3,8 +3,8 @@
     python -m npuspec.bench.step --model /tmp/smollm2-hf [--ks 0,4] [--threads 2]
         [--context 300] [--max-model-len 512] [--repeats 30] [--no-baseline] [--profile]
 
-Builds the model, a dense slot KV cache (not the engine's paged pool) and a `VerifyStep` over
-it, writes `--context` tokens into slot 0, then times batch-1 steps of K+1 tokens, interleaved
+Builds the model, the engine's paged KV pool (block 0 scratch, the request's blocks after
+it) and a `VerifyStep` over it, writes `--context` tokens into the request's blocks, then times batch-1 steps of K+1 tokens, interleaved
 call by call (so machine noise hits every variant alike), medians of `--repeats`:
 - `eager`: `step_module(**inputs)` on the 1 real row, as `LLM(enforce_eager=True)` runs it;
 - `eager_2rows`: the same with one padding row (batch 1 as 2 rows, which compiled engines ran
@@ -31,7 +31,9 @@ from npuspec.compilation import lowering
 from npuspec.config import SpeculativeConfig
 from npuspec.graphs import mark_token_dim
 from npuspec.models import load_model
-from npuspec.engine.step import VerifyStep, fresh_step_fn, prefill
+from npuspec.engine.block_manager import seat_blocks
+from npuspec.engine.step import VerifyStep, fresh_step_fn
+from npuspec.models.decoder import AttnMetadata
 
 
 def read_bandwidth(mib: int = 1024, repeats: int = 5) -> float:
@@ -56,16 +58,40 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def step_inputs(k: int, rows: int, context: int, scratch: int, vocab: int, seed: int) -> dict:
+BLOCK = 16  # the engine's default block size
+
+
+def _slots(blocks: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return blocks[pos // BLOCK] * BLOCK + pos % BLOCK
+
+
+def step_inputs(k: int, rows: int, context: int, blocks: torch.Tensor, vocab: int,
+                seed: int) -> dict:
+    """Row 0 is the real request (its K+1 tokens after `context`), the rest padding rows as
+    the engine makes them: scratch block, length 0, no drafts."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (rows, k + 1), generator=g)
-    pos = torch.arange(k + 1).expand(rows, k + 1).clone()
-    slots = torch.full((rows,), scratch, dtype=torch.long)
+    ids = torch.randint(0, vocab, (rows, k + 1), generator=g)  # [rows, K+1]
+    pos = torch.zeros(rows, k + 1, dtype=torch.long)
+    slots = torch.zeros(rows, k + 1, dtype=torch.long)
     draft = torch.full((rows, k), -1, dtype=torch.long)
-    pos[0] += context  # row 0 is the real request: slot 0, after its context
-    slots[0] = 0
+    table = torch.zeros(rows, len(blocks), dtype=torch.int32)  # [rows, MB]
+    lens = torch.zeros(rows, dtype=torch.int32)
+    pos[0] = torch.arange(context, context + k + 1)
+    slots[0] = _slots(blocks, pos[0])
     draft[0] = ids[0, 1:]
-    return {"input_ids": ids, "positions": pos, "slots": slots, "draft_ids": draft}
+    table[0] = blocks
+    lens[0] = context + k + 1
+    return {"input_ids": ids, "positions": pos, "slots": slots, "draft_ids": draft,
+            "block_table": table, "seq_lens": lens}
+
+
+@torch.inference_mode()
+def write_context(model, cache, blocks: torch.Tensor, ids: torch.Tensor) -> None:
+    """The request's first len(ids) tokens' K/V into its blocks (one forward)."""
+    pos = torch.arange(len(ids))[None]  # [1, T]
+    meta = AttnMetadata(_slots(blocks, pos), blocks[None].to(torch.int32),
+                        torch.tensor([len(ids)], dtype=torch.int32))
+    model(ids[None], pos, meta, cache)
 
 
 # the engine's padding values per step input (npuspec/engine: inert rows)
@@ -81,7 +107,7 @@ def compiled_step(step, k: int, max_num_seqs: int, small_m: bool):
 
     def run(inp):
         for name, t in inp.items():
-            mark_token_dim(t, 0, pad=max_num_seqs if name == "slots" else _PAD.get(name, 0))
+            mark_token_dim(t, 0, pad=_PAD.get(name, 0))
         old = lowering.SMALL_M_LINEAR
         lowering.SMALL_M_LINEAR = small_m  # read when the (first) call compiles
         try:
@@ -106,12 +132,13 @@ def main(argv=None) -> None:
     ks = [int(k) for k in a.ks.split(",")]
     cfg, model = load_model(a.model, dtype=torch.float32)
     max_num_seqs = 2  # > 1: the engine pads batch 1 to 2 rows, as with the default 256
-    cache = model.allocate_cache(max_num_seqs + 1, a.max_model_len + max(ks) + 1)
+    nb = seat_blocks(a.max_model_len, max(ks), BLOCK)
+    cache = model.allocate_paged_cache(nb + 1, BLOCK)  # block 0: scratch
+    blocks = torch.arange(1, nb + 1)  # the request's
     step = VerifyStep(model, cache)
     g = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        prefill(model, cache, [torch.randint(0, cfg.vocab_size, (a.context + 1,),
-                                             generator=g).tolist()], [0], "cpu")
+    write_context(model, cache, blocks, torch.randint(0, cfg.vocab_size, (a.context,),
+                                                      generator=g))
     bw = read_bandwidth()
     wbytes = weight_bytes(model)
     bound_ms = wbytes / bw * 1e3
@@ -121,8 +148,8 @@ def main(argv=None) -> None:
 
     variants = {}
     for k in ks:
-        one = step_inputs(k, 1, a.context, max_num_seqs, cfg.vocab_size, k)
-        two = step_inputs(k, 2, a.context, max_num_seqs, cfg.vocab_size, k)
+        one = step_inputs(k, 1, a.context, blocks, cfg.vocab_size, k)
+        two = step_inputs(k, 2, a.context, blocks, cfg.vocab_size, k)
         v = {"eager": (lambda s=step: (lambda i: s(**i)))(), "eager_2rows": None}
         v["eager_2rows"] = v["eager"]
         inputs = {"eager": one, "eager_2rows": two, "compiled": two, "compiled_mm": two}

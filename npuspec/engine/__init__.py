@@ -21,7 +21,7 @@ from npuspec.engine.model_runner import ModelRunner
 from npuspec.engine.request import CompletionOutput, Request, RequestOutput
 from npuspec.engine.sampling import SamplingParams
 from npuspec.engine.scheduler import Scheduler, fill_drafts, pad_rows
-from npuspec.engine.step import VerifyStep, fresh_step_fn, prefill
+from npuspec.engine.step import VerifyStep, fresh_step_fn
 
 # The step's lowering when compilation_config names no backend; None: the backend's platform
 # default (Inductor on CPU). Each LLM(...) call reads it from this package
@@ -33,5 +33,5 @@ __all__ = [
     "LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
     "EngineMetrics", "ENGINE_METHODS", "CUDAGRAPH_MODES", "COMPILATION_KEYS", "DTYPES",
     "DEFAULT_MAX_NUM_SEQS", "DEFAULT_MAX_MODEL_LEN", "DEFAULT_LOWERING", "ModelRunner",
-    "Request", "Scheduler", "pad_rows", "fill_drafts", "VerifyStep", "fresh_step_fn", "prefill",
+    "Request", "Scheduler", "pad_rows", "fill_drafts", "VerifyStep", "fresh_step_fn",
 ]

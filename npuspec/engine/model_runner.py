@@ -9,7 +9,7 @@ what they draft, what their tokens mean) lives in the scheduler and the LLM.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -70,7 +70,12 @@ class ModelRunner:
         # Dynamo graph (and its 1-row captured size) serves batch 1 too
         self.min_rows = 1
         self.backend_options = self._backend_options(cfg.lowering)
-        self._compiled: dict[tuple, Any] = {}  # step variant -> torch.compile'd step
+        # the one lookup of a compiled step: CompiledBySignature keys each call by its input
+        # signature (which inputs are present, their dtypes and shapes past the token dim, so
+        # K and the sampling variant), and inside the graph it picks, the backend's dispatcher
+        # pads the row count to the next captured size and replays that graph
+        self._step_fn = CompiledBySignature(fresh_step_fn(self.step_module),
+                                            self.backend_options)
         self._prefill_fn = None
         self.random = self.top_k = self.top_p = False  # what the current call's batch needs
 
@@ -233,20 +238,6 @@ class ModelRunner:
         inp["uniforms"], inp["exponentials"] = u, e
         return inp
 
-    def _step_fn(self, inp: dict):
-        """The compiled step for this input variant (which optional inputs are present).
-
-        Each variant, and within it each input signature (each K), gets a compiled function
-        with its own code object (`fresh_step_fn`, `CompiledBySignature`), so graphs of one
-        LLM never evict or count against another's, and no Dynamo guard runs per call.
-        """
-        key = tuple(sorted(inp))
-        fn = self._compiled.get(key)
-        if fn is None:
-            fn = CompiledBySignature(fresh_step_fn(self.step_module), self.backend_options)
-            self._compiled[key] = fn
-        return fn
-
     @torch.inference_mode()
     def run_step(self, inp: dict) -> torch.Tensor:
         """-> [rows, K+2] int32 on the device: emitted tokens (-1 padded), then num_emitted.
@@ -267,4 +258,4 @@ class ModelRunner:
         for name, t in inp.items():
             if name != "synthetic_rates":
                 mark_token_dim(t, 0, pad=_PAD.get(name, 0))
-        return self._step_fn(inp)(**inp)
+        return self._step_fn(**inp)

@@ -15,9 +15,6 @@ from per-request generators, so the step is a pure function of its inputs: it ca
 in a device graph and replayed, and a seeded request's result does not depend on the batch it
 ran in. Attention reads only each row's live length (seq_lens).
 
-With the dense slot `KVCache` instead (benchmarks and tests), `slots` is one slot per row [B]
-and there is no block_table or seq_lens.
-
 The KV cache lives in the step module's buffers (static addresses, shared with prefill), so
 the graph runners never copy it; only the per-step inputs are copied into static buffers.
 """
@@ -30,17 +27,14 @@ from torch import nn
 
 import npuspec.kernels  # noqa: F401  (registers torch.ops.npuspec.rejection_sample)
 from npuspec.compilation.compiled import own_code
-from npuspec.models.decoder import AttnMetadata, KVCache, PagedKVCache
+from npuspec.models.decoder import AttnMetadata, PagedKVCache
 
 
 class VerifyStep(nn.Module):
-    """model forward + fused verify. One instance per engine; compiled once per variant.
+    """model forward + fused verify over the engine's paged pool. One instance per engine;
+    compiled once per input signature. `slots` is the slot mapping [B, K+1]."""
 
-    With a `PagedKVCache` (the engine's) `slots` is the slot mapping [B, K+1] and the step
-    also takes block_table [B, MB] and seq_lens [B]; with the dense `KVCache` (the old layout,
-    kept as the oracle for benchmarks and tests) `slots` is [B], one slot per row."""
-
-    def __init__(self, model: nn.Module, cache, *, block_verify: bool = False,
+    def __init__(self, model: nn.Module, cache: PagedKVCache, *, block_verify: bool = False,
                  entropy_verify: Optional[tuple[float, float]] = None,
                  features: Optional[tuple[tuple, bool]] = None):
         super().__init__()
@@ -48,8 +42,8 @@ class VerifyStep(nn.Module):
         # (aux layer ids, final): what a hidden-state drafter reads from the target. None: the
         # step returns its tokens alone (nothing else is computed or kept)
         self.features = features
-        self.paged = isinstance(cache, PagedKVCache)
-        self.block_size = cache.block_size if self.paged else 0
+        assert isinstance(cache, PagedKVCache), type(cache)
+        self.block_size = cache.block_size
         # buffers share the cache's storage: prefill and the compiled step see one cache
         self.register_buffer("k_cache", cache.k, persistent=False)
         self.register_buffer("v_cache", cache.v, persistent=False)
@@ -59,22 +53,18 @@ class VerifyStep(nn.Module):
 
     def logits(self, input_ids, positions, slots, block_table=None, seq_lens=None):
         """-> logits [B, T, V], or (logits, features [B, T, F]) when the drafter needs them."""
-        if self.features is not None:
-            cache = PagedKVCache(self.k_cache, self.v_cache, self.block_size)
-            aux_ids, final = self.features
-            return self.model.forward_features(
-                input_ids, positions, AttnMetadata(slots, block_table, seq_lens), cache,
-                aux_ids=aux_ids, final=final)
-        if self.paged:
-            cache = PagedKVCache(self.k_cache, self.v_cache, self.block_size)
-            return self.model(input_ids, positions, AttnMetadata(slots, block_table, seq_lens),
-                              cache)
-        return self.model(input_ids, positions, slots, KVCache(self.k_cache, self.v_cache))
+        cache = PagedKVCache(self.k_cache, self.v_cache, self.block_size)
+        meta = AttnMetadata(slots, block_table, seq_lens)
+        if self.features is None:
+            return self.model(input_ids, positions, meta, cache)
+        aux_ids, final = self.features
+        return self.model.forward_features(input_ids, positions, meta, cache, aux_ids=aux_ids,
+                                           final=final)
 
     def forward(self, input_ids, positions, slots, draft_ids, draft_probs=None, temperature=None,
                 top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None,
                 block_table=None, seq_lens=None):
-        # input_ids/positions [B, K+1], slots [B] (dense) or slot_mapping [B, K+1] (paged),
+        # input_ids/positions [B, K+1], slots = slot_mapping [B, K+1],
         # draft_ids [B, K], draft_probs [B, K, V]
         logits = self.logits(input_ids, positions, slots, block_table, seq_lens)
         feats = None
@@ -96,7 +86,6 @@ class PrefillStep(nn.Module):
 
     def __init__(self, verify: VerifyStep):
         super().__init__()
-        assert verify.paged, "chunked prefill needs the paged cache"
         self.verify = verify
 
     def forward(self, input_ids, positions, slot_mapping, block_table, seq_lens):
@@ -117,7 +106,7 @@ def fresh_step_fn(step: VerifyStep):
 
     Dynamo caches compiled graphs (and counts recompiles) per code object. Compiling the
     module's forward would share one cache between every engine in the process; a fresh code
-    object per compiled variant keeps each engine's graphs, and their captured graph sets,
+    object per compiled signature keeps each engine's graphs, and their captured graph sets,
     separate."""
     def run(input_ids, positions, slots, draft_ids, draft_probs=None, temperature=None,
             top_k=None, top_p=None, uniforms=None, exponentials=None, synthetic_rates=None,
@@ -132,25 +121,3 @@ def fresh_prefill_fn(step: PrefillStep):
     def run(input_ids, positions, slot_mapping, block_table, seq_lens):
         return step(input_ids, positions, slot_mapping, block_table, seq_lens)
     return own_code(run, "npuspec_prefill")
-
-
-@torch.inference_mode()
-def prefill(model: nn.Module, cache: KVCache, prompts: list[list[int]], slots: list[int],
-            device) -> None:
-    """Write the KV of each prompt into its slot (right-padded batch, one forward).
-
-    Prefill stops one token short: the last prompt token is the first input of the first
-    decode step, so every output token, including the first, comes out of the verify op.
-    Padding tokens land at positions past the prompt, which no query can see before the
-    decode steps overwrite them.
-    """
-    rows = [(p[:-1], s) for p, s in zip(prompts, slots) if len(p) > 1]
-    if not rows:
-        return
-    T = max(len(p) for p, _ in rows)
-    ids = torch.zeros(len(rows), T, dtype=torch.int64)
-    for b, (p, _) in enumerate(rows):
-        ids[b, :len(p)] = torch.tensor(p, dtype=torch.int64)
-    pos = torch.arange(T, dtype=torch.int64).expand(len(rows), T)
-    sl = torch.tensor([s for _, s in rows], dtype=torch.int64)
-    model(ids.to(device), pos.to(device), sl.to(device), cache)
