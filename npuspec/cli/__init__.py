@@ -13,8 +13,7 @@ Every subcommand has --help. User errors print one line and exit 2; --debug (any
 line) shows the traceback instead. Only the subcommand on the command line has its module
 imported, for its docstring, flags and `run`; so `npuspec --help` does not import torch. Those
 modules do not import it either (their `run` imports the part that does, npuspec/cli/*_run.py),
-so `npuspec CMD --help` and flag errors stay fast; tune's module is still npuspec/bench/tune.py,
-which does.
+so `npuspec CMD --help` and flag errors stay fast (tune's `run` is npuspec.bench.tune.run).
 """
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ COMMANDS = {
     "generate": ("npuspec.cli.generate", "generate text from prompts with an HF checkpoint"),
     "serve": ("npuspec.cli.serve", "an OpenAI-compatible server with continuous batching and speculative decoding"),
     "plan": ("npuspec.cli.plan", "print the graph capture plan per K and warn about uncaptured batches"),
-    "tune": ("npuspec.bench.tune", "measure latency and acceptance, write the K-per-batch-size table"),
+    "tune": ("npuspec.cli.tune", "measure latency and acceptance, write the K-per-batch-size table"),
     "train-draft": ("npuspec.cli.train_draft", "train an EAGLE-3 / EAGLE / Medusa / MTP drafter for a target"),
 }
 # listed after `bench` in the help, as it always was

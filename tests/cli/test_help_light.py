@@ -14,8 +14,6 @@ PROBE = ("import sys\n"
          "rc = main(sys.argv[1:])\n"
          f"print('HEAVY', [m for m in {HEAVY!r} if m in sys.modules])\n"
          "sys.exit(rc)\n")
-# tune's flags are still defined in npuspec/bench/tune.py, next to the engine imports
-NOT_YET = {"tune"}
 
 
 def _probe(*argv):
@@ -23,7 +21,7 @@ def _probe(*argv):
     return r.returncode, r.stdout.rsplit("HEAVY ", 1)[-1].strip(), r.stderr
 
 
-@pytest.mark.parametrize("cmd", sorted(set(COMMANDS) - NOT_YET) + ["cache"])
+@pytest.mark.parametrize("cmd", sorted(COMMANDS) + ["cache"])
 def test_help_imports_no_torch(cmd):
     rc, heavy, err = _probe(cmd, "--help")
     assert rc == 0, err
@@ -33,6 +31,7 @@ def test_help_imports_no_torch(cmd):
 @pytest.mark.parametrize("argv, flag", [(["serve", "--port", "x"], "--port"),
                                         (["demo", "--max-tokens", "0"], "--max-tokens"),
                                         (["plan", "--max-num-seqs", "0"], "--max-num-seqs"),
+                                        (["tune", "--max-num-seqs", "0"], "--max-num-seqs"),
                                         (["cache", "prune", "--older-than", "nan"], "--older-than"),
                                         (["cache"], "choose an action")])
 def test_flag_errors_import_no_torch(argv, flag):
