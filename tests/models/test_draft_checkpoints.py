@@ -3,8 +3,8 @@
 Every public format is written by hand here (its config keys and tensor names pin the public
 layout), loaded, checked against an independent dense computation from the raw tensors (SDPA
 is_causal, hand-written RMSNorm/RoPE) on a prompt whose K/V all sits in the paged pool, and
-round-tripped through save_draft. Plus the user-facing errors and a dynamic-batch compile
-without graph breaks."""
+round-tripped through save_draft. The load errors and the dynamic-batch compile:
+test_draft_checkpoint_errors.py; the shared writers: draft_ckpt_helpers.py."""
 import json
 import os
 import shutil
@@ -14,79 +14,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from draft_ckpt_helpers import (ATOL, BS, D, EPS, H, I, NH, NKV, THETA, V, VD, Weights,
+                                eagle3_weights, gen, llama_cfg, vocab_map, write)
 from npuspec.models import AttnMetadata, DecoderLM, ModelConfig, load_model, save_model
-from npuspec.models.draft_loading import DraftConfig, load_draft, save_draft
-from npuspec.models.eagle import Eagle3Draft, EagleDraft
+from npuspec.models.draft_loading import load_draft, save_draft
 from npuspec.models.loading import TINY_MODEL_DIR
-from npuspec.models.medusa import MedusaHeads
-from npuspec.models.mtp import MTPDraft
-
-V, H, NH, NKV, D, I = 1024, 128, 4, 2, 32, 256  # the tiny target's shape; draft MLP width I
-EPS, THETA, BS = 1e-5, 10000.0, 4
-ATOL = 2e-4
-CLASSES = {"eagle": EagleDraft, "eagle3": Eagle3Draft, "mtp": MTPDraft, "medusa": MedusaHeads}
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return load_model("tiny")
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-class Weights(dict):
-    """Random HF-named tensors: linears ~ 1/sqrt(fan_in), norms ~ 1."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        self.g = _gen(seed)
-
-    def linear(self, name, out_f, in_f, bias=False):
-        self[name + ".weight"] = torch.randn(out_f, in_f, generator=self.g) / in_f ** 0.5
-        if bias:
-            self[name + ".bias"] = 0.1 * torch.randn(out_f, generator=self.g)
-
-    def norm(self, name, n=H):
-        self[name + ".weight"] = 1 + 0.1 * torch.randn(n, generator=self.g)
-
-    def layer(self, p, in_dim=H, input_norm=True, hidden_norm=False, qk_norm=False, bias=False,
-              inter=I):
-        if input_norm:
-            self.norm(p + "input_layernorm")
-        if hidden_norm:
-            self.norm(p + "hidden_norm")
-        for proj, n in (("q", NH), ("k", NKV), ("v", NKV)):
-            self.linear(f"{p}self_attn.{proj}_proj", n * D, in_dim, bias)
-        self.linear(p + "self_attn.o_proj", H, NH * D)
-        if qk_norm:
-            self.norm(p + "self_attn.q_norm", D)
-            self.norm(p + "self_attn.k_norm", D)
-        self.norm(p + "post_attention_layernorm")
-        self.linear(p + "mlp.gate_proj", inter, H)
-        self.linear(p + "mlp.up_proj", inter, H)
-        self.linear(p + "mlp.down_proj", H, inter)
-        return self
-
-
-def llama_cfg(**over):
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H,
-            "num_hidden_layers": 1, "num_attention_heads": NH, "num_key_value_heads": NKV,
-            "head_dim": D, "intermediate_size": I, "rms_norm_eps": EPS, "rope_theta": THETA,
-            "vocab_size": V, "max_position_embeddings": 2048, "hidden_act": "silu", **over}
-
-
-def write(path, config, tensors, weights="model.safetensors"):
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    if weights.endswith(".safetensors"):
-        save_file(tensors, os.path.join(path, weights))
-    else:
-        torch.save(tensors, os.path.join(path, weights))
-    return str(path)
 
 
 # ---- the independent dense oracle ----------------------------------------------------------------
@@ -135,7 +72,7 @@ B, T, SPLIT = 2, 12, 7
 
 
 def inputs(feat_dim, seed=3):
-    g = _gen(seed)
+    g = gen(seed)
     ids = torch.randint(0, V, (B, T), generator=g)
     return ids, torch.randn(B, T, feat_dim, generator=g), torch.arange(T).expand(B, T)
 
@@ -144,7 +81,7 @@ def run_paged(draft, ids, feats):
     num_blocks = 12
     cache = draft.allocate_paged_cache(num_blocks, BS)
     per_row = -(-T // BS)
-    table = (torch.randperm(num_blocks - 1, generator=_gen(5))[:B * per_row] + 1).view(B, per_row).int()
+    table = (torch.randperm(num_blocks - 1, generator=gen(5))[:B * per_row] + 1).view(B, per_row).int()
     hidden = draft.first_hidden(feats)
     outs = []
     for s, e in ((0, SPLIT), (SPLIT, T)):
@@ -192,7 +129,7 @@ def test_eagle_formats(tiny, tmp_path, variant):
         t["model.embed_tokens.weight"] = target.embed.weight.clone()  # equal: shared, dropped
     elif variant == "bin+own_embed":
         weights = "pytorch_model.bin"
-        embed = t["embed_tokens.weight"] = 0.5 * torch.randn(V, H, generator=_gen(9))
+        embed = t["embed_tokens.weight"] = 0.5 * torch.randn(V, H, generator=gen(9))
     elif variant == "speculators":
         t = {k.replace("layers.0.", "transformer.").replace("fc.", "fusion_fc."): v
              for k, v in t.items()}
@@ -217,26 +154,6 @@ def test_eagle_formats(tiny, tmp_path, variant):
 
 
 # ---- EAGLE-3 ---------------------------------------------------------------------------------------
-VD = 512
-
-
-def vocab_map(seed=4):
-    used = torch.randperm(V, generator=_gen(seed))[:VD].sort().values
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[used] = True
-    return used, used - torch.arange(VD), t2d
-
-
-def eagle3_weights(n_aux=3, layers=1, qk_norm=False):
-    w = Weights(2).layer("layers.0.", in_dim=2 * H, hidden_norm=True, qk_norm=qk_norm)
-    for i in range(1, layers):
-        w.layer(f"layers.{i}.", qk_norm=qk_norm)
-    w.linear("fc", H, n_aux * H)
-    w.norm("norm")
-    w.linear("lm_head", VD, H)
-    return w
-
-
 def eagle3_oracle(t, ids, feats, pos, embed, used, nbr, layers=1, qk_norm=False):
     g = lin(feats, t, "fc")
     hn = rms(g, t["layers.0.hidden_norm.weight"])
@@ -307,7 +224,7 @@ def test_eagle3_identity_vocab_and_own_embed(tiny, tmp_path):
     w.linear("fc", H, 3 * H)
     w.norm("norm")
     w.linear("lm_head", V, H)
-    embed = 0.5 * torch.randn(V, H, generator=_gen(7))
+    embed = 0.5 * torch.randn(V, H, generator=gen(7))
     path = write(tmp_path / "e3", llama_cfg(architectures=["LlamaForCausalLMEagle3"],
                                             eagle_aux_hidden_state_layer_ids=[1, 2, 3]),
                  {**w, "embed_tokens.weight": embed})
@@ -337,7 +254,7 @@ def medusa_oracle(blocks, heads, h, token_map=None):
                                      "vllm-original", "vllm-target-head"])
 def test_medusa_formats(tiny, tmp_path, variant):
     tcfg, target = tiny
-    g = _gen(11)
+    g = gen(11)
     n_heads, n_layers = 3, 2
     bias = variant.startswith("fasterdecoding")
     Vt = VD if variant == "vllm-truncated" else V
@@ -492,143 +409,3 @@ def test_mtp_needs_next_n_layers(tiny, tmp_path):
 
 def test_embedded_model_has_its_mtp_layer(tiny):
     assert load_draft("mtp", "tiny", *tiny).method == "mtp"
-
-
-# ---- errors ----------------------------------------------------------------------------------------
-def _eagle_ckpt(tmp_path, cfg=None, **tensors):
-    w = Weights(1).layer("layers.0.", input_norm=False)
-    w.linear("fc", H, 2 * H)
-    w.update(tensors)
-    return write(tmp_path / "bad", cfg or llama_cfg(), {k: v for k, v in w.items() if v is not None})
-
-
-def test_wrong_shape_names_tensor_and_shapes(tiny, tmp_path):
-    path = _eagle_ckpt(tmp_path, **{"fc.weight": torch.zeros(H, 3 * H)})
-    with pytest.raises(ValueError, match=r"'fc\.weight' has shape \[128, 384\], expected \[128, 256\]"):
-        load_draft("eagle", path, *tiny)
-
-
-def test_missing_and_unknown_tensors_listed(tiny, tmp_path):
-    path = _eagle_ckpt(tmp_path, **{"layers.0.mlp.up_proj.weight": None, "extra.weight": torch.zeros(2)})
-    with pytest.raises(ValueError, match="missing") as e:
-        load_draft("eagle", path, *tiny)
-    assert "layers.0.mlp.up_proj.weight" in str(e.value) and "extra.weight" in str(e.value)
-    # an EAGLE-3 checkpoint without its final norm: the midlayer name is reported
-    w = eagle3_weights()
-    t = {k.replace("layers.0.", "midlayer."): v for k, v in w.items() if k != "norm.weight"}
-    path = write(tmp_path / "e3", llama_cfg(draft_vocab_size=VD), t)
-    with pytest.raises(ValueError, match=r"missing \['norm\.weight'\]"):
-        load_draft("eagle3", path, *tiny)
-
-
-@pytest.mark.parametrize("over, key, found", [
-    ({"hidden_size": 256}, "hidden_size", "256"),
-    ({"vocab_size": 2048}, "vocab_size", "2048"),
-    ({"rope_theta": 500000.0}, "rope_theta", "500000.0"),
-    ({"target_hidden_size": 4096}, "target_hidden_size", "4096"),
-])
-def test_target_mismatch_names_key_and_values(tiny, tmp_path, over, key, found):
-    method = "eagle3" if key == "target_hidden_size" else "eagle"
-    if method == "eagle3":
-        w = eagle3_weights()
-        path = write(tmp_path / "m", llama_cfg(architectures=["LlamaForCausalLMEagle3"],
-                                               draft_vocab_size=VD, **over), dict(w))
-    else:
-        path = _eagle_ckpt(tmp_path, llama_cfg(**over))
-    with pytest.raises(ValueError, match=f"{key}={found}") as e:
-        load_draft(method, path, *tiny)
-    target_value = {"rope_theta": "10000.0", "vocab_size": "1024"}.get(key, "128")
-    assert "target's" in str(e.value) and target_value in str(e.value)
-
-
-def test_unknown_format_and_wrong_method(tiny, tmp_path):
-    path = write(tmp_path / "x", llama_cfg(), {"foo.weight": torch.zeros(3)})
-    with pytest.raises(ValueError, match="supported: .*SpecForge"):
-        load_draft("eagle3", path, *tiny)
-    with pytest.raises(ValueError, match="supported: .*FasterDecoding"):
-        load_draft("medusa", path, *tiny)
-    with pytest.raises(ValueError, match="method 'eagle'"):
-        load_draft("eagle3", _eagle_ckpt(tmp_path), *tiny)
-    e3 = write(tmp_path / "e3", llama_cfg(draft_vocab_size=VD),
-               {k.replace("layers.0.", "midlayer."): v for k, v in eagle3_weights().items()})
-    with pytest.raises(ValueError, match="method 'eagle3'"):
-        load_draft("eagle", e3, *tiny)
-
-
-def test_writable_pickle_is_refused(tiny, tmp_path):
-    w = Weights(1).layer("layers.0.", input_norm=False)
-    w.linear("fc", H, 2 * H)
-    path = write(tmp_path / "pkl", llama_cfg(), dict(w), "pytorch_model.bin")
-    load_draft("eagle", path, *tiny)  # 0644 in a 0700 directory: fine
-    f = os.path.join(path, "pytorch_model.bin")
-    os.chmod(f, 0o664)
-    with pytest.raises(PermissionError, match="pytorch_model.bin.*safetensors"):
-        load_draft("eagle", path, *tiny)
-    os.chmod(f, 0o644)
-    os.chmod(path, 0o777)
-    try:
-        with pytest.raises(PermissionError, match="writable by group or others"):
-            load_draft("eagle", path, *tiny)
-    finally:
-        os.chmod(path, 0o755)
-
-
-# ---- compile: dynamic batch, no graph breaks ----------------------------------------------------------
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "medusa"])
-def test_compiles_with_dynamic_batch_without_graph_breaks(tiny, method):
-    import torch._dynamo
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    tcfg, target = tiny
-    cfg = DraftConfig.from_target(method, tcfg, intermediate_size=I,
-                                  **({"draft_vocab_size": VD} if method == "eagle3" else {}))
-    draft = CLASSES[method](cfg).eval().requires_grad_(False)
-    draft.bind_target(target)
-    if method == "eagle3":
-        draft.d2t.copy_(vocab_map()[1])
-        draft.init_buffers()
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("eager")  # the eager backend, counting compiled graphs
-    if method == "medusa":
-        fn = torch.compile(draft, backend=counter, fullgraph=True)
-        for b in (2, 3):
-            h = torch.randn(b, H)
-            torch._dynamo.mark_dynamic(h, 0)
-            torch.testing.assert_close(fn(h), draft(h))
-        assert counter.frame_count == 1  # one graph for both batch sizes
-        return
-    cache = draft.allocate_paged_cache(16, BS)
-
-    def step(ids, feats, pos, slots, table, lens):
-        lh, nh = draft(ids, draft.first_hidden(feats), pos, AttnMetadata(slots, table, lens), cache)
-        return draft.logits(lh), nh
-
-    fn = torch.compile(step, backend=counter, fullgraph=True)  # a graph break raises
-    F_in = 3 * H if method == "eagle3" else H
-    for b in (2, 3):
-        t = 3
-        ids = torch.randint(0, V, (b, t))
-        pos = torch.arange(t).expand(b, t).contiguous()
-        table = (torch.arange(b * 2) + 1).view(b, 2).int()
-        slots = table.long()[:, :1] * BS + pos
-        args = [ids, torch.randn(b, t, F_in), pos, slots, table, torch.full((b,), t, dtype=torch.int32)]
-        for a in args:
-            torch._dynamo.mark_dynamic(a, 0)
-        got = fn(*args)
-        want = step(*args)  # rewrites the same K/V, so eager sees the same pool
-        for x, y in zip(got, want):
-            torch.testing.assert_close(x, y)
-    assert counter.frame_count == 1  # one graph for both batch sizes
-
-
-@pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_damaged_draft_weights_name_the_file(damage, tmp_path):
-    from npuspec.spec_decode.heads import resolve_draft
-    cfg, target = load_model("tiny")
-    d = tmp_path / "head"
-    shutil.copytree(resolve_draft("tiny-eagle3"), d)
-    p = d / "model.safetensors"
-    b = p.read_bytes()
-    p.write_bytes(b[:len(b) // 2] if damage == "truncated" else b"")
-    with pytest.raises(ValueError, match=rf"{p}.*(truncated or corrupt).*re-download it"):
-        load_draft("eagle3", str(d), cfg, target)
