@@ -1,6 +1,6 @@
 """DFlash (block diffusion, method "dflash") and DSpark (method "dspark") block drafters.
 
-Facts: /work/shared/research/drafters.md §7-8. Both draft a whole block in one forward over the
+Formats and algorithm: docs/drafters.md, "DFlash and DSpark". Both draft a whole block in one forward over the
 target's context features (no chain of [B, 1] steps):
 
     c = hidden_norm(fc(cat[aux_1..aux_n]))        # [R, T, H] from the target's aux states

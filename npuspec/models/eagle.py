@@ -1,7 +1,7 @@
 """EAGLE-1 / HASS (method "eagle") and EAGLE-3 (method "eagle3") drafters over a paged KV pool.
 
 Each is one (or a few) Llama-style decoder layers fed a token embedding and a target feature
-(facts: /work/shared/research/drafters.md §1-3). The engine drives every KV-carrying drafter
+(formats: docs/drafters.md, "Checkpoint formats"). The engine drives every KV-carrying drafter
 (these two and `mtp.MTPDraft`) the same way:
 
     h = draft.first_hidden(feats)             # [B, T, F] target features -> [B, T, H]
