@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-import npuspec.engine
 from npuspec import LLM, SamplingParams
 from serve_helpers import EAGER, NGRAM, Server, metric, render_chatml
 
@@ -32,13 +31,10 @@ def server(chat_model):
 
 @pytest.fixture(scope="module")
 def offline(chat_model):
-    """The offline engine with the server's settings."""
-    mp = pytest.MonkeyPatch()
-    mp.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")
-    try:
-        yield LLM(chat_model, speculative_config=NGRAM, max_model_len=MAX_LEN, max_num_seqs=SEQS)
-    finally:
-        mp.undo()
+    """The offline engine with the server's settings, uncompiled: greedy tokens do not depend
+    on compilation (tests/engine/test_compiled.py), and the server runs the compiled step."""
+    return LLM(chat_model, speculative_config=NGRAM, max_model_len=MAX_LEN, max_num_seqs=SEQS,
+               enforce_eager=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,44 @@
+"""Suite-wide collection order: the slowest tests first.
+
+pytest-xdist hands tests to its workers in collection order. A 30-60 s test collected last
+runs alone on one core at the end of the run while the other worker idles; started first, it
+overlaps the many short tests. Listed here: tests over ~9 s in `pytest --durations=60` on a
+2-core machine (node-id prefixes, slowest first). A stale entry only changes the order;
+nothing is skipped or added.
+"""
+from __future__ import annotations
+
+SLOWEST_FIRST = (
+    "tests/engine/test_tp.py::test_compiled_tp2_equals_tp1_and_seeded_sampling_matches",
+    "tests/engine/test_tp.py::test_greedy_tp2_equals_tp1[eagle3-tp2]",
+    "tests/engine/test_hidden_state_drafters.py::test_batch_size_k_table",
+    "tests/cache/test_processes.py::test_cold_processes_at_once[4]",
+    "tests/engine/test_block_drafters.py::test_confidence_budget_cuts_drafts_not_outputs",
+    "tests/cache/test_trust_faults.py::test_links_in_world_writable_dirs_through_real_starts",
+    "tests/cache/test_processes.py::test_cold_then_warm_process_inductor",
+    "tests/engine/test_block_drafters.py::test_greedy_identical_and_captured_equals_eager",
+    "tests/engine/test_block_drafters.py::test_batch_size_k_table",
+    "tests/cli/test_bench_serve.py",
+    "tests/serve/test_server.py",
+    "tests/engine/test_hidden_state_drafters.py::test_greedy_identical_and_captured_equals_eager",
+    "tests/serve/test_serve_cli.py::test_tensor_parallel",
+    "tests/kernels/test_rejection_sample.py::test_triton_interpreter_equals_reference",
+    "tests/engine/test_compiled.py::test_ngram_dynamic_k_swaps_graph_sets_without_recapture",
+    "tests/graphs/test_hf_generate.py",
+    "tests/kernels/test_paged_attention_triton.py::test_interpreter_cases",
+    "tests/kernels/test_shm_collectives.py",
+    "tests/engine/test_tp.py",
+    "tests/test_backend_install.py",
+    "tests/engine/test_hidden_state_lossless.py",
+)
+
+
+def _rank(nodeid: str) -> int:
+    for i, prefix in enumerate(SLOWEST_FIRST):
+        if nodeid.startswith(prefix):
+            return i
+    return len(SLOWEST_FIRST)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: _rank(item.nodeid))  # stable: the rest keep their order
