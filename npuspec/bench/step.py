@@ -5,7 +5,8 @@
 
 Builds the model, the engine's paged KV pool (block 0 scratch, the request's blocks after
 it) and a `VerifyStep` over it, writes `--context` tokens into the request's blocks, then
-times batch-1 steps of K+1 tokens, interleaved call by call (so machine noise hits every variant alike), medians of `--repeats`:
+times batch-1 steps of K+1 tokens, interleaved call by call (so machine noise hits every
+variant alike), medians of `--repeats`:
 - `eager`: `step_module(**inputs)` on the 1 real row, as `LLM(enforce_eager=True)` runs it;
 - `eager_2rows`: the same with one padding row (batch 1 as 2 rows, which compiled engines ran
   before the graphs layer served a lone request as one row), i.e. what the compiled variants
