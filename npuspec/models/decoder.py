@@ -1,13 +1,13 @@
-"""A compact decoder-only LM (Llama / Qwen2 / Qwen3) over a paged KV pool or a dense slot cache.
+"""A compact decoder-only LM (Llama / Qwen2 / Qwen3) over a paged KV pool.
 
-One forward serves prefill and (speculative) decode, over either cache layout:
+One forward serves prefill and (speculative) decode:
 
-    logits = model(input_ids, positions, meta_or_slots, cache)
+    logits = model(input_ids, positions, meta, cache)
     # input_ids [B, T] int64, positions [B, T] int64 -> logits [B, T, V] fp32
 
-The paged pool (`PagedKVCache`, `allocate_paged_cache`): what the engine's target runs
+The paged pool (`PagedKVCache`, `allocate_paged_cache`) is what the engine's target runs
 (engine/model_runner.py builds the metadata, engine/step.py calls this). K and V are one
-[L, num_blocks * block_size, Hkv, D] tensor each; block 0 is scratch. The third argument is an
+[L, num_blocks * block_size, Hkv, D] tensor each; block 0 is scratch. `meta` is an
 `AttnMetadata`: slot_mapping [B, T] (the pool row each new token's K/V is written to),
 block_table [B, MB] and seq_lens [B] (the KV length after this step's writes). Row b's T tokens
 are the last T of its sequence, and `npuspec::paged_attention` reads each row's first
@@ -17,17 +17,12 @@ rejected drafts is the next step's smaller seq_lens: stale entries are never rea
 overwritten. `forward_features` also returns the hidden states a drafter reads, `hidden` the
 final residual (the prefill step's output).
 
-The dense slot cache (`KVCache`, `allocate_cache`): one row of max_len positions per request,
-used by the `draft_model` drafter (spec_decode/draft_model.py), benchmarks and tests as the
-simple oracle. The third argument is slots [B] int64: row b writes the K/V of its T tokens into
-slot `slots[b]` at `positions[b]`, then each query attends to every entry of that slot whose
-position is <= its own (the mask is built from positions, so entries left by rejected drafts
-are invisible until overwritten). Contract (not checked, to keep the step sync-free):
-0 <= positions < cache.max_len and 0 <= slots < cache.num_slots; padding rows, if any, point at
-a spare scratch slot (allocate one more slot than requests); rows of one step must not write
-the same (slot, position) unless they are scratch.
+The slot cache (`KVCache`, `allocate_cache`) is the same pool laid out as fixed request slots,
+for callers that keep one sequence per slot (the `draft_model` drafter, helpers, benchmarks):
+`meta` is then slots [B] int64, and `KVCache.metadata` derives the paged metadata from the
+slots and positions (a row's positions are consecutive; -1 marks left padding).
 
-Either way shapes depend only on (B, T) and the cache size, with no data-dependent Python
+Shapes depend only on (B, T) and the cache size, with no data-dependent Python
 branches and no host syncs, so the forward can be torch.compile'd and captured in graphs.
 `forward_causal` is a cache-free causal forward, for training.
 
@@ -49,21 +44,6 @@ from npuspec.kernels.linear_packed_cpu import linear_packed, packed_rows
 from npuspec.kernels.paged_attention import paged_attention
 from npuspec.kernels.rms_norm_cpu import add_rms_norm
 from npuspec.models.config import ModelConfig
-
-
-@dataclasses.dataclass
-class KVCache:
-    """The dense slot cache: one row of max_len positions per request (the oracle layout)."""
-    k: torch.Tensor  # [L, S, Hkv, M, D]
-    v: torch.Tensor  # [L, S, Hkv, M, D]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
 
 
 @dataclasses.dataclass
@@ -97,6 +77,46 @@ class AttnMetadata:
     slot_mapping: torch.Tensor  # int64 [B, T]: pool row each new token's K/V is written to
     block_table: torch.Tensor   # int32 [B, MB]: row b's logical block j -> physical block
     seq_lens: torch.Tensor      # int32 [B]: KV length after this step's writes (0 = padding row)
+
+
+@dataclasses.dataclass
+class KVCache:
+    """The slot cache (`allocate_cache`): a paged pool laid out as fixed request slots, for
+    callers that hold one sequence per slot (the `draft_model` drafter, helpers, benchmarks):
+    slot s owns the `nb` consecutive blocks 1 + s*nb .., so its block-table row never changes.
+    `k`/`v` are views of the pool in the per-slot layout [L, S, Hkv, max_len, D]."""
+    pool: PagedKVCache
+    num_slots: int
+    max_len: int
+
+    @property
+    def blocks_per_slot(self) -> int:
+        return -(-self.max_len // self.pool.block_size)
+
+    def _slots_view(self, t: torch.Tensor) -> torch.Tensor:
+        L, _, Hkv, D = t.shape
+        rows = self.blocks_per_slot * self.pool.block_size
+        per_slot = t[:, self.pool.block_size:].view(L, self.num_slots, rows, Hkv, D)
+        return per_slot[:, :, :self.max_len].transpose(2, 3)  # [L, S, Hkv, max_len, D]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._slots_view(self.pool.k)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._slots_view(self.pool.v)
+
+    def metadata(self, slots: torch.Tensor, positions: torch.Tensor) -> AttnMetadata:
+        """slots int64 [B]; positions int64 [B, T], consecutive in a row, -1 = left padding
+        (written to the scratch block). -> the paged step's metadata, without a host sync."""
+        bs, nb = self.pool.block_size, self.blocks_per_slot
+        first = (1 + slots * nb)[:, None]  # [B, 1]: the slot's first block
+        rows = first * bs + positions      # [B, T]: blocks are consecutive, so rows are too
+        slot_mapping = torch.where(positions >= 0, rows, torch.zeros_like(rows))
+        block_table = (first + torch.arange(nb, device=slots.device)).to(torch.int32)  # [B, nb]
+        seq_lens = (positions[:, -1] + 1).to(torch.int32)  # [B]
+        return AttnMetadata(slot_mapping, block_table, seq_lens)
 
 
 class RMSNorm(nn.Module):
@@ -215,13 +235,12 @@ class DecoderLM(nn.Module):
         return self
 
     # ---- cache -------------------------------------------------------------------------
-    def allocate_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> KVCache:
-        cfg = self.config
-        dtype = dtype or self.norm.weight.dtype
-        device = device or self.norm.weight.device
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        return KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                       torch.zeros(shape, dtype=dtype, device=device))
+    def allocate_cache(self, num_slots: int, max_len: int, dtype=None, device=None,
+                       block_size: int = 16) -> KVCache:
+        """A slot cache: `num_slots` sequences of up to `max_len` positions each."""
+        nb = -(-max_len // block_size)
+        pool = self.allocate_paged_cache(1 + num_slots * nb, block_size, dtype, device)
+        return KVCache(pool, num_slots, max_len)
 
     def allocate_paged_cache(self, num_blocks: int, block_size: int, dtype=None,
                              device=None) -> PagedKVCache:
@@ -306,41 +325,11 @@ class DecoderLM(nn.Module):
                          self.fused_norm)[0]
         return self.head(x)  # [B, T, V]
 
-    def forward(self, input_ids, positions, slots, cache):
-        """slots: int64 [B] with a `KVCache`, an `AttnMetadata` with a `PagedKVCache`."""
-        if isinstance(cache, PagedKVCache):
-            return self._forward_paged(input_ids, positions, slots, cache)
-        cfg = self.config
-        B, T = input_ids.shape
-        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        G = H // Hkv
-        M = cache.k.shape[3]
-        x = self._embed(input_ids)  # [B, T, hidden]
-        cos, sin = self._rope(positions, x.dtype)
-        kv_pos = torch.arange(M, device=positions.device)
-        visible = kv_pos[None, None, :] <= positions[:, :, None]  # [B, T, M]
-        # additive float mask built once (a bool mask is converted again in every layer)
-        mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
-        # GQA without repeating K/V: the G query heads sharing a kv head are stacked on the
-        # query axis, so one SDPA call per kv head sees [G*T] queries.
-        mask = mask[:, None, None].expand(B, 1, G, T, M).reshape(B, 1, G * T, M)
-        slot_col = slots[:, None]  # [B, 1], broadcasts against positions [B, T]
-
-        def attend(i, q, k, v):
-            # Write through the base [L, S, Hkv, M, D] tensor with a tensor layer index: a
-            # write into the view cache.k[i] makes Inductor copy the whole layer cache in and
-            # out of every compiled step; an index_put_ on the graph input is done in place.
-            li = self.layers[i].index  # [1, 1]
-            cache.k[li, slot_col, :, positions] = k  # [B, T, Hkv, D] at (i, slot, :, pos)
-            cache.v[li, slot_col, :, positions] = v
-            kk, vv = cache.k[i][slots], cache.v[i][slots]  # [B, Hkv, M, D]
-            qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-            o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask)  # [B, Hkv, G*T, D]
-            return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
-
-        return self._logits(*self._layers(x, cos, sin, attend))
-
-    def _forward_paged(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache):
+    def forward(self, input_ids, positions, meta, cache):
+        """meta: an `AttnMetadata` with a `PagedKVCache`, or slots [B] int64 with a slot
+        `KVCache` (from `allocate_cache`). -> logits [B, T, V] fp32."""
+        if isinstance(cache, KVCache):
+            meta, cache = cache.metadata(meta, positions), cache.pool
         return self._logits(*self._hidden_pair(input_ids, positions, meta, cache))
 
     def forward_features(self, input_ids, positions, meta: AttnMetadata, cache: PagedKVCache,

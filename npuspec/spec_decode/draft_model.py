@@ -1,9 +1,10 @@
 """Draft-model proposer: a second, smaller checkpoint with the target's vocabulary.
 
-It keeps its own static KV cache (one slot per running request, plus scratch) and, per step:
+It keeps its own slot KV cache (a paged pool with a fixed run of blocks per running request,
+models/decoder.py) and, per step:
 1. catches up on the tokens the target emitted since its last step (one batched forward over
-   at most a few tokens per request, right-padded: padding lands past each request's length,
-   invisible until overwritten);
+   at most a few tokens per request, left-padded: padding tokens write the pool's scratch block
+   and their outputs are dropped);
 2. drafts K tokens autoregressively, one [B, 1] forward each.
 
 Draft token i of a request is sampled from q_i = softmax(draft_logits / T) with the request's
@@ -41,11 +42,11 @@ class _State:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device="cpu"):
+    def __init__(self, model: torch.nn.Module, num_slots: int, max_len: int, device="cpu",
+                 block_size: int = 16):
         self.model = model
         self.device = torch.device(device)
-        self.cache = model.allocate_cache(num_slots + 1, max_len)
-        self.scratch = num_slots
+        self.cache = model.allocate_cache(num_slots, max_len, block_size=block_size)
         self.free = list(range(num_slots - 1, -1, -1))
         self.reqs: dict[str, _State] = {}
         self.vocab_size = model.config.vocab_size
@@ -137,19 +138,15 @@ class DraftModelProposer(Proposer):
         assert T >= 1, "draft() needs at least one new token per request (the last emitted one)"
         B = len(states)
         ids = np.zeros((B, T), dtype=np.int64)
-        pos = np.empty((B, T), dtype=np.int64)
+        pos = np.full((B, T), -1, dtype=np.int64)  # -1: left padding, to the scratch block
         for b, (s, n) in enumerate(zip(states, new)):
-            ids[b, :len(n)] = n
-            pos[b] = s.cached + np.arange(T)
-        # padding positions past the cache end are clamped to its last entry, which no real
-        # token ever occupies (the cache is allocated K+1 longer than max_model_len)
-        np.minimum(pos, self.cache.max_len - 1, out=pos)
-        last = torch.tensor([len(n) - 1 for n in new], dtype=torch.int64, device=self.device)
+            ids[b, T - len(n):] = n
+            pos[b, T - len(n):] = s.cached + np.arange(len(n))
         logits = self.model(torch.from_numpy(ids).to(self.device),
                             torch.from_numpy(pos).to(self.device), slots, self.cache)  # [B, T, V]
         for s in states:
             s.cached = len(s.tokens)
-        return logits[torch.arange(B, device=self.device), last]
+        return logits[:, -1]
 
 
 def build(ctx: BuildContext) -> DraftModelProposer:
@@ -164,4 +161,5 @@ def build(ctx: BuildContext) -> DraftModelProposer:
         check_shardable(dcfg, ctx.shard[1], "speculative_config.draft_tensor_parallel_size")
         dmodel = shard_model(dmodel, *ctx.shard)
     pack_model(dmodel)
-    return DraftModelProposer(dmodel, ctx.max_num_seqs, ctx.cache_len, device=ctx.device)
+    return DraftModelProposer(dmodel, ctx.max_num_seqs, ctx.cache_len, device=ctx.device,
+                              block_size=ctx.block_size or 16)

@@ -167,22 +167,27 @@ ENGINE_PAD = {"draft_ids": -1, "top_p": 1.0, "uniforms": 1.0, "exponentials": 1.
 
 
 class DecoderStep(nn.Module):
-    """The engine's VerifyStep (dense slot cache), copied: decoder forward + verify op."""
+    """The engine's VerifyStep (over the slot cache), copied: decoder forward + verify op."""
 
     def __init__(self, model, cache):
         super().__init__()
         self.model = model
-        self.register_buffer("k_cache", cache.k, persistent=False)
-        self.register_buffer("v_cache", cache.v, persistent=False)
+        self.register_buffer("k_cache", cache.pool.k, persistent=False)
+        self.register_buffer("v_cache", cache.pool.v, persistent=False)
+        self.geometry = (cache.pool.block_size, cache.num_slots, cache.max_len)
 
     def forward(self, input_ids, positions, slots, draft_ids, temperature=None, uniforms=None,
                 exponentials=None):
-        from npuspec.models.decoder import KVCache
-        logits = self.model(input_ids, positions, slots, KVCache(self.k_cache, self.v_cache))
+        logits = self.model(input_ids, positions, slots, self.slot_cache())
         out, num = torch.ops.npuspec.rejection_sample(
             logits, draft_ids, None, temperature, None, None, uniforms, exponentials,
             False, None, None, None)
         return torch.cat([out, num[:, None]], dim=1)
+
+    def slot_cache(self):
+        from npuspec.models.decoder import KVCache, PagedKVCache
+        bs, num_slots, max_len = self.geometry
+        return KVCache(PagedKVCache(self.k_cache, self.v_cache, bs), num_slots, max_len)
 
 
 def _decoder(cache_slots, cache_len):
@@ -223,8 +228,8 @@ def test_engine_call_pattern(order, sampled, fresh_dynamo, delta, picks):
     pads = dict(ENGINE_PAD, slots=max_num_seqs)
     with torch.inference_mode():
         _run_orders(order, step, call(ref), make, pads, delta, picks,
-                    lambda: [(step.k_cache[:, :max_num_seqs], ref.k_cache[:, :max_num_seqs]),
-                             (step.v_cache[:, :max_num_seqs], ref.v_cache[:, :max_num_seqs])])
+                    lambda: [(getattr(step.slot_cache(), kv)[:, :max_num_seqs],
+                              getattr(ref.slot_cache(), kv)[:, :max_num_seqs]) for kv in "kv"])
 
 
 def test_group_none_keeps_the_backed_marking(fresh_dynamo, delta):

@@ -131,6 +131,23 @@ def test_cache_is_only_written_at_slot_and_position():
     assert torch.equal(written, expect)
 
 
+def test_slot_cache_left_padding_writes_scratch_and_matches_unpadded():
+    """Left padding (position -1) writes the pool's scratch block only; real tokens get the
+    logits of an unpadded call (the draft_model drafter's batched catch-up relies on it)."""
+    _, model = small_model()
+    a, b = model.allocate_cache(2, 12), model.allocate_cache(2, 12)
+    out = model(torch.tensor([[5, 6, 7], [0, 0, 9]]), torch.tensor([[0, 1, 2], [-1, -1, 0]]),
+                torch.tensor([0, 1]), a)  # [2, 3, V]
+    ref0 = model(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]]), torch.tensor([0]), b)
+    ref1 = model(torch.tensor([[9]]), torch.tensor([[0]]), torch.tensor([1]), b)
+    torch.testing.assert_close(out[0], ref0[0])
+    torch.testing.assert_close(out[1, -1], ref1[0, -1])
+    torch.testing.assert_close(a.k, b.k)  # the slots hold the same K/V
+    torch.testing.assert_close(a.v, b.v)
+    bs = a.pool.block_size
+    assert a.pool.k[:, :bs].abs().sum() > 0 and b.pool.k[:, :bs].abs().sum() == 0
+
+
 def test_compiled_step_matches_eager():
     """The step traces as one graph (fullgraph) and writes the cache the same way as eager."""
     _, model = small_model()
