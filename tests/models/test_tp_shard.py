@@ -18,15 +18,26 @@ QWEN2ISH = ModelConfig(vocab_size=1001, hidden_size=64, num_layers=2, num_heads=
                        tie_word_embeddings=False)
 
 
-def _rank(rank, world, init, cfg, pack, out_dir):
+CASES = {"tiny": (None, False), "tiny-packed": (None, True),
+         "biases-untied-v1001": (QWEN2ISH, False), "biases-untied-v1001-packed": (QWEN2ISH, True)}
+
+
+def _rank(rank, world, init, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    from npuspec.kernels import collectives
+    collectives.set_group(dist.group.WORLD)
+    for name, (cfg, pack) in CASES.items():  # one pair of processes for every case
+        torch.save(_case(rank, world, cfg, pack), os.path.join(out_dir, f"{name}.{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _case(rank, world, cfg, pack) -> dict:
     from npuspec.kernels import collectives
     from npuspec.models import load_model
     from npuspec.models.decoder import DecoderLM
     from npuspec.models.packing import pack_model
     from npuspec.models.tp import shard_model
-    collectives.set_group(dist.group.WORLD)
     torch.manual_seed(0)  # the same weights and inputs on every rank
     if cfg is None:
         cfg, whole = load_model("tiny")
@@ -43,27 +54,27 @@ def _rank(rank, world, init, cfg, pack, out_dir):
     collectives.reset_comm()
     with torch.inference_mode():
         out, feats = shard.forward_causal(ids, aux_ids=(1,), final=True)
-    torch.save({"ref": ref, "out": out, "ref_feats": ref_feats, "feats": feats,
-                "comm": dict(collectives.COMM),
-                "heads": shard.config.num_heads, "kv": shard.config.num_kv_heads},
-               os.path.join(out_dir, f"{rank}.pt"))
-    dist.destroy_process_group()
+    return {"ref": ref, "out": out, "ref_feats": ref_feats, "feats": feats,
+            "comm": dict(collectives.COMM),
+            "heads": shard.config.num_heads, "kv": shard.config.num_kv_heads}
 
 
-def _run(cfg, pack, world=2):
+@pytest.fixture(scope="module")
+def results():
+    """Every case's results per rank. Process start-up (spawn, import torch, gloo) is most of
+    the cost, so the ranks run all cases in one start instead of one start per case."""
+    world = 2
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "store")
-        mp.start_processes(_rank, args=(world, init, cfg, pack, d), nprocs=world,
-                           start_method="spawn")
-        return [torch.load(os.path.join(d, f"{r}.pt")) for r in range(world)]
+        mp.start_processes(_rank, args=(world, init, d), nprocs=world, start_method="spawn")
+        return {name: [torch.load(os.path.join(d, f"{name}.{r}.pt")) for r in range(world)]
+                for name in CASES}
 
 
-@pytest.mark.parametrize("cfg, pack", [(None, False), (None, True), (QWEN2ISH, False),
-                                       (QWEN2ISH, True)], ids=["tiny", "tiny-packed",
-                                                               "biases-untied-v1001",
-                                                               "biases-untied-v1001-packed"])
-def test_sharded_forward_equals_whole(cfg, pack):
-    res = _run(cfg, pack)
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_forward_equals_whole(case, results):
+    cfg, _ = CASES[case]
+    res = results[case]
     r0, r1 = res
     for r in res:
         assert r["out"].shape == r["ref"].shape  # the padded vocabulary rows are cut off
