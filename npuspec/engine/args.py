@@ -10,9 +10,14 @@ from typing import Any, Optional
 import torch
 
 from npuspec import envs
-from npuspec.config import ADDITIONAL_KEYS, SpeculativeConfig, merge_additional_config
+from npuspec import platform as platforms  # looked up per call: tests patch free_memory
+from npuspec.config import (ADDITIONAL_KEYS, DynamicSpecConfig, SpeculativeConfig,
+                            merge_additional_config)
+from npuspec.engine.block_manager import seat_blocks
 from npuspec.engine.sampling import ArgTypeError, a_type
 from npuspec.methods import METHODS
+from npuspec.models.config import read_config_json
+from npuspec.models.loading import read_model_config
 from npuspec.spec_decode.heads import TINY_DRAFTS, head_path, resolve_draft
 
 log = logging.getLogger("npuspec.engine")
@@ -187,10 +192,9 @@ def parse_spec(spec: Any, additional: Any, tp: int) -> Optional[SpeculativeConfi
                 raise ValueError(f"LLM: additional_config.{keys[0]} needs a speculative_config; "
                                  f"pass speculative_config={{'method': ..., ...}} or drop it")
         return None
-    from npuspec.platform import current_platform
     d = merge_additional_config(spec, additional)
     cfg = SpeculativeConfig.from_dict(d, tensor_parallel_size=tp,
-                                      device=current_platform().device)
+                                      device=platforms.current_platform().device)
     check_draft_path(cfg)
     return cfg
 
@@ -221,7 +225,6 @@ def parse_kv_pool(block_size: Optional[int], num_kv_blocks: Optional[int], max_n
                   max_model_len: int, k_max: int, device_type: str) -> tuple[int, int]:
     """-> (block_size, num_blocks incl. the scratch block). The default pool holds every seat
     at max_model_len (plus the K draft positions of a verify step)."""
-    from npuspec.engine.block_manager import seat_blocks
     bs = DEFAULT_BLOCK_SIZE.get(device_type, 16) if block_size is None else pos_int(
         "block_size", block_size)
     per_req = seat_blocks(max_model_len, k_max, bs)
@@ -247,7 +250,6 @@ def confidence_budget_config(spec: Optional[SpeculativeConfig]):
     """additional_config.dynamic_spec_config, or, for `enable_adaptive_verification: true`
     without one, the confidence budget at vLLM Ascend's defaults. (Upstream vLLM's adaptive
     verification also weighs the engine's load; npuspec's budget reads confidences only.)"""
-    from npuspec.config import DynamicSpecConfig
     if spec is None:
         return None
     if spec.dynamic_spec_config is None and spec.enable_adaptive_verification:
@@ -267,21 +269,19 @@ def _gib(n: float) -> str:
 def draft_kv_bytes(spec: Optional[SpeculativeConfig], target_cfg, target_path: str, *,
                    num_blocks: int, block_size: int, max_num_seqs: int, cache_len: int,
                    esize: int) -> int:
-    """Bytes of the drafter's own K/V: a draft model's contiguous cache (one slot per seat and
-    a scratch one), or a hidden-state head's paged pool in the target pool's geometry. The
+    """Bytes of the drafter's own K/V: a draft model's slot cache (a run of blocks per seat
+    and the scratch block, models/decoder.py `allocate_cache`), or a hidden-state head's paged pool in the target pool's geometry. The
     head's layer count and head shape come from its config.json where given, else the
     target's; an unreadable config is its loader's to report, so it counts as none here."""
     if spec is None or not METHODS[spec.method].draft_kv:
         return 0  # ngram, suffix, medusa, extract_hidden_states keep no K/V
     if spec.method == "draft_model":
-        from npuspec.models.loading import read_model_config
         try:
             d = read_model_config(spec.model)
         except (OSError, ValueError):
             return 0
-        slots = max_num_seqs + 1
-        return 2 * d.num_layers * slots * d.num_kv_heads * cache_len * d.head_dim * esize
-    from npuspec.models.config import read_config_json
+        rows = block_size * (1 + max_num_seqs * -(-cache_len // block_size))
+        return 2 * d.num_layers * rows * d.num_kv_heads * d.head_dim * esize
     try:
         d = read_config_json(head_path(spec, target_path), "")
     except (OSError, ValueError):
@@ -302,14 +302,13 @@ def check_kv_memory(cfg, spec: Optional[SpeculativeConfig], model_path: str, *,
     """Raise a ValueError naming the bytes and the arguments to change when the KV pools
     cannot fit in the device's free memory (rather than a raw allocator error, or on Linux an
     out-of-memory kill when the pages are first touched). Returns the bytes needed."""
-    from npuspec.platform import free_memory
     esize = torch.empty((), dtype=dtype).element_size()
     per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * esize
     target = num_blocks * per_block
     draft = draft_kv_bytes(spec, cfg, model_path, num_blocks=num_blocks, block_size=block_size,
                            max_num_seqs=max_num_seqs, cache_len=max_model_len + k_max + 1,
                            esize=esize)
-    free, source = free_memory(device)
+    free, source = platforms.free_memory(device)
     if target + draft <= free:
         return target + draft
     what = (f"{num_blocks} blocks x {block_size} tokens x {cfg.num_layers} layers x 2 (K, V) x "

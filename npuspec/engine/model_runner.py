@@ -83,7 +83,7 @@ class ModelRunner:
         """Capture sizes (tokens) per K; None when nothing is captured (no padding then)."""
         if not self.capture:
             return {k: None for k in self.k_values}
-        from npuspec.graphs import plan_capture_sizes
+        from npuspec.graphs import plan_capture_sizes  # heavy (torch._dynamo): compiled only
         return {k: list(plan_capture_sizes(k, self.max_num_seqs, sizes=self.capture_sizes))
                 for k in self.k_values}
 
@@ -162,7 +162,7 @@ class ModelRunner:
             if self.enforce_eager:
                 out = self.prefill_module(**inp)
             else:
-                from npuspec.graphs import mark_token_dim
+                from npuspec.graphs import mark_token_dim  # heavy (torch._dynamo)
                 for t in inp.values():
                     mark_token_dim(t, 0, pad=0)
                 out = self._prefill_compiled()(**inp)
@@ -251,7 +251,7 @@ class ModelRunner:
     def _run_step(self, inp: dict):
         if self.enforce_eager:
             return self.step_module(**inp)
-        from npuspec.graphs import mark_token_dim
+        from npuspec.graphs import mark_token_dim  # heavy (torch._dynamo): compiled only
         # dim 0 of every per-request input is the token/batch dim: dynamic for Dynamo (one
         # graph per K serves every batch size) and padded by the graph dispatcher with
         # inert rows: scratch block, length 0, no drafts, greedy.

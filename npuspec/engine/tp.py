@@ -38,6 +38,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from npuspec import envs
+from npuspec.kernels import collectives, shm_collectives
+
 log = logging.getLogger("npuspec.engine")
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -192,7 +195,6 @@ class TP:
                 w.proc.kill()
                 w.proc.join(5)
             w.conn.close()
-        from npuspec.kernels import collectives
         collectives.set_group(None)
         if self.shm is not None:
             self.shm.close()
@@ -215,7 +217,6 @@ def _signal_name(n: int) -> str:
 
 
 def _timeout() -> float:
-    from npuspec import envs
     return envs.tp_timeout()
 
 
@@ -258,7 +259,6 @@ def start(parallel, device: torch.device, llm_kwargs: dict) -> TP:
     (engine/config.py). `llm_kwargs`: the LLM's arguments, which every spawned worker builds
     its engine from."""
     world, launcher = parallel.world, parallel.launcher
-    from npuspec.kernels import collectives
     if torch.distributed.is_initialized():
         raise RuntimeError("LLM: tensor_parallel_size > 1 but this process already belongs to "
                            "a torch.distributed group; one tensor-parallel LLM per process: "
@@ -269,7 +269,6 @@ def start(parallel, device: torch.device, llm_kwargs: dict) -> TP:
         rank, init_method = parallel.worker
         local = rank
     elif launcher == "external_launcher":        # torchrun
-        from npuspec import envs
         rank, _, local = envs.torchrun_rank()
         init_method = "env://"
     else:                                        # rank 0 of "mp": spawn the others
@@ -318,8 +317,6 @@ SHM_CAP = 16 << 20  # bytes per rank and op: a batch of 16 x (K+1) rows of 48k-v
 def _shm_comm(device: torch.device, rank: int, world: int, d: str):
     """Same-host CPU ranks' shared-memory collectives, or None (gloo) when NPUSPEC_TP_CPU_COMM
     says gloo, the device is not the CPU, or the kernel cannot be built (logged once)."""
-    from npuspec import envs
-    from npuspec.kernels import shm_collectives
     if device.type != "cpu" or envs.tp_cpu_comm() != "shm" or not shm_collectives.available():
         return None
     return shm_collectives.ShmComm(os.path.join(d, "shm"), rank, world, SHM_CAP,

@@ -30,8 +30,9 @@ def entry(argv: list[str]) -> None:
 def main(rank: int, init_method: str, llm_kwargs: dict, conn) -> None:
     # Ctrl-C in a terminal signals the whole process group: rank 0 shuts the workers down
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from npuspec.engine.llm import LLM
     try:
+        # imported inside the try: an import error is reported to rank 0 like any other
+        from npuspec.engine.llm import LLM
         llm = LLM.for_worker(llm_kwargs, rank, init_method)
     except BaseException as e:  # noqa: B902 - every failure goes back to rank 0
         _report(conn, rank, e)
@@ -49,7 +50,7 @@ def main(rank: int, init_method: str, llm_kwargs: dict, conn) -> None:
 
 
 def _loop(conn, llm) -> None:
-    from npuspec.engine.request import rebuild_request
+    from npuspec.engine.request import rebuild_request  # loaded by main's import already
     while True:
         msg = conn.recv()
         op = msg[0]

@@ -58,7 +58,7 @@ class SuffixProposer(Proposer):
         self.max_spec_factor = float(max_spec_factor)
         self.min_token_prob = float(min_token_prob)
         self.max_spec_offset = float(max_spec_offset)
-        from npuspec.kernels import suffix_cpu
+        from npuspec.kernels import suffix_cpu  # heavy: its C++ source, read only when built
         lib = suffix_cpu.library()
         self._ref = None
         if lib is None:  # load_library logged why, once

@@ -278,8 +278,10 @@ def test_kv_check_counts_the_draft_model_pool(monkeypatch):
     cfg, check = _kv(monkeypatch, free=10**12)
     target = check()
     both = check(spec)
-    # the draft (the tiny model again): one contiguous slot per seat and a scratch one
-    assert both - target == 2 * cfg.num_layers * 3 * cfg.num_kv_heads * 67 * cfg.head_dim * 4
+    # the draft (the tiny model again): its slot cache, a scratch block and a run of
+    # ceil(67 / 16) = 5 blocks of 16 rows per seat
+    rows = 16 * (1 + 2 * 5)
+    assert both - target == 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * 4
     _, check = _kv(monkeypatch, free=both - 1)
     assert check() == target  # the target pool alone fits
     _raises(ValueError, lambda: check(spec), "draft_model drafter's K/V")
