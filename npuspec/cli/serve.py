@@ -12,11 +12,12 @@ flight, then exits. Needs the [serve] extra: pip install 'npuspec[serve]'.
 """
 from __future__ import annotations
 
-from npuspec.serve.args import add_arguments  # the subcommand's flags are the server's
+from npuspec.serve.args import add_arguments, check_flags  # the flags are the server's
 
 __all__ = ["add_arguments", "run"]
 
 
 def run(args) -> int:
+    check_flags(args)
     from npuspec.cli import serve_run  # heavy: keeps `--help` and flag errors off torch's import
     return serve_run.run(args)

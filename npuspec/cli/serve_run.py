@@ -28,8 +28,6 @@ def run(args) -> int:
     _require_serve_extra()
     import uvicorn  # the [serve] extra, checked just above
 
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"{args.port} must be in [0, 65535]", "--port")
     sock = _bind(args.host, args.port)  # before the model loads: a taken port fails at once
     names = args.served_model_name or [args.model]
     host, port = sock.getsockname()[:2]

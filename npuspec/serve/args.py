@@ -45,6 +45,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 
+JSON_FLAGS = {"compilation_config": "--compilation-config",
+              "additional_config": "--additional-config",
+              "kv_transfer_config": "--kv-transfer-config"}
+
+
+def check_flags(args) -> None:
+    """The checks that need neither torch nor the model, run before either is imported: a
+    mistyped port or JSON flag fails in a fraction of a second, naming the flag."""
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"{args.port} must be in [0, 65535]", "--port")
+    for key, flag in JSON_FLAGS.items():
+        _json_flag(getattr(args, key), flag)
+
+
 def _json_flag(value, flag: str):
     if value is None:
         return None
@@ -57,7 +71,6 @@ def _json_flag(value, flag: str):
     return d
 
 
-
 def llm_kwargs(args) -> dict:
     """`LLM(**llm_kwargs(args))`, with every flag that needs no model checked (each error
     names its flag). The HTTP process runs it before it starts the engine process."""
@@ -65,9 +78,7 @@ def llm_kwargs(args) -> dict:
     cfg = common.spec_config(args.speculative_config)
     mdir = common.model_dir(args.model)
     common.check_draft(mdir, cfg)
-    flags = {"compilation_config": "--compilation-config", "additional_config": "--additional-config",
-             "kv_transfer_config": "--kv-transfer-config"}
-    kw = {k: _json_flag(getattr(args, k), f) for k, f in flags.items()}
+    kw = {k: _json_flag(getattr(args, k), f) for k, f in JSON_FLAGS.items()}
     return dict(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
                 max_model_len=args.max_model_len,
                 max_num_seqs=args.max_num_seqs or engine.DEFAULT_MAX_NUM_SEQS,
