@@ -31,7 +31,7 @@ from npuspec.engine.request import parse_requests
 from npuspec.engine.sampling import SamplingParams
 from npuspec.models import load_tokenizer
 from npuspec.serve import core
-from npuspec.serve.args import llm_kwargs
+from npuspec.serve.args import check_engine_config
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class EngineClient:
     """The engine process and what the HTTP side needs to know of its model."""
 
     def __init__(self, args):
-        llm_kwargs(args)  # the flag checks that need no model: fail before a process starts
+        check_engine_config(args)  # the start-up checks: fail before a process starts
         ctx = mp.get_context("spawn")  # never fork a process that has imported torch
         self.conn, child = ctx.Pipe(duplex=True)
         # a daemon cannot start processes, and with --tensor-parallel-size N the engine
