@@ -61,7 +61,7 @@ from npuspec.bench.table import print_table
 from npuspec.cli_util import common
 from npuspec.cli_util.common import add_threads_flag, positive
 from npuspec.cli_util.errors import run_command
-from npuspec.cli_util.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
+from npuspec.cli_util.prompts import BUILTIN_SETS, builtin_prompts, chat_tokenizer, load_prompts
 from npuspec.models.loading import read_model_config
 
 SCHEMA = "npuspec.bench.e2e/1"
@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive, default=128, help="new tokens per prompt")
     p.add_argument("--prompts", default=None,
                    help="prompt file (.txt/.json/.jsonl), or 'code-edit': 6 built-in code-editing chat "
-                        "requests (~240-310 tokens with SmolLM2's template); default: the demo prompts")
+                        "requests (~240-310 tokens with SmolLM2's template), or 'open-ended': 24 "
+                        "chat requests with little to copy; default: the demo prompts")
     p.add_argument("--repeats", type=positive, default=3, help="timed passes per row (median)")
     p.add_argument("--max-model-len", default=None, type=_max_model_len, metavar="N|fit",
                    help="npuspec rows' max_model_len (default: the engine's default, min(2048, the "
@@ -190,9 +191,9 @@ def run(args) -> int:
         draft_dir = common.check_draft(mdir, common.spec_config(draft_spec, "--draft-model"), "--draft-model")
         if common.is_gguf_model(draft_dir):
             require_hf_gguf(draft_dir, "--draft-model")
-    if args.prompts == CODE_EDIT:  # chat-templated with transformers' tokenizer when there is a template
+    if args.prompts in BUILTIN_SETS:  # chat-templated with transformers' tokenizer if it has one
         chat_tok = chat_tokenizer(mdir)
-        prompts = code_edit_prompts(mdir, chat_tok)
+        prompts = builtin_prompts(args.prompts, mdir, chat_tok)
         ids = encode(mdir, prompts, chat_tok)
         prompt_format = "chat template" if chat_tok is not None else "plain text (no chat template)"
     else:

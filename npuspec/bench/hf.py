@@ -34,7 +34,7 @@ from npuspec.bench.hf_runners import hf_runner, load_hf, require_transformers
 from npuspec.bench.table import print_table
 from npuspec.cli_util import common
 from npuspec.cli_util.errors import run_command
-from npuspec.cli_util.prompts import CODE_EDIT, chat_tokenizer, code_edit_prompts, load_prompts
+from npuspec.cli_util.prompts import BUILTIN_SETS, builtin_prompts, chat_tokenizer, load_prompts
 from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
 
 MODES = ("greedy", "prompt lookup", "static cache", "assisted")
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for itself; a --model with another vocabulary has no assisted row "
                         "without it)")
     p.add_argument("--prompts", default="code-edit",
-                   help="'code-edit' (chat-templated when the checkpoint has a template) or a file")
+                   help="'code-edit' or 'open-ended' (chat-templated when the checkpoint has a "
+                        "template) or a file")
     p.add_argument("--num-prompts", type=int, default=4, help="first N prompts")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=4, help="prompt_lookup_num_tokens / assistant tokens")
@@ -88,9 +89,9 @@ def run(args) -> int:
     mdir = common.model_dir(args.model)
     threads = common.set_threads(args.threads, mdir)
     torch._dynamo.config.recompile_limit = 256
-    if args.prompts == CODE_EDIT:
+    if args.prompts in BUILTIN_SETS:
         tok = chat_tokenizer(mdir)
-        ids = encode(mdir, code_edit_prompts(mdir, tok), tok)
+        ids = encode(mdir, builtin_prompts(args.prompts, mdir, tok), tok)
     else:
         ids = encode(mdir, load_prompts(args.prompts))
     ids = ids[:args.num_prompts]

@@ -325,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=positive, default=64, help="timed requests per method (default 64)")
     p.add_argument("--prompts", default="code-edit",
                    help="prompt file (.txt/.json/.jsonl) or a built-in set; default 'code-edit' (6 "
-                        "code-editing requests, chat-templated when the model has a template), "
+                        "code-editing requests, chat-templated when the model has a template; "
+                        "'open-ended': 24 chat requests with little to copy), "
                         "cycled in order to --num-prompts requests")
     p.add_argument("--max-tokens", type=positive, default=128,
                    help="new tokens per request (ignore_eos: exactly this many; default 128)")

@@ -31,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(its draft heads ship with npuspec); --speculative-config overrides")
     p.add_argument("--max-tokens", type=positive, default=96, help="new tokens per prompt (default 96)")
     p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl), or "
-                                                   "'code-edit' (6 built-in code-editing chat requests); "
+                                                   "'code-edit' (6 built-in code-editing chat requests), "
+                                                   "'open-ended' (24 chat requests); "
                                                    "default: 4 built-in code prompts")
     p.add_argument("--max-num-seqs", type=positive, default=1,
                    help="concurrent requests (default 1: one prompt at a time, the latency view)")

@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded tiny model)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
     p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl), "
-                                                   "or 'code-edit' (the built-in code-editing requests)")
+                                                   "or a built-in set: 'code-edit', 'open-ended'")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="vllm serve --speculative-config schema, inline JSON or a .json file (default: none)")
     p.add_argument("--max-tokens", type=positive, default=64, help="new tokens per prompt")

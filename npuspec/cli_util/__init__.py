@@ -6,7 +6,7 @@
                 default speculative configs (so `--help` and flag errors stay fast)
     common.py   argument checks (--model, --speculative-config, --threads; flags.py's names
                 too), a progress bar
-    prompts.py  the built-in prompt sets (the demo's code prompts, `--prompts code-edit`)
+    prompts.py  the built-in prompt sets (the demo's code prompts, `--prompts code-edit|open-ended`)
 
 It sits above npuspec.models and npuspec.config and below everything that parses a command line
 (docs/design.md).

@@ -1,5 +1,5 @@
 """The code prompts `npuspec demo`, `bench e2e` and `tune` use by default, and the built-in
-`--prompts code-edit` set.
+`--prompts code-edit` and `--prompts open-ended` sets.
 
 Speculative decoding pays off when the continuation repeats what is already in the context
 (editing code, filling in a pattern), which is what prompt lookup (ngram) drafts from. The
@@ -12,6 +12,13 @@ it and return the whole code, so most of the answer copies the prompt. With a mo
 tokenizer has a chat template (HF `tokenizer_config.json`, or a GGUF's `tokenizer.chat_template`)
 each is one user turn rendered by transformers' `apply_chat_template(add_generation_prompt=True)`;
 without one (the embedded model) it is plain text ending in an opening code fence.
+
+`open-ended` (npuspec/bench/traces/open_ended.jsonl) is the opposite regime: 24 chat requests
+with little to copy from the context (explanations, stories, advice, how-tos, recipes,
+comparisons; 3-5 of each kind), written for this project and shared with no training data.
+Prompt lookup and suffix decoding have little to draft from there; it is the held-out set on
+which model-based drafters are measured. Chat-templated like code-edit; without a template each
+is "Question: ...\n\nAnswer:".
 """
 from __future__ import annotations
 
@@ -22,9 +29,12 @@ from npuspec.cli_util.errors import UsageError
 from npuspec.models.gguf import is_gguf_path
 
 CODE_EDIT = "code-edit"
-BUILTIN_SETS = (CODE_EDIT,)
-CODE_EDIT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "bench", "traces", "code_edit.jsonl")
+OPEN_ENDED = "open-ended"
+BUILTIN_SETS = (CODE_EDIT, OPEN_ENDED)
+_TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       "bench", "traces")
+CODE_EDIT_FILE = os.path.join(_TRACES, "code_edit.jsonl")
+OPEN_ENDED_FILE = os.path.join(_TRACES, "open_ended.jsonl")
 
 DEMO_PROMPTS = [
     # a class whose methods follow one pattern
@@ -124,13 +134,35 @@ def code_edit_prompts(model: str | None = None, tok=None) -> list[str]:
     return apply_template(tok, code_edit_conversations())
 
 
+def open_ended_requests() -> list[dict]:
+    """The open-ended set: [{"kind", "prompt"}]."""
+    with open(OPEN_ENDED_FILE, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def open_ended_prompts(model: str | None = None, tok=None) -> list[str]:
+    """The open-ended set for `model`: chat-templated when its tokenizer has a template, else
+    "Question: ...\n\nAnswer:" for a base model."""
+    reqs = open_ended_requests()
+    tok = tok if tok is not None else (chat_tokenizer(model) if model else None)
+    if tok is None:
+        return [f"Question: {r['prompt']}\n\nAnswer:" for r in reqs]
+    return apply_template(tok, [[{"role": "user", "content": r["prompt"]}] for r in reqs])
+
+
+def builtin_prompts(name: str, model: str | None = None, tok=None) -> list[str]:
+    """A built-in set by name (BUILTIN_SETS), formatted for `model` (see the module doc)."""
+    return {CODE_EDIT: code_edit_prompts, OPEN_ENDED: open_ended_prompts}[name](model, tok)
+
+
 def load_prompts(path: str | None, field: str = "--prompts", model: str | None = None) -> list[str]:
     """Prompts from a file: JSON list of strings, JSONL of {"prompt": ...}, or one per line
-    (.txt); or a built-in set by name ('code-edit', formatted for `model`, see module doc)."""
+    (.txt); or a built-in set by name ('code-edit', 'open-ended', formatted for `model`, see
+    module doc)."""
     if path is None:
         return list(DEMO_PROMPTS)
-    if path == CODE_EDIT:
-        return code_edit_prompts(model)
+    if path in BUILTIN_SETS:
+        return builtin_prompts(path, model)
     if not os.path.isfile(path):
         raise UsageError(f"{path!r} is not a file or a built-in set ({', '.join(BUILTIN_SETS)}); "
                          f"pass a .txt (one prompt per line), .json "

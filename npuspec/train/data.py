@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 from safetensors import safe_open
 
-from npuspec.cli_util.prompts import DEMO_PROMPTS, code_edit_requests
+from npuspec.cli_util.prompts import DEMO_PROMPTS, code_edit_requests, open_ended_requests
 from npuspec.models.train_tiny import EOT, read_texts, stdlib_files
 from npuspec.spec_decode.extract_files import load_hidden_states
 
@@ -52,7 +52,8 @@ def stdlib_corpus(tokenizer, max_files: int = 0, sep_id: Optional[int] = None) -
     if len(files) < 2:
         raise ValueError("the stdlib corpus needs at least 2 files (one held out)")
     n_val = max(1, len(files) // 50)
-    prompts = [p for p in DEMO_PROMPTS] + [r["code"] for r in code_edit_requests()]
+    prompts = ([p for p in DEMO_PROMPTS] + [r["code"] for r in code_edit_requests()]
+               + [r["prompt"] for r in open_ended_requests()])
     texts = read_texts(files)
     keep = [not any(p in t for p in prompts) for t in texts]
     dropped = [f for f, k in zip(files, keep) if not k]

@@ -208,7 +208,7 @@ def test_code_edit_without_template_or_transformers(tiny_gguf, monkeypatch):
 def test_unknown_prompt_set_names_the_builtin(capsys):
     assert main(["demo", "--prompts", "code-edits"]) == 2
     err = capsys.readouterr().err
-    assert "--prompts" in err and "'code-edits' is not a file or a built-in set (code-edit)" in err, err
+    assert "--prompts" in err and "'code-edits' is not a file or a built-in set (code-edit, open-ended)" in err, err
 
 
 # ---- the real model (slow) --------------------------------------------------------------------
