@@ -129,6 +129,10 @@ def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
         def run():
+            # every pass answers the prompts as new requests: suffix decoding would otherwise
+            # copy the earlier passes' (identical, greedy) answers from its response cache
+            if llm.proposer is not None:
+                llm.proposer.forget_responses()
             res = llm.generate(inputs, sp)
             return {"token_ids": [cut_at_eos(r.outputs[0].token_ids, eos) for r in res],
                     "texts": [r.outputs[0].text for r in res],

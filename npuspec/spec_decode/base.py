@@ -165,6 +165,11 @@ class Proposer(metaclass=abc.ABCMeta):
     def finish_call(self, outputs: list) -> None:
         """After a generate() call's requests all finished, with their outputs."""
 
+    def forget_responses(self) -> None:
+        """Drop what finished requests taught the drafter (suffix decoding's cached responses).
+        Benchmarks call it before each pass, so a pass over prompts the engine has answered
+        before measures them as new requests, not as copies of their earlier answers."""
+
 
 def hooks() -> frozenset[str]:
     """The names the engine may call on a proposer (checked against subclasses' overrides)."""

@@ -145,6 +145,10 @@ class SuffixProposer(Proposer):
                            f"response; cached ids are listed by .cached_requests")
         self._remove(self._h, s)
 
+    def forget_responses(self) -> None:
+        for r in list(self.cached_requests):
+            self.evict_cached_response(r)
+
     @property
     def active_requests(self) -> list[str]:
         return self._ref.active_requests if self._ref is not None else list(self._slots)

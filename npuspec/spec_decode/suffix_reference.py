@@ -78,6 +78,10 @@ class SuffixProposerReference(Proposer):
                            f"response; cached ids are listed by .cached_requests")
         self._global.remove_seq(sid)
 
+    def forget_responses(self) -> None:
+        for r in list(self._cached):
+            self.evict_cached_response(r)
+
     @property
     def active_requests(self) -> list[str]:
         return list(self._local)
