@@ -17,6 +17,7 @@ from npuspec.engine.block_manager import seat_blocks
 from npuspec.engine.sampling import ArgTypeError, a_type
 from npuspec.methods import METHODS
 from npuspec.models.config import read_config_json
+from npuspec.models.decoder import slot_cache_rows
 from npuspec.models.loading import read_model_config
 from npuspec.spec_decode.heads import TINY_DRAFTS, head_path, resolve_draft
 
@@ -270,9 +271,10 @@ def draft_kv_bytes(spec: Optional[SpeculativeConfig], target_cfg, target_path: s
                    num_blocks: int, block_size: int, max_num_seqs: int, cache_len: int,
                    esize: int) -> int:
     """Bytes of the drafter's own K/V: a draft model's slot cache (a run of blocks per seat
-    and the scratch block, models/decoder.py `allocate_cache`), or a hidden-state head's paged pool in the target pool's geometry. The
-    head's layer count and head shape come from its config.json where given, else the
-    target's; an unreadable config is its loader's to report, so it counts as none here."""
+    and the scratch block, models/decoder.py `allocate_cache`), or a hidden-state head's paged
+    pool in the target pool's geometry. The head's layer count and head shape come from its
+    config.json where given, else the target's; an unreadable config is its loader's to
+    report, so it counts as none here."""
     if spec is None or not METHODS[spec.method].draft_kv:
         return 0  # ngram, suffix, medusa, extract_hidden_states keep no K/V
     if spec.method == "draft_model":
@@ -280,7 +282,7 @@ def draft_kv_bytes(spec: Optional[SpeculativeConfig], target_cfg, target_path: s
             d = read_model_config(spec.model)
         except (OSError, ValueError):
             return 0
-        rows = block_size * (1 + max_num_seqs * -(-cache_len // block_size))
+        rows = slot_cache_rows(max_num_seqs, cache_len, block_size)
         return 2 * d.num_layers * rows * d.num_kv_heads * d.head_dim * esize
     try:
         d = read_config_json(head_path(spec, target_path), "")

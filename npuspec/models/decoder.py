@@ -79,6 +79,16 @@ class AttnMetadata:
     seq_lens: torch.Tensor      # int32 [B]: KV length after this step's writes (0 = padding row)
 
 
+def slot_blocks(max_len: int, block_size: int) -> int:
+    """Blocks each slot of a slot cache owns: enough for max_len positions."""
+    return -(-max_len // block_size)
+
+
+def slot_cache_rows(num_slots: int, max_len: int, block_size: int) -> int:
+    """Pool rows of a slot cache (`allocate_cache`): the scratch block and every slot's run."""
+    return block_size * (1 + num_slots * slot_blocks(max_len, block_size))
+
+
 @dataclasses.dataclass
 class KVCache:
     """The slot cache (`allocate_cache`): a paged pool laid out as fixed request slots, for
@@ -91,7 +101,7 @@ class KVCache:
 
     @property
     def blocks_per_slot(self) -> int:
-        return -(-self.max_len // self.pool.block_size)
+        return slot_blocks(self.max_len, self.pool.block_size)
 
     def _slots_view(self, t: torch.Tensor) -> torch.Tensor:
         L, _, Hkv, D = t.shape
@@ -238,8 +248,8 @@ class DecoderLM(nn.Module):
     def allocate_cache(self, num_slots: int, max_len: int, dtype=None, device=None,
                        block_size: int = 16) -> KVCache:
         """A slot cache: `num_slots` sequences of up to `max_len` positions each."""
-        nb = -(-max_len // block_size)
-        pool = self.allocate_paged_cache(1 + num_slots * nb, block_size, dtype, device)
+        rows = slot_cache_rows(num_slots, max_len, block_size)
+        pool = self.allocate_paged_cache(rows // block_size, block_size, dtype, device)
         return KVCache(pool, num_slots, max_len)
 
     def allocate_paged_cache(self, num_blocks: int, block_size: int, dtype=None,

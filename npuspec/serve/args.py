@@ -87,18 +87,17 @@ def llm_kwargs(args) -> dict:
                 dtype=args.dtype, seed=args.seed, **kw)
 
 
-def check_engine_config(args) -> dict:
+def check_engine_config(args) -> None:
     """`llm_kwargs(args)`, then every check `LLM(...)` makes before it loads weights (it reads
     config.json only: model, TP divisibility, lowering, KV pool against free memory), each
     error naming its flag. The HTTP process runs it so a bad start-up config fails before the
     engine process is spawned."""
     from npuspec.engine.config import create_engine_config  # heavy: see _engine_side
-    kw = llm_kwargs(args)
+    kw = llm_kwargs(args)  # raises naming its flag already
     try:
         create_engine_config(**kw)
     except ValueError as e:
         raise _flag_error(e) from None
-    return kw
 
 
 def build_llm(args):
