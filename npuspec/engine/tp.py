@@ -228,14 +228,32 @@ def device_for(device: torch.device, local_rank: int) -> torch.device:
 
 
 def _init_group(backend: str, init_method: str, rank: int, world: int) -> None:
+    _reset_group_names()
     torch.distributed.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=_timeout()))
 
 
+def _reset_group_names() -> None:
+    """torch.distributed names a process's default group by a counter ("0" in a fresh
+    process) and prefixes the group's rendezvous keys with that name. A failed
+    init_process_group (a worker that died while rank 0 waited) bumps the counter and nothing
+    resets it, so the next LLM's rank 0 would wait under "1/" for fresh workers that publish
+    under "0/": a hang until the timeout. With no group alive, restart the count as
+    destroy_process_group does."""
+    world = getattr(torch.distributed.distributed_c10d, "_world", None)
+    if (world is not None and not torch.distributed.is_initialized()
+            and getattr(world, "group_count", 0) != 0):
+        log.debug("npuspec: resetting torch.distributed's group counter (%d) left by a "
+                  "failed start", world.group_count)
+        world.group_count = 0
+
+
 def _init_watching(tp: TP, backend: str, init_method: str, world: int) -> None:
     """Rank 0's rendezvous, watching its workers: one that dies before joining would
-    otherwise leave rank 0 waiting for it until the timeout."""
+    otherwise leave rank 0 waiting for it until the timeout. After such a death the waiting
+    thread is ended (its store file removed) before this returns, so no half-made group
+    outlives the failed start."""
     import threading
     err: list[BaseException] = []
 
@@ -247,9 +265,18 @@ def _init_watching(tp: TP, backend: str, init_method: str, world: int) -> None:
 
     t = threading.Thread(target=join, name="npuspec-tp-init", daemon=True)
     t.start()
-    while t.is_alive():
-        t.join(0.1)
-        tp.check_alive()  # WorkerDied naming the rank
+    try:
+        while t.is_alive():
+            t.join(0.1)
+            tp.check_alive()  # WorkerDied naming the rank
+    except BaseException:
+        store = init_method[len("file://"):]
+        try:
+            os.unlink(store)  # the waiting FileStore fails on its next poll
+        except OSError:
+            pass
+        t.join(10)
+        raise
     if err:
         raise err[0]
 
