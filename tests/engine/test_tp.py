@@ -55,7 +55,8 @@ def _workers_gone(llm):
 
 # CI runs the issue's cases (none, ngram, EAGLE-3 with the head on rank 0 and sharded); the other
 # drafters' TP runs take 30-60 s each on two cores and run under -m slow
-IN_CI = ("none", "ngram", "eagle3", "eagle3-tp2")
+IN_CI = ("ngram", "eagle3", "eagle3-tp2")  # and "none": the first engine of
+# test_a_second_tp_llm_after_shutdown_and_gloo_collectives_agree
 
 
 @pytest.mark.parametrize("method", [m if m in IN_CI else pytest.param(m, marks=pytest.mark.slow)
@@ -84,21 +85,6 @@ def test_compiled_tp2_equals_tp1_and_seeded_sampling_matches():
         out = _tokens(llm.generate(PROMPTS, GREEDY)), _tokens(llm.generate(PROMPTS, sampled))
     assert out[0] == ref[0]
     assert out[1] == ref[1]
-
-
-def test_step_api_mirrors_add_abort_step():
-    with _llm(2, SPECS["ngram"]) as llm:
-        a = llm.new_request("def fib(n):", GREEDY, request_id="a")
-        b = llm.new_request("The quick brown fox", GREEDY, request_id="b")
-        llm.add_request(a)
-        llm.add_request(b)
-        llm.step()
-        assert llm.abort_request("b")
-        while llm.has_unfinished_requests():
-            llm.step()
-        got = list(a.output)
-    ref = _llm(1, SPECS["ngram"]).generate(["def fib(n):"], GREEDY)
-    assert got == _tokens(ref)[0]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SIGKILL")
@@ -134,15 +120,19 @@ def _llm_generate_forever(llm, params):
 def test_a_second_tp_llm_after_shutdown_and_gloo_collectives_agree(monkeypatch):
     """The second engine's CPU ranks exchange through gloo instead of shared memory
     (NPUSPEC_TP_CPU_COMM, inherited by the spawned worker): same tokens."""
-    with _llm(2, None) as llm:
+    with _llm(2, None) as llm:  # also test_greedy_tp2_equals_tp1's case "none"
+        assert llm.tp.world == 2 and llm.tp.launcher == "mp" and len(llm.tp.workers) == 1
+        assert llm.model.config.num_heads == 2  # rank 0 holds half the heads
         assert llm.tp.shm is not None  # the default on the CPU
-        first = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+        first = _tokens(llm.generate(PROMPTS, GREEDY))
+    assert first == _tokens(_llm(1, None).generate(PROMPTS, GREEDY))
+    assert _workers_gone(llm)
     monkeypatch.setenv("NPUSPEC_TP_CPU_COMM", "gloo")
     with _llm(2, None) as llm:
         assert llm.tp.shm is None
         from npuspec.kernels import collectives
         collectives.reset_comm()
-        assert _tokens(llm.generate(PROMPTS[:1], GREEDY)) == first
+        assert _tokens(llm.generate(PROMPTS, GREEDY)) == first
         assert collectives.COMM["all_reduce"] > 0 and collectives.COMM["shm"] == 0
 
 
@@ -180,7 +170,8 @@ def test_torchrun_external_launcher_ranks_agree_with_one_device(tmp_path):
 
 def test_a_worker_dying_at_start_up_is_named_not_waited_for(monkeypatch):
     """SIGKILL rank 1 as soon as it exists: LLM(...) raises WorkerDied naming it, long
-    before NPUSPEC_TP_TIMEOUT (set high here so a wait would show)."""
+    before NPUSPEC_TP_TIMEOUT (set high here so a wait would show). The next engine in the
+    same process then starts, and its step API (add / abort / step) is mirrored."""
     from npuspec.engine import tp as tp_mod
     monkeypatch.setenv("NPUSPEC_TP_TIMEOUT", "300")
     stop = threading.Event()
@@ -216,10 +207,24 @@ def test_a_worker_dying_at_start_up_is_named_not_waited_for(monkeypatch):
     # waited for NPUSPEC_TP_TIMEOUT, then failed with "Wait timeout")
     monkeypatch.setattr(tp_mod, "_spawn", real_spawn)
     t0 = time.monotonic()
-    with _llm(2, None) as llm:
-        got = _tokens(llm.generate(PROMPTS[:1], GREEDY))
+    _step_api_mirrors_add_abort_step()
     assert time.monotonic() - t0 < 120
-    assert got == _tokens(_llm(1, None).generate(PROMPTS[:1], GREEDY))
+
+
+def _step_api_mirrors_add_abort_step():
+    """add_request / abort_request / step on rank 0 are mirrored to the worker."""
+    with _llm(2, SPECS["ngram"]) as llm:
+        a = llm.new_request("def fib(n):", GREEDY, request_id="a")
+        b = llm.new_request("The quick brown fox", GREEDY, request_id="b")
+        llm.add_request(a)
+        llm.add_request(b)
+        llm.step()
+        assert llm.abort_request("b")
+        while llm.has_unfinished_requests():
+            llm.step()
+        got = list(a.output)
+    ref = _llm(1, SPECS["ngram"]).generate(["def fib(n):"], GREEDY)
+    assert got == _tokens(ref)[0]
 
 
 @pytest.mark.parametrize("how", ["stdin", "-c"])
