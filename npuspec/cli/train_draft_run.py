@@ -2,6 +2,7 @@
 documentation: npuspec/cli/train_draft.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ from npuspec.models import load_model, load_tokenizer
 from npuspec.models.config import read_config
 from npuspec.models.draft_config import default_aux_layer_ids, default_block_aux_ids
 from npuspec.models.draft_loading import load_draft
-from npuspec.models.loading import TINY_MODEL_DIR
+from npuspec.models.loading import TINY_MODEL_DIR, tokenizer_fingerprint
 
 
 def _ids(s: str | None, L: int, default: tuple):
@@ -55,6 +56,25 @@ def repo_relative(path: str) -> str:
     if os.path.commonpath([root, full]) == root:
         return os.path.relpath(full, root)
     return path
+
+
+def resume_command(args, parser_defaults: dict) -> str:
+    """The command that finishes this run from its last checkpoint (written into every
+    checkpoint: loading an unfinished run's directory quotes it)."""
+    again = argparse.Namespace(**{**vars(args), "resume": True,
+                                  "stop_after": parser_defaults.get("stop_after")})
+    return _command_line(again, parser_defaults)
+
+
+def _target_record(target_path: str, tcfg) -> dict:
+    """config.json's "npuspec_target": what the head was trained for, checked at load."""
+    tok = load_tokenizer(target_path)
+    rec = {"name": os.path.basename(os.path.normpath(target_path)),
+           "hidden_size": tcfg.hidden_size, "vocab_size": tcfg.vocab_size,
+           "rope_theta": tcfg.rope_theta}
+    if tok is not None:
+        rec["tokenizer_sha256"] = tokenizer_fingerprint(tok)
+    return {"npuspec_target": rec}
 
 
 def _command_line(args, parser_defaults: dict) -> str:
@@ -168,14 +188,16 @@ def run(args, defaults: dict) -> int:
                 bar.update(json.load(f).get("step", 0))
         res = td.train(target, data, cfg, state_dir, resume=args.resume, aux_ids=aux or None,
                        log=lambda s: print(("\n" if bar.enabled else "") + s, flush=True),
-                       on_step=lambda n: bar.update(), stop_after=args.stop_after)
+                       on_step=lambda n: bar.update(), stop_after=args.stop_after,
+                       state_extra={"resume_command": resume_command(args, defaults)})
     dtype = getattr(torch, args.save_dtype)
     if args.stop_after and res.steps < cfg.steps:
         print(f"stopped after {res.steps} steps (--stop-after); resume with --resume", flush=True)
         return 0
     td.save_trained(res.module, out, dtype=dtype,
-                    target_dir=target_path if os.path.isdir(target_path) else None)
-    loaded = _check_load(args.method, out, tcfg, target, res.module)
+                    target_dir=target_path if os.path.isdir(target_path) else None,
+                    extra_config=_target_record(target_path, tcfg))
+    loaded = _check_load(args.method, out, tcfg, target, res.module, target_path)
     block = args.method in ("dflash", "dspark")
     if block:
         definition = ("as serving verifies: each held-out anchor's block drafted greedily, the "
@@ -236,9 +258,9 @@ def _check_mtp_out(out: str, target_path: str, tcfg) -> None:
                          "is a GGUF file; pass --out an HF directory of the same model", "--out")
 
 
-def _check_load(method, out, tcfg, target, module) -> dict:
+def _check_load(method, out, tcfg, target, module, target_path) -> dict:
     """Read the written draft back with load_draft, as serving will."""
-    d = load_draft(method, out, tcfg, target)
+    d = load_draft(method, out, tcfg, target, target_dir=target_path)
     mine, theirs = module.state_dict(), d.state_dict()
     diff = max((float((mine[k].float() - theirs[k].float()).abs().max()) for k in mine
                 if k in theirs and mine[k].is_floating_point()), default=0.0)

@@ -20,7 +20,7 @@ from npuspec.models.config import ModelConfig, read_config_json
 from npuspec.models.dflash import DFlashDraft, DSparkDraft
 from npuspec.models.draft_config import DraftConfig
 from npuspec.models.eagle import Eagle3Draft, EagleDraft
-from npuspec.models.loading import safetensors_error
+from npuspec.models.loading import load_tokenizer, safetensors_error, tokenizer_fingerprint
 from npuspec.models.medusa import MedusaHeads
 from npuspec.models.mtp import MTPDraft
 
@@ -125,6 +125,47 @@ def _strip(tensors: dict, prefixes=("model.",)) -> dict:
 
 
 # ---- checks against the target ------------------------------------------------------------------
+def check_finished_training(model_dir: str) -> None:
+    """Refuse a directory where `npuspec train-draft` stopped before writing its draft (it
+    checkpoints to DIR/train_state every --save-every steps, and writes the draft at the end):
+    its weights are missing, or a finished run's older ones, so loading would serve a draft
+    that is not the one asked for. The message carries the command that finishes the run."""
+    jpath = os.path.join(model_dir, "train_state", "state.json")
+    if not os.path.isfile(jpath):
+        return
+    with open(jpath) as f:
+        meta = json.load(f)
+    step, steps = meta.get("step"), (meta.get("config") or {}).get("steps")
+    cfg = os.path.join(model_dir, "config.json")
+    # finished: the last step checkpointed, and the draft written after it (not an older run's)
+    if (step is not None and step == steps and os.path.isfile(cfg)
+            and os.path.getmtime(cfg) >= os.path.getmtime(jpath)):
+        return
+    cmd = meta.get("resume_command") or "its `npuspec train-draft` command with --resume"
+    raise ValueError(f"{model_dir} holds an interrupted `npuspec train-draft` run (checkpoint "
+                     f"at step {step} of {steps}), not a finished draft; finish it with: {cmd}")
+
+
+def check_tokenizer(source: str, d: dict, target_dir: Optional[str]) -> None:
+    """A head trained here records its target's tokenizer fingerprint ("npuspec_target" in
+    config.json); another target's tokenizer is refused, naming both. Heads from elsewhere
+    record none and are checked by vocab_size only."""
+    want = (d.get("npuspec_target") or {}).get("tokenizer_sha256")
+    if not want or target_dir is None:
+        return
+    tok = load_tokenizer(target_dir)
+    if tok is None:
+        return
+    have = tokenizer_fingerprint(tok)
+    if have != want:
+        made_for = (d.get("npuspec_target") or {}).get("name", "another model")
+        raise ValueError(
+            f"{source}: npuspec_target.tokenizer_sha256={want[:16]}... (the tokenizer of "
+            f"{made_for}, which this draft was trained for) but the target's tokenizer has "
+            f"{have[:16]}...: the same ids are other tokens. Use a draft trained for this "
+            f"target (npuspec train-draft --target {target_dir}).")
+
+
 def _check_same(source: str, key: str, value, target_value, what: str) -> None:
     if value is not None and value != target_value:
         raise ValueError(

@@ -54,7 +54,8 @@ import torch
 from npuspec.models import dflash_loading, draft_formats
 from npuspec.models.config import ModelConfig
 from npuspec.models.draft_config import FORMATS, DraftConfig, default_format
-from npuspec.models.draft_io import _CLASSES, _read_config, _read_tensors, _write
+from npuspec.models.draft_io import (_CLASSES, _read_config, _read_tensors, _write,
+                                     check_finished_training, check_tokenizer)
 from npuspec.models.loading import resolve_model_dir
 
 _LOADERS = {"eagle": draft_formats.load_eagle, "eagle3": draft_formats.load_eagle3,
@@ -65,12 +66,15 @@ _EXPORTERS = {"eagle": draft_formats.export_eagle, "eagle3": draft_formats.expor
 
 def load_draft(method: str, path: str, target_config: ModelConfig, target=None, *,
                dtype: torch.dtype = torch.float32, device="cpu",
-               draft_model_config: Optional[dict] = None):
+               draft_model_config: Optional[dict] = None, target_dir: Optional[str] = None):
     """Load the drafter of `method` from the checkpoint directory `path` (for "mtp", the
     target's own checkpoint directory) for the target `target` (a DecoderLM with config
     `target_config`; its embedding / LM head are shared, not copied). -> EagleDraft |
     Eagle3Draft | MedusaHeads | MTPDraft | DFlashDraft | DSparkDraft, on `device` in `dtype`
-    (a DSpark confidence head in fp32), in eval mode."""
+    (a DSpark confidence head in fp32), in eval mode. `target_dir`: the target's checkpoint
+    (directory or GGUF), to check a head trained here against its tokenizer. Refused: a
+    directory of an interrupted `npuspec train-draft` run, and a head made for another target
+    (hidden size, vocabulary, RoPE, tokenizer), each naming the key and both values."""
     if method not in _CLASSES:
         raise ValueError(f"load_draft: method={method!r} has no checkpoint loader; model-based "
                          f"drafters are {', '.join(_CLASSES)}.")
@@ -78,7 +82,9 @@ def load_draft(method: str, path: str, target_config: ModelConfig, target=None, 
         raise ValueError(f"load_draft: method {method!r} needs the draft checkpoint directory "
                          "(speculative_config.model).")
     model_dir = resolve_model_dir(path)
+    check_finished_training(model_dir)
     d = _read_config(model_dir, draft_model_config)
+    check_tokenizer(f"{method} draft {model_dir}", d, target_dir)
     kw = dict(target=target, dtype=dtype, device=device)
     if method == "mtp":
         return draft_formats.load_mtp(d, model_dir, target_config, **kw)

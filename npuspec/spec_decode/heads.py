@@ -40,7 +40,7 @@ def load_head(ctx: BuildContext):
     s = ctx.spec
     module = load_draft(s.method, head_path(s, ctx.target_path), ctx.target.config, ctx.target,
                         dtype=ctx.dtype, device=ctx.device,
-                        draft_model_config=s.draft_model_config)
+                        draft_model_config=s.draft_model_config, target_dir=ctx.target_path)
     if ctx.shard is not None:
         shard_draft(module, *ctx.shard)
     pack_draft(module)  # CPU: fused, packed projections (one kernel call each for q|k|v, gate|up)

@@ -126,11 +126,12 @@ def evaluate(obj: ChainObjective, eval_set: list[Batch], K: int) -> tuple[list, 
 def train(target, data, cfg: TrainConfig, state_dir: Optional[str] = None, *,
           resume: bool = False, aux_ids: Optional[tuple] = None,
           log: Callable[[str], None] = print, on_step: Optional[Callable[[int], None]] = None,
-          stop_after: int = 0) -> TrainResult:
+          stop_after: int = 0, state_extra: Optional[dict] = None) -> TrainResult:
     """Train a fresh `cfg.method` draft for `target` on `data` (CorpusData / FileData).
     Deterministic for a given cfg.seed and thread count. `state_dir`: where checkpoints go
     every cfg.save_every steps and at the end; `resume` continues from the one there.
-    `stop_after` stops after that many steps of the schedule (to test resuming)."""
+    `stop_after` stops after that many steps of the schedule (to test resuming).
+    `state_extra`: more JSON for every checkpoint's state.json (the CLI's resume command)."""
     tcfg = target.config
     target.requires_grad_(False)
     if resume:
@@ -159,7 +160,7 @@ def train(target, data, cfg: TrainConfig, state_dir: Optional[str] = None, *,
     if resume:
         start, history = restore(meta, tensors, module, opt, gen, cfg, data.info)
         log(f"resumed from {state_dir} at step {start}")
-    extra = {"data": data_key(data.info)}
+    extra = {**(state_extra or {}), "data": data_key(data.info)}
     last = min(cfg.steps, stop_after or cfg.steps)
     t0 = time.perf_counter()
     loss_v = float("nan")
@@ -202,13 +203,14 @@ def train(target, data, cfg: TrainConfig, state_dir: Optional[str] = None, *,
 
 
 def save_trained(module, out_dir: str, dtype: Optional[torch.dtype] = None,
-                 target_dir: Optional[str] = None) -> str:
+                 target_dir: Optional[str] = None, extra_config: Optional[dict] = None) -> str:
     """Write the trained draft for serving: eagle3 (SpecForge format), eagle, medusa (vLLM
     format) as a draft directory; mtp into `out_dir`, a target checkpoint directory (copied from
     `target_dir` first when `out_dir` has no config.json), as model.layers.{L}.* in mtp.safetensors
-    plus num_nextn_predict_layers in its config.json."""
+    plus num_nextn_predict_layers in its config.json. `extra_config`: merged into a draft
+    directory's config.json (the CLI's "npuspec_target")."""
     if module.method != "mtp":
-        return save_draft(module, out_dir, dtype=dtype)
+        return save_draft(module, out_dir, dtype=dtype, extra_config=extra_config)
     if not os.path.isfile(os.path.join(out_dir, "config.json")):
         if target_dir is None or not os.path.isdir(target_dir):
             raise ValueError(f"MTP: {out_dir} is not a target checkpoint directory, and the "

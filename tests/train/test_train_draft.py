@@ -223,6 +223,12 @@ def test_cli_smoke_writes_a_loadable_draft(tiny, tmp_path, method, capsys):
     assert recipe["steps"] == 3 and recipe["method"] == method and recipe["torch"]
     assert recipe["load_check"]["max_abs_diff"] == 0.0
     assert "train-draft" in recipe["command"] and recipe["data"]["source"] == "stdlib"
+    if method != "mtp":  # what the head was trained for, checked when it is loaded
+        from npuspec.models import load_tokenizer
+        from npuspec.models.loading import tokenizer_fingerprint
+        rec = json.load(open(out / "config.json"))["npuspec_target"]
+        assert rec["tokenizer_sha256"] == tokenizer_fingerprint(load_tokenizer("tiny"))
+        assert (rec["hidden_size"], rec["vocab_size"]) == (tcfg.hidden_size, tcfg.vocab_size)
     d = load_draft(method, str(out), tcfg, target)
     assert d.method == method
     if method == "eagle3":  # the top-512 vocabulary map survives the round trip
@@ -260,3 +266,53 @@ def test_cli_plot(tmp_path, capsys):
         return
     assert cli(argv) == 0
     assert png.stat().st_size > 1000
+
+
+def test_an_interrupted_run_is_refused_with_the_command_that_finishes_it(tiny, tmp_path, capsys):
+    """Issue 36, bad input: a directory where train-draft stopped before writing its draft
+    (here --stop-after; a kill leaves the same) is refused by load_draft and by the engine,
+    naming the step reached and the command that finishes it; that command then works."""
+    from npuspec import LLM
+    tcfg, target = tiny
+    out = tmp_path / "eagle"
+    argv = ["--method", "eagle", "--out", str(out), "--steps", "3", "--batch", "2",
+            "--seq-len", "16", "--max-files", "4", "--eval-every", "0", "--eval-batches", "1",
+            "--save-every", "1"]
+    assert cli(argv + ["--stop-after", "2"]) == 0, capsys.readouterr().err
+    assert not (out / "train_recipe.json").exists()
+    with pytest.raises(ValueError, match=r"interrupted `npuspec train-draft` run \(checkpoint "
+                                         r"at step 2 of 3\).*finish it with: npuspec "
+                                         r"train-draft .*--resume") as e:
+        load_draft("eagle", str(out), tcfg, target)
+    cmd = str(e.value).split("finish it with: ")[1]
+    assert "--stop-after" not in cmd and f"--out {out}" in cmd
+    with pytest.raises(ValueError, match="step 2 of 3"):
+        LLM("tiny", speculative_config={"method": "eagle", "model": str(out),
+                                        "num_speculative_tokens": 2}, enforce_eager=True)
+    assert cli(cmd.split()[2:]) == 0, capsys.readouterr().err  # the quoted command, as is
+    assert load_draft("eagle", str(out), tcfg, target).method == "eagle"
+
+
+def test_a_head_for_another_tokenizer_is_refused(tmp_path):
+    """A head trained here records its target's tokenizer (config.json npuspec_target); the
+    same vocabulary size with other tokens is refused, naming the key and both values."""
+    import shutil
+    from npuspec import LLM
+    from npuspec.models import load_tokenizer
+    from npuspec.models.loading import tokenizer_fingerprint
+    from npuspec.spec_decode.heads import resolve_draft
+    mine = tokenizer_fingerprint(load_tokenizer("tiny"))
+    spec = {"method": "eagle", "num_speculative_tokens": 2}
+    for sha, ok in ((mine, True), ("ab" * 32, False)):
+        d = tmp_path / sha[:8]
+        shutil.copytree(resolve_draft("tiny-eagle"), d)
+        cfg = json.load(open(d / "config.json"))
+        cfg["npuspec_target"] = {"name": "other-135m", "tokenizer_sha256": sha}
+        json.dump(cfg, open(d / "config.json", "w"))
+        if ok:
+            LLM("tiny", speculative_config={**spec, "model": str(d)}, enforce_eager=True)
+            continue
+        with pytest.raises(ValueError, match=rf"npuspec_target.tokenizer_sha256={'ab' * 8}\.\.\. "
+                                             rf"\(the tokenizer of other-135m.*the target's "
+                                             rf"tokenizer has {mine[:16]}\.\.\."):
+            LLM("tiny", speculative_config={**spec, "model": str(d)}, enforce_eager=True)
