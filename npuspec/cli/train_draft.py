@@ -73,6 +73,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype of the written draft weights")
     p.add_argument("--max-files", type=int, default=0, help="use only the first N stdlib files "
                    "(0 = all; for quick runs)")
+    p.add_argument("--distill", type=int, default=0, metavar="N",
+                   help="self-distilled data: the target's greedy answers to N varied prompts "
+                        "(npuspec.train.distill; none from the held-out open-ended set), kept "
+                        "in OUT/distill.jsonl and mixed with Python's doc topics and the stdlib "
+                        "corpus (0 = the stdlib corpus only)")
+    p.add_argument("--distill-tokens", type=positive, default=256,
+                   help="new tokens per self-distilled answer")
+    p.add_argument("--distill-batch", type=positive, default=32,
+                   help="requests the engine decodes at once while distilling")
     p.add_argument("--stop-after", type=int, default=0, help=argparse.SUPPRESS)
     add_threads_flag(p)
 

@@ -12,9 +12,11 @@ import torch
 
 import npuspec
 from npuspec import train as td
+from npuspec.train import distill
 from npuspec.bench.plots import require_matplotlib
 from npuspec.cli_util import common
 from npuspec.cli_util.errors import UsageError
+from npuspec.cli_util.prompts import chat_tokenizer
 from npuspec.models import load_model, load_tokenizer
 from npuspec.models.config import read_config
 from npuspec.models.draft_config import default_aux_layer_ids, default_block_aux_ids
@@ -173,8 +175,11 @@ def run(args, defaults: dict) -> int:
                              "own data; capture extract_hidden_states files and pass --data",
                              "--target")
         eos = tcfg.eos_token_ids
-        corpus = td.stdlib_corpus(tok, args.max_files, sep_id=None if tok.token_to_id(
-            "<|endoftext|>") is not None else (eos[0] if eos else 0))
+        sep = None if tok.token_to_id("<|endoftext|>") is not None else (eos[0] if eos else 0)
+        corpus = td.stdlib_corpus(tok, args.max_files, sep_id=sep)
+        if args.distill:
+            corpus = _distilled(args, target_path, out, tok, corpus,
+                                tok.token_to_id("<|endoftext|>") if sep is None else sep)
         data = td.CorpusData(target, corpus.train, corpus.val, aux, corpus.info)
     print(f"train-draft {args.method}: target {target_path} ({tcfg.num_layers} layers, hidden "
           f"{tcfg.hidden_size}, vocab {tcfg.vocab_size}), data {json.dumps(data.info)[:300]} "
@@ -243,6 +248,34 @@ def run(args, defaults: dict) -> int:
           f"{res.acceptance_length:.3f}; load with speculative_config="
           f"{json.dumps(recipe['speculative_config'])}", flush=True)
     return 0
+
+
+def _distilled(args, target_path: str, out: str, tok, stdlib, sep: int):
+    """--distill: the target's own answers (generated once, kept in OUT/distill.jsonl), with
+    Python's doc topics and the stdlib corpus added to the training split; validation is on
+    held-back answers only (the distribution the draft will serve)."""
+    try:
+        prompts = distill.distill_prompts(args.distill, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e), "--distill") from None
+    chat = chat_tokenizer(target_path)
+    settings = {"target_tokenizer": tokenizer_fingerprint(tok), "prompts": prompts,
+                "max_tokens": args.distill_tokens, "chat_template": chat is not None}
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    seqs = distill.load_or_generate(
+        os.path.join(out, "distill.jsonl"), settings,
+        lambda: distill.generate(target_path, prompts, args.distill_tokens, args.distill_batch,
+                                 chat_tok=chat))
+    docs = []
+    for enc in tok.encode_batch(distill.pydoc_texts()):
+        docs += enc.ids + [sep]
+    extra = torch.cat([torch.tensor(docs, dtype=torch.int32), stdlib.train])
+    info = {"prompts": len(prompts), "distill_tokens": args.distill_tokens,
+            "chat_template": chat is not None, "distill_seconds": round(time.time() - t0, 1),
+            "mixed_with": {"pydoc_topics_tokens": len(docs),
+                           "stdlib": {k: stdlib.info[k] for k in ("train_files", "train_tokens")}}}
+    return distill.distilled_corpus(seqs, sep, extra=extra, info=info)
 
 
 def _check_mtp_out(out: str, target_path: str, tcfg) -> None:
