@@ -4,6 +4,7 @@ benchmark row (`make_llm`, `npuspec_runner`), timing rows round-robin (`Runner`,
 token ids."""
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Callable, Sequence
@@ -119,13 +120,21 @@ def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: in
 
 def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
                    enforce_eager: bool = False, eos=(), max_model_len: int | str | None = "fit",
-                   dtype: str = "auto") -> Callable[[], Callable[[], dict]]:
+                   dtype: str = "auto", engines: dict | None = None) -> Callable[[], Callable[[], dict]]:
     """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids).
-    max_model_len: a number, None (the engine's default) or "fit" (the prompts plus max_tokens)."""
+    max_model_len: a number, None (the engine's default) or "fit" (the prompts plus max_tokens).
+    engines: a dict the rows share, so rows with the same engine settings (one method over
+    several prompt sets) build, compile and capture it once."""
     def setup():
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         mml = common.fit_max_model_len(model, prompts, max_tokens) if max_model_len == "fit" else max_model_len
-        llm = make_llm(model, spec, max_num_seqs, mml, enforce_eager, dtype)
+        key = (json.dumps(spec, sort_keys=True), max_num_seqs, mml, enforce_eager, dtype)
+        if engines is not None and key in engines:
+            llm = engines[key]
+        else:
+            llm = make_llm(model, spec, max_num_seqs, mml, enforce_eager, dtype)
+            if engines is not None:
+                engines[key] = llm
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
         def run():

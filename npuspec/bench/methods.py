@@ -15,6 +15,13 @@ the output equals the row without speculation token for token.
     npuspec bench methods
     npuspec bench methods --methods ngram,eagle3 --k 4 --max-num-seqs 1,4 --repeats 5
     npuspec bench methods --model DIR --spec eagle3='{"method": "eagle3", "model": "HEAD"}'
+    npuspec bench methods --model SMOLLM2.gguf --methods ngram,suffix \
+        --prompts code-edit,open-ended --plot methods.png --json methods.json
+
+Several prompt sets (`--prompts a,b`) run in one run: each method's engine is built once and
+answers every set, all rows are timed round-robin together, and each set's ratios are taken
+against its own no-speculation row. `--plot` draws tokens/s per method and set, and the
+acceptance by position.
 
 The prompts default to the demo's built-in code prompts, which the tiny heads' training data
 excludes (npuspec/train/data.py).
@@ -25,9 +32,11 @@ import argparse
 import json
 
 from npuspec.bench.common import Runner, npuspec_runner, run_interleaved
+from npuspec.bench.plots import plot_methods, require_matplotlib
 from npuspec.bench.table import print_table
 from npuspec.cli_util import common
 from npuspec.cli_util.common import DEFAULT_SPEC, METHOD_SPECS, add_threads_flag, positive
+from npuspec.cli_util.errors import UsageError
 from npuspec.cli_util.prompts import load_prompts
 
 
@@ -49,62 +58,99 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="npuspec bench methods", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--methods", default="ngram,eagle3,eagle,medusa,mtp,dflash,dspark")
+    p.add_argument("--methods", default="ngram,suffix,eagle3,eagle,medusa,mtp,dflash,dspark")
     p.add_argument("--spec", action="append", default=[], metavar="NAME=JSON",
                    help="a row's speculative config (replaces the default of NAME)")
     p.add_argument("--k", type=positive, default=4)
     p.add_argument("--max-num-seqs", default="1", help="comma-separated, e.g. 1,4")
     p.add_argument("--max-tokens", type=positive, default=96)
-    p.add_argument("--prompts", default=None, help="as npuspec demo --prompts")
+    p.add_argument("--prompts", default=None,
+                   help="as npuspec demo --prompts; several, comma-separated (e.g. "
+                        "code-edit,open-ended), are compared in one run, each method's engine "
+                        "built once for all of them")
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--json", default=None, metavar="PATH")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="tokens/s per method and prompt set, and acceptance by position "
+                        "(needs matplotlib)")
     add_threads_flag(p)
     return p
 
 
+def _prompt_sets(value: str | None, mdir: str) -> dict[str, list]:
+    """--prompts: {set name: prompts}; None -> the demo's prompts under the name "demo"."""
+    if value is None:
+        return {"demo": load_prompts(None, model=mdir)}
+    names = [v for v in value.split(",") if v]
+    if len(set(names)) != len(names):
+        raise UsageError(f"{value!r} names a prompt set twice; list each once", "--prompts")
+    return {n: load_prompts(n, model=mdir) for n in names}
+
+
 def run(args) -> int:
     mdir = common.model_dir(args.model)
-    prompts = load_prompts(args.prompts, model=mdir)
+    if args.plot:
+        require_matplotlib("--plot")  # before any engine is built
+    sets = _prompt_sets(args.prompts, mdir)
     threads = common.set_threads(args.threads, mdir)
     overrides = {}
     for item in args.spec:
         name, _, js = item.partition("=")
         overrides[name] = common.spec_dict(js, "--spec")
     methods = ["none"] + [m for m in args.methods.split(",") if m]
+    everything = [p for ps in sets.values() for p in ps]
+    mml = common.fit_max_model_len(mdir, everything, args.max_tokens)  # one engine, all sets
     rows, out = [], []
     for n in [int(x) for x in args.max_num_seqs.split(",")]:
-        runners = [Runner(m, m, args.k, npuspec_runner(mdir, _spec(m, args.k, overrides),
-                                                          prompts, args.max_tokens, n))
-                   for m in methods]
+        engines: dict = {}
+        runners = {(name, m): Runner(m, m, args.k, npuspec_runner(
+            mdir, _spec(m, args.k, overrides), ps, args.max_tokens, n, max_model_len=mml,
+            engines=engines)) for name, ps in sets.items() for m in methods}
         with common.Progress(f"npuspec bench methods (max_num_seqs={n})",
                              len(runners) * (args.repeats + 1)) as bar:
-            run_interleaved(runners, args.repeats, bar)
-        base = runners[0].result["token_ids"]
-        tps = {r.system: r.result["tokens"] / r.seconds for r in runners}
-        al = {r.system: r.result["metrics"]["mean_acceptance_length"] for r in runners}
-        for r in runners:
-            ng = "ngram" in tps
-            mt = r.result["metrics"]
-            per = (lambda x: x / mt["request_steps"]) if mt["request_steps"] else (lambda x: "-")
-            row = {"max_num_seqs": n, "method": r.system, "tok/s": tps[r.system],
-                   "× none": tps[r.system] / tps["none"],
-                   "× ngram tok/s": tps[r.system] / tps["ngram"] if ng else "-",
-                   "mean acc len": al[r.system] if r.system != "none" else "-",
-                   "× ngram AL": (al[r.system] / al["ngram"]) if ng and r.system != "none" else "-",
-                   "verified/step": per(mt["drafted"]), "accepted/step": per(mt["accepted"]),
-                   "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
-                   "warm-up s": r.warmup_seconds}
-            rows.append(row)
-            out.append(dict(row, acceptance_by_position=r.result["metrics"].get(
-                "acceptance_by_position"), spec=_spec(r.system, args.k, overrides)))
-    print_table(rows, title=f"npuspec bench methods: {mdir}, {len(prompts)} prompts x "
+            run_interleaved(list(runners.values()), args.repeats, bar)
+        for name, ps in sets.items():
+            group = [runners[name, m] for m in methods]
+            rows_n, out_n = _rows(group, n, name, len(ps), args.k, overrides)
+            rows += rows_n
+            out += out_n
+        engines.clear()
+    print_table(rows, title=f"npuspec bench methods: {mdir}, prompt sets "
+                            f"{', '.join(f'{k} ({len(v)})' for k, v in sets.items())} x "
                             f"{args.max_tokens} tokens, greedy, K={args.k}, {threads} threads, "
                             f"median of {args.repeats}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"model": mdir, "prompts": prompts, "rows": out}, f, indent=1)
-    bad = [r for r in rows if r["same as none"] != len(prompts)]
+            json.dump({"model": mdir, "prompts": sets, "rows": out}, f, indent=1)
+    if args.plot:
+        plot_methods(args.plot, out)
+        print(f"wrote {args.plot}")
+    bad = [r for r in rows if r["same as none"] != r["prompts"]]
     return 1 if bad else 0
+
+
+def _rows(runners, n: int, set_name: str, n_prompts: int, k: int, overrides: dict):
+    """The table rows (and JSON rows) of one prompt set: ratios against its own none/ngram."""
+    base = runners[0].result["token_ids"]
+    tps = {r.system: r.result["tokens"] / r.seconds for r in runners}
+    al = {r.system: r.result["metrics"]["mean_acceptance_length"] for r in runners}
+    rows, out = [], []
+    ng = "ngram" in tps
+    for r in runners:
+        mt = r.result["metrics"]
+        per = (lambda x: x / mt["request_steps"]) if mt["request_steps"] else (lambda x: "-")
+        row = {"max_num_seqs": n, "prompt set": set_name, "method": r.system,
+               "tok/s": tps[r.system], "× none": tps[r.system] / tps["none"],
+               "× ngram tok/s": tps[r.system] / tps["ngram"] if ng else "-",
+               "mean acc len": al[r.system] if r.system != "none" else "-",
+               "× ngram AL": (al[r.system] / al["ngram"]) if ng and r.system != "none" else "-",
+               "verified/step": per(mt["drafted"]), "accepted/step": per(mt["accepted"]),
+               "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
+               "prompts": n_prompts, "warm-up s": r.warmup_seconds}
+        rows.append(row)
+        out.append(dict(row, acceptance_by_position=mt.get("acceptance_by_position"),
+                        spec=_spec(r.system, k, overrides)))
+    return rows, out
 
 
 def main(argv=None) -> int:

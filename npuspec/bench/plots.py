@@ -1,4 +1,4 @@
-"""`--plot PATH.png` figures for `bench e2e`, `bench serve` and `tune` (matplotlib, optional:
+"""`--plot PATH.png` figures for `bench e2e`, `bench serve`, `bench methods` and `tune` (matplotlib, optional:
 the [plot] extra, imported only inside these functions; `bench verify` draws its own
 time-vs-batch figure in npuspec/bench/verify.py).
 
@@ -142,4 +142,50 @@ def plot_serve(path: str, rows: Sequence[Mapping], offline: Sequence[Mapping] | 
         ax.set_title("serving overhead, one request at a time")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_methods(path: str, rows: Sequence[Mapping]) -> None:
+    """`bench methods`: tokens/s per method, one bar per prompt set (the first max_num_seqs
+    value; identical outputs to no speculation marked "="), and acceptance by position per
+    (prompt set, method)."""
+    plt = require_matplotlib()
+    n0 = rows[0]["max_num_seqs"]
+    rows = [r for r in rows if r["max_num_seqs"] == n0]
+    sets = list(dict.fromkeys(r["prompt set"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(sets)
+    for i, name in enumerate(sets):
+        by = {r["method"]: r for r in rows if r["prompt set"] == name}
+        xs = [j + (i - (len(sets) - 1) / 2) * width for j in range(len(methods))]
+        ys = [by[m]["tok/s"] if m in by else 0 for m in methods]
+        bars = ax.bar(xs, ys, width=width, label=name)
+        for bar, m in zip(bars, methods):
+            r = by.get(m)
+            if r is not None:
+                same = "=" if r["same as none"] == r["prompts"] else "!="
+                ax.annotate(f"{r['× none']:.2f}x {same}", (bar.get_x() + bar.get_width() / 2,
+                                                           bar.get_height()),
+                            ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(methods)))
+    ax.set_xticklabels(methods, fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"tokens/s by method (max_num_seqs={n0}; label: x none, = same tokens)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    for r in rows:
+        acc = r.get("acceptance_by_position")
+        if acc and r["method"] != "none":
+            ax2.plot(range(1, len(acc) + 1), acc, marker="o", lw=1.2,
+                     label=f"{r['method']} ({r['prompt set']})")
+    from matplotlib.ticker import MaxNLocator  # matplotlib: optional, as require_matplotlib
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set_ylim(0, 1.05)
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance")
+    ax2.set_title("acceptance by position")
+    ax2.grid(alpha=0.3)
+    if ax2.lines:
+        ax2.legend(fontsize=7)
     _save(fig, path)

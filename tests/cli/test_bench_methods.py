@@ -1,0 +1,51 @@
+"""`npuspec bench methods`: several prompt sets in one run, one engine per method for all of
+them, each set's ratios against its own no-speculation row, the JSON and the plot. The engines
+run uncompiled here: the subject is the benchmark's bookkeeping, not the compiled step."""
+import json
+
+import pytest
+
+from npuspec.bench import common as bench_common
+from npuspec.bench import methods
+
+
+def test_two_prompt_sets_one_engine_per_method(tmp_path, monkeypatch, capsys):
+    built = []
+    real = bench_common.make_llm
+
+    def make_llm(model, spec, *a, **kw):
+        built.append(spec)
+        return real(model, spec, *a[:2], True, *a[3:], **kw)  # enforce_eager
+    monkeypatch.setattr(bench_common, "make_llm", make_llm)
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("def fib(n):\nimport os\n")
+    b.write_text("The quick brown fox\n")
+    js, png = tmp_path / "m.json", tmp_path / "m.png"
+    argv = ["--methods", "ngram,suffix", "--prompts", f"{a},{b}", "--max-tokens", "8",
+            "--repeats", "1", "--json", str(js), "--threads", "1"]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(png)]
+    except ImportError:
+        png = None
+    assert methods.main(argv) == 0
+    assert len(built) == 3  # none, ngram, suffix: each built once for both sets
+    rows = json.loads(js.read_text())["rows"]
+    assert [(r["prompt set"], r["method"]) for r in rows] == [
+        (str(a), "none"), (str(a), "ngram"), (str(a), "suffix"),
+        (str(b), "none"), (str(b), "ngram"), (str(b), "suffix")]
+    for r in rows:
+        assert r["same as none"] == r["prompts"] == (2 if r["prompt set"] == str(a) else 1)
+        if r["method"] == "none":
+            assert r["× none"] == 1.0
+    assert "prompt sets" in capsys.readouterr().out
+    if png is not None:
+        assert png.stat().st_size > 1000
+
+
+def test_a_set_named_twice_is_refused(tmp_path):
+    from npuspec.cli_util.errors import UsageError
+    p = tmp_path / "a.txt"
+    p.write_text("x\n")
+    with pytest.raises(UsageError, match="names a prompt set twice"):
+        methods.main(["--prompts", f"{p},{p}", "--methods", "ngram"])
