@@ -150,7 +150,8 @@ def check_tokenizer(source: str, d: dict, target_dir: Optional[str]) -> None:
     """A head trained here records its target's tokenizer fingerprint ("npuspec_target" in
     config.json); another target's tokenizer is refused, naming both. Heads from elsewhere
     record none and are checked by vocab_size only."""
-    want = (d.get("npuspec_target") or {}).get("tokenizer_sha256")
+    rec = d.get("npuspec_target") or {}
+    want = rec.get("tokenizer_sha256")
     if not want or target_dir is None:
         return
     tok = load_tokenizer(target_dir)
@@ -158,7 +159,7 @@ def check_tokenizer(source: str, d: dict, target_dir: Optional[str]) -> None:
         return
     have = tokenizer_fingerprint(tok)
     if have != want:
-        made_for = (d.get("npuspec_target") or {}).get("name", "another model")
+        made_for = rec.get("name", "another model")
         raise ValueError(
             f"{source}: npuspec_target.tokenizer_sha256={want[:16]}... (the tokenizer of "
             f"{made_for}, which this draft was trained for) but the target's tokenizer has "

@@ -3,6 +3,7 @@ files (npuspec.models.gguf), into DecoderLM."""
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -225,12 +226,10 @@ def read_model_config(path: str = "tiny") -> ModelConfig:
 
 
 def tokenizer_fingerprint(tok) -> str:
-    """sha256 of a tokenizer's token -> id map (added tokens included): equal for the same
-    vocabulary whether it came from tokenizer.json or a GGUF file's metadata. A trained head
+    """sha256 of a tokenizer's token -> id map (added tokens included), so it does not depend
+    on the file's formatting. A trained head
     records its target's (config.json "npuspec_target"), and loading it beside another
     tokenizer is refused: the ids it learned would mean other tokens."""
-    import hashlib
-    import json
     items = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
