@@ -145,12 +145,22 @@ def _rows(runners, n: int, set_name: str, n_prompts: int, k: int, overrides: dic
                "mean acc len": al[r.system] if r.system != "none" else "-",
                "× ngram AL": (al[r.system] / al["ngram"]) if ng and r.system != "none" else "-",
                "verified/step": per(mt["drafted"]), "accepted/step": per(mt["accepted"]),
+               **_draft_share(mt, r.system),
                "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
                "prompts": n_prompts, "warm-up s": r.warmup_seconds}
         rows.append(row)
         out.append(dict(row, acceptance_by_position=mt.get("acceptance_by_position"),
                         spec=_spec(r.system, k, overrides)))
     return rows, out
+
+
+def _draft_share(mt: dict, method: str) -> dict:
+    """The drafter's cost in a decode round (its loop and, for hidden-state drafters, its
+    first pass): as a share of the round and against the verify step it feeds."""
+    d, v, b = mt["draft_s"], mt["step_s"], mt["bookkeeping_s"]
+    if method == "none" or not d:
+        return {"draft % round": "-", "draft ÷ verify": "-"}
+    return {"draft % round": 100 * d / (d + v + b), "draft ÷ verify": d / v if v else "-"}
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,8 @@ up. Each iteration is `_schedule -> _draft -> _verify -> _postprocess`, then `_r
     verify step (model forward + npuspec::rejection_sample, compiled with
            torch.compile(backend="npuspec") and replayed from captured graphs; one
            device->host transfer of (tokens, num_emitted))
-    postprocess (stop rules, proposer updates, metrics), then retire finished requests.
+    postprocess (stop rules, proposer updates, metrics), a hidden-state drafter's first pass
+           on the step's features (timed as drafting), then retire finished requests.
 See docs/design.md ("One decode step, as data") and docs/engine.md.
 """
 from __future__ import annotations
@@ -281,9 +282,13 @@ class LLM:
             rows, inputs, res, t_run = self._verify(batch, k, drafts, probs)  # [rows, K+2]
             t2 = time.perf_counter()
             outs = self._postprocess(batch, k, drafts, res, inputs)
+            t3 = time.perf_counter()
+            self._draft_first_pass(batch, k, drafts, res, inputs)
+            # the drafter's share: its loop before the step and its first pass after it;
             # bookkeeping: building the step's inputs, and the postprocess
-            book = (t2 - t1 - t_run) + (time.perf_counter() - t2)
-            record_step(m, batch, k, res, drafts, rows, draft_s=t1 - t0, step_s=t_run,
+            book = (t2 - t1 - t_run) + (t3 - t2)
+            record_step(m, batch, k, res, drafts, rows,
+                        draft_s=(t1 - t0) + (time.perf_counter() - t3), step_s=t_run,
                         book_s=book)
         self._retire()
         return outs
@@ -337,10 +342,13 @@ class LLM:
             if n == 0 and r.output:
                 r.stats.first_token_s = now - r.arrival_time
             outs.append(StepOutput(r, r.output[n:], r.finished))
-        if self.runner.features is not None and self.proposer is not None:
-            # the drafter's first pass on the step's rows
-            self.proposer.on_verify(batch, k, drafts, res, inputs, self.runner.last_features)
         return outs
+
+    def _draft_first_pass(self, batch: list[Request], k: int, drafts, res, inputs) -> None:
+        """A hidden-state drafter's first pass over the step's rows (its K/V and the next
+        round's pending logits), on the target's features."""
+        if self.runner.features is not None and self.proposer is not None:
+            self.proposer.on_verify(batch, k, drafts, res, inputs, self.runner.last_features)
 
     def _retire(self) -> None:
         """Free the finished requests' blocks and drafter state."""

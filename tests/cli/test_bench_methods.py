@@ -38,6 +38,9 @@ def test_two_prompt_sets_one_engine_per_method(tmp_path, monkeypatch, capsys):
         assert r["same as none"] == r["prompts"] == (2 if r["prompt set"] == str(a) else 1)
         if r["method"] == "none":
             assert r["× none"] == 1.0
+            assert r["draft % round"] == "-"  # nothing drafts
+        else:  # n-gram and suffix draft on the host: a share of the round, not all of it
+            assert 0 < r["draft % round"] < 100 and r["draft ÷ verify"] > 0
     assert "prompt sets" in capsys.readouterr().out
     if png is not None:
         assert png.stat().st_size > 1000

@@ -1,6 +1,8 @@
 """The offline engine (issue 7): greedy identity, seeded sampling, continuous batching, stops,
 metrics and bad-input errors. These run uncompiled (enforce_eager=True); test_compiled.py runs
 the same checks through torch.compile(backend="npuspec") with graph capture."""
+import time
+
 import pytest
 
 from npuspec import LLM, SamplingParams
@@ -299,3 +301,22 @@ def test_proposer_sees_every_emitted_token(ckpt, method):
     by_id = dict(stopped)
     for o in out:  # the prefill's token, then each verify step's, up to the last
         assert by_id[o.request_id] == o.outputs[0].token_ids, o.request_id
+
+
+def test_a_hidden_state_drafters_first_pass_is_charged_to_drafting(monkeypatch):
+    """draft_s is the drafter's whole share of a round: the first pass it runs on each verify
+    step's features counts as drafting, not as the engine's bookkeeping."""
+    llm = LLM("tiny", speculative_config={"method": "eagle3", "model": "tiny-eagle3",
+                                          "num_speculative_tokens": 2},
+              enforce_eager=True, max_model_len=128, max_num_seqs=2)
+    real = llm.proposer.on_verify
+
+    def slow(*a):
+        time.sleep(0.02)
+        return real(*a)
+    monkeypatch.setattr(llm.proposer, "on_verify", slow)
+    out = llm.generate(["def fib(n):"], SamplingParams(temperature=0, max_tokens=6))
+    m = llm.metrics
+    assert out[0].metrics.num_steps == m.num_engine_steps > 0
+    assert m.draft_s >= 0.02 * m.num_engine_steps
+    assert m.bookkeeping_s < 0.02 * m.num_engine_steps
