@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
-from npuspec.config_fields import (ADAPTIVE_VERIFY_METHODS, DynamicSpecConfig, RejectionSamplerConfig, _bool, _check_device_limit, _check_extract_hidden_states, _err, _parse_batch_table, _parse_k, _parse_method, _parse_model, _parse_ngram, _parse_parallel, _parse_rejection, _parse_suffix, _reject_unknown, resolve_synthetic_length)
+from npuspec.config_fields import (ADAPTIVE_VERIFY_METHODS, DynamicSpecConfig, RejectionSamplerConfig, _bool, _check_device_limit, _check_extract_hidden_states, _err, _parse_batch_table, _parse_hybrid, _parse_k, _parse_method, _parse_model, _parse_ngram, _parse_parallel, _parse_rejection, _parse_suffix, _reject_unknown, resolve_synthetic_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: Optional[int] = None
     suffix_decoding_max_spec_factor: Optional[float] = None
     suffix_decoding_min_token_prob: Optional[float] = None
+    enable_suffix_decoding: Optional[bool] = None
+    suffix_min_score: Optional[float] = None
     num_speculative_tokens_per_batch_size: Optional[tuple] = None
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: Optional[tuple] = None
@@ -79,6 +81,11 @@ class SpeculativeConfig:
         f["model"] = _parse_model(d, method)
         f.update(_parse_parallel(d, method, tensor_parallel_size))
         f.update(_parse_ngram(d, method))
+        f.update(_parse_hybrid(d, method))
+        if f.get("enable_suffix_decoding") and tensor_parallel_size > 1:
+            raise _err("enable_suffix_decoding", True,
+                       f"is not supported with tensor_parallel_size={tensor_parallel_size} yet; "
+                       f"remove it, or run the hybrid drafter with tensor_parallel_size=1")
         f.update(_parse_suffix(d, method))
         f.update(_parse_rejection(d, k))
         if d.get("enforce_eager") is not None:

@@ -22,6 +22,8 @@ PADDED_DRAFTER = methods.names(padded_batch=True)
 # Drafters that report a per-position confidence, so the confidence budget can cut their drafts.
 CONFIDENCE_METHODS = methods.names(confidence=True)
 ADAPTIVE_VERIFY_METHODS = methods.names(adaptive_verify=True)
+# a model head on the target's features, which suffix decoding can front (hybrid.py)
+HYBRID_METHODS = methods.names(hidden_states=True)
 REJECTION_METHODS = ("standard", "synthetic")
 
 SUFFIX_DEFAULTS = {
@@ -284,12 +286,40 @@ def _parse_ngram(d: dict, method: str) -> dict:
     return {"prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
+def _parse_hybrid(d: dict, method: str) -> dict:
+    """enable_suffix_decoding (a model head behind suffix decoding) and suffix_min_score."""
+    on = d.get("enable_suffix_decoding")
+    score = d.get("suffix_min_score")
+    if on is not None:
+        on = _bool("enable_suffix_decoding", on)
+        if on and method not in HYBRID_METHODS:
+            raise _err("enable_suffix_decoding", on,
+                       f"pairs suffix decoding with a model head, for methods "
+                       f"{', '.join(HYBRID_METHODS)}; for method {method!r} remove it "
+                       f"(or use method 'suffix' alone)")
+    if score is not None:
+        if not on:
+            raise _err("suffix_min_score", score, "applies only with enable_suffix_decoding: "
+                                                  "true; set that too, or remove it")
+        score = _num("suffix_min_score", score)
+        if score < 0:
+            raise _err("suffix_min_score", score, "must be >= 0 (the suffix draft's expected "
+                                                  "accepted tokens; leave it out for the "
+                                                  "model head's running acceptance)")
+    out: dict[str, Any] = {}
+    if on:
+        out["enable_suffix_decoding"] = True
+    if score is not None:
+        out["suffix_min_score"] = float(score)
+    return out
+
+
 def _parse_suffix(d: dict, method: str) -> dict:
-    if method != "suffix":
+    if method != "suffix" and not d.get("enable_suffix_decoding"):
         for key in SUFFIX_DEFAULTS:
             if d.get(key) is not None:
-                raise _err(key, d[key], f"applies only to method 'suffix'; remove it for "
-                                        f"method {method!r}")
+                raise _err(key, d[key], f"applies only to method 'suffix' or with "
+                                        f"enable_suffix_decoding; remove it for method {method!r}")
         return {}
     v = {key: d[key] if d.get(key) is not None else dflt
          for key, dflt in SUFFIX_DEFAULTS.items()}

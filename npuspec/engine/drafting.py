@@ -13,7 +13,7 @@ from typing import Optional
 import numpy as np
 
 from npuspec.methods import METHODS
-from npuspec.spec_decode import dynamic_k
+from npuspec.spec_decode import dynamic_k, hybrid
 from npuspec.spec_decode.base import BuildContext, DraftBatch, Proposer
 
 
@@ -21,7 +21,10 @@ def make_proposer(ctx: BuildContext) -> Optional[Proposer]:
     """The proposer of ctx.spec's method, or None without speculation."""
     if ctx.spec is None:
         return None
-    return METHODS[ctx.spec.method].build_fn()(ctx)
+    proposer = METHODS[ctx.spec.method].build_fn()(ctx)
+    if ctx.spec.enable_suffix_decoding:
+        return hybrid.wrap(proposer, ctx)
+    return proposer
 
 
 def draft(proposer: Proposer, budget: Optional[dynamic_k.ConfidenceBudget], reqs: list, k: int,

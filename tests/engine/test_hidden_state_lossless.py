@@ -86,3 +86,27 @@ def test_sampling_is_lossless(method, tmp_path, monkeypatch):
     pv12 = chi_square_pvalue(torch.bincount(y[:, 0] * V + y[:, 1], minlength=V * V), joint)[0]
     pv3 = chi_square_pvalue(torch.bincount(y[:, 2], minlength=V), p3)[0]
     assert pv12 > ALPHA and pv3 > ALPHA, (pv12, pv3)
+
+
+def test_hybrid_sampling_is_lossless(tmp_path, monkeypatch):
+    """Suffix decoding in front of the EAGLE-3 head (suffix_min_score 0: a suffix draft is taken
+    whenever the tree has one): one-hot q on suffix rows, the head's q on the others, mixed
+    within each step's batch."""
+    monkeypatch.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")
+    target_dir, head_dir, model = _target(tmp_path, "eagle3")
+    llm = LLM(target_dir, speculative_config={"method": "eagle3", "model": head_dir,
+                                              "num_speculative_tokens": 2,
+                                              "enable_suffix_decoding": True,
+                                              "suffix_min_score": 0.0},
+              enforce_eager=True, max_model_len=16, max_num_seqs=16, seed=1)
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N,
+                        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    y = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [N, 3]
+    picks = llm.proposer.picks
+    assert min(picks.values()) > N // 10, picks  # both drafters drafted often
+    m = llm.metrics
+    assert 0.05 < m.num_accepted / m.num_drafted < 0.95, (m.num_accepted, m.num_drafted)
+    joint, p3 = _exact(model)
+    pv12 = chi_square_pvalue(torch.bincount(y[:, 0] * V + y[:, 1], minlength=V * V), joint)[0]
+    pv3 = chi_square_pvalue(torch.bincount(y[:, 2], minlength=V), p3)[0]
+    assert pv12 > ALPHA and pv3 > ALPHA, (pv12, pv3)
