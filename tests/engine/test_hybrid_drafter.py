@@ -2,7 +2,6 @@
 equals plain decoding uncompiled and captured, both drafters draft within one run, and the
 captured head's graphs take the ragged subsets of rows the head drafts for without falling
 back to eager. Its sampling is proven lossless in test_hidden_state_lossless.py."""
-import pytest
 
 import npuspec.engine
 from npuspec import LLM, SamplingParams
