@@ -176,6 +176,22 @@ class PagedDraft(nn.Module):
         # the target's LM head (maybe packed) in the target's dtype -> fp32 [.., V]
         return self._target.head(x.to(self._target.norm.weight.dtype))
 
+    # The draft loop samples in the draft's own vocabulary and maps to target ids only for what
+    # leaves it (the next input's embedding, the drafts, q): identity unless the head has a
+    # draft vocabulary of its own (EAGLE-3's d2t).
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def draft_logits(self, logit_h):
+        return self.logits(logit_h)  # fp32 [.., draft_vocab_size]
+
+    def draft_to_target_ids(self, ids):
+        return ids
+
+    def draft_to_target_probs(self, q):
+        return q
+
     def _rope(self, positions, dtype):
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]  # [B, T, 1, D]
@@ -293,7 +309,24 @@ class Eagle3Draft(PagedDraft):
 
     def logits(self, logit_h):
         ld = _linear(logit_h, self.lm_head).float()  # [.., Vd]
-        return to_target_vocab(ld, self.vocab_index, self.config.vocab_size)
+        return to_target_vocab(ld, self.vocab_index, self.config.vocab_size)  # [.., V]
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size if self.vocab_index is None else self.d2t.numel()
+
+    def draft_logits(self, logit_h):
+        return _linear(logit_h, self.lm_head).float()  # [.., Vd]
+
+    def draft_to_target_ids(self, ids):
+        return ids if self.vocab_index is None else self.vocab_index[ids]
+
+    def draft_to_target_probs(self, q):
+        """q [.., Vd] -> [.., V], 0 off the draft vocabulary."""
+        if self.vocab_index is None:
+            return q
+        return q.new_zeros((*q.shape[:-1], self.config.vocab_size)).index_copy(
+            -1, self.vocab_index, q)
 
 
 def vocab_index(d2t: torch.Tensor, V: int):

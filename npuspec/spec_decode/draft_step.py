@@ -45,7 +45,7 @@ class DraftFirstPass(_DraftModule):
                                slot_mapping, block_table, seq_lens)  # [R, T, H] each
         idx = last[:, None, None].expand(-1, 1, lh.shape[-1])     # [R, 1, H]
         lh, nh = lh.gather(1, idx), nh.gather(1, idx)              # [R, 1, H]
-        return self.draft.logits(lh)[:, 0], nh[:, 0]               # [R, V], [R, H]
+        return self.draft.draft_logits(lh)[:, 0], nh[:, 0]         # [R, Vd], [R, H]
 
 
 class DraftChainStep(_DraftModule):
@@ -78,26 +78,32 @@ def sample_drafts(logits, temperature=None, exponentials=None):
 class DraftLoop(_DraftModule):
     """Draft tokens 0..K-1 of every request in one graph: token 0 from the pending logits, then
     K-1 chain steps ([B, 1] forwards on the draft's own hidden state), sampling in the graph
-    (vLLM Ascend merges the K-step loop into one graph the same way)."""
+    (vLLM Ascend merges the K-step loop into one graph the same way). Logits, sampling and q
+    stay in the draft's vocabulary (Vd, EAGLE-3's d2t; else V); ids and q are mapped to the
+    target's vocabulary on the way out."""
 
     def forward(self, logits, hidden, positions, slot_mapping, block_table, seq_lens,
                 temperature=None, exponentials=None):
-        # logits [B, V], hidden [B, H]; positions/slot_mapping/seq_lens [B, K-1] (chain
-        # step i at column i); temperature [B], exponentials [B, K, V]
+        # logits [B, Vd], hidden [B, H]; positions/slot_mapping/seq_lens [B, K-1] (chain
+        # step i at column i); temperature [B], exponentials [B, K, Vd]
+        d = self.draft
         toks, confs, qs = [], [], []
         K = positions.shape[1] + 1
         for i in range(K):
             e = None if exponentials is None else exponentials[:, i]
-            x, c, q = sample_drafts(logits, temperature, e)         # [B], [B], [B, V]
+            x, c, q = sample_drafts(logits, temperature, e)         # [B], [B], [B, Vd]
+            x = d.draft_to_target_ids(x)                            # [B] target ids
             toks.append(x)
             confs.append(c)
             qs.append(q)
             if i + 1 < K:
                 lh, nh = self._forward(x[:, None], hidden[:, None], positions[:, i:i + 1],
                                        slot_mapping[:, i:i + 1], block_table, seq_lens[:, i])
-                logits, hidden = self.draft.logits(lh)[:, 0], nh[:, 0]
+                logits, hidden = d.draft_logits(lh)[:, 0], nh[:, 0]
         out = (torch.stack(toks, 1), torch.stack(confs, 1))        # [B, K] each
-        return out if temperature is None else out + (torch.stack(qs, 1),)  # q [B, K, V]
+        if temperature is None:
+            return out
+        return out + (d.draft_to_target_probs(torch.stack(qs, 1)),)  # q [B, K, V]
 
 
 class MedusaStep(nn.Module):

@@ -42,7 +42,7 @@ class EagleProposer(HiddenStateProposer):
         d, sel = self._no_drafts(reqs, k, want_probs)
         if not sel or k == 0:
             return d
-        V = self.module.config.vocab_size
+        Vd = self.module.draft_vocab_size  # the loop samples in the draft's vocabulary
         rs = [reqs[b] for b in sel]
         pend = [self.reqs[r.req_id] for r in rs]
         for r, p in zip(rs, pend):
@@ -51,7 +51,7 @@ class EagleProposer(HiddenStateProposer):
         random = temps is not None
         if random:
             args += self._draws(np.asarray(temps, dtype=np.float64)[sel],
-                                [generators[b] for b in sel], k, V)
+                                [generators[b] for b in sel], k, Vd)
         opts = self._rows_opts() if k > 1 else None  # K = 1: no chain, a few ops
         out = self._call(("loop", k, random), self.loop, args, opts)
         return self._fill(d, sel, *out)
@@ -91,12 +91,12 @@ class EagleProposer(HiddenStateProposer):
         self._first_pass(("prefill",), np.zeros((n, C), np.int64), feats(n, C, F), pre,
                          np.zeros(n), self._prefill_opts())
         n = r.max_num_seqs
-        V, H = self.module.config.vocab_size, self.module.config.hidden_size
+        Vd, H = self.module.draft_vocab_size, self.module.config.hidden_size
         for k in k_values:
             if k < 2:
                 continue
             with torch.inference_mode():
-                args = [z(n, V, dtype=torch.float32), z(n, H, dtype=dt), z(n, k - 1),
+                args = [z(n, Vd, dtype=torch.float32), z(n, H, dtype=dt), z(n, k - 1),
                         z(n, k - 1), z(n, r.max_blocks, dtype=torch.int32),
                         z(n, k - 1, dtype=torch.int32)]
                 self._call(("loop", k, False), self.loop, args, self._rows_opts())

@@ -42,7 +42,8 @@ from npuspec.spec_decode.draft_step import fresh_fn
 @dataclasses.dataclass
 class Pending:
     t: int                          # position of the row the draft continues from
-    logits: torch.Tensor            # [V] (Medusa: [heads, V]) logits of the next draft token(s)
+    logits: torch.Tensor            # [Vd] (the draft vocabulary; Medusa: [heads, V]) logits of
+                                    # the next draft token(s)
     hidden: Optional[torch.Tensor]  # [H] the draft hidden state the chain starts from
 
 

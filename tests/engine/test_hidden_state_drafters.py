@@ -34,6 +34,11 @@ def _random_draft(method, tmp_path, seed=0, **over):
         for p in module.parameters():  # sharper than nn.Linear's init: drafts vary by input
             if p.dim() == 2:
                 p.normal_(0, 0.1)
+        if method == "eagle3" and dc.draft_vocab_size < cfg.vocab_size:
+            # a draft vocabulary of every (V/Vd)-th target id: draft id d is target id d*V/Vd
+            step = cfg.vocab_size // dc.draft_vocab_size
+            module.d2t.copy_(torch.arange(dc.draft_vocab_size) * (step - 1))
+            module.init_buffers()
     if method == "mtp":
         out = tmp_path / "tiny-mtp"
         shutil.copytree(TINY_MODEL_DIR, out)
@@ -67,7 +72,8 @@ def plain():
 
 # (method, K, draft config overrides, modes): eagle3 also runs eagerly, as the oracle of the
 # captured drafter (the others share its code path)
-CASES = [("eagle", 3, {}, (False,)), ("eagle3", 3, {}, (True, False)),
+# EAGLE-3 with a draft vocabulary (d2t) of a quarter of the target's: the loop samples in it
+CASES = [("eagle", 3, {}, (False,)), ("eagle3", 3, {"draft_vocab_size": 256}, (True, False)),
          ("medusa", 3, {"medusa_num_heads": 3}, (False,)), ("mtp", 2, {}, (False,))]
 
 
@@ -89,6 +95,38 @@ def test_greedy_identical_and_captured_equals_eager(method, k, over, modes, tmp_
         runs[eager] = (m.num_drafted, m.num_accepted, m.num_steps)
     assert len(set(runs.values())) == 1, runs  # captured drafts == eager drafts
     assert runs[False][0] > 0
+
+
+def test_draft_vocabulary_loop_drafts_what_the_target_vocabulary_loop_does(tmp_path, plain,
+                                                                           monkeypatch):
+    """The draft loop samples in EAGLE-3's draft vocabulary and maps ids out; the reference
+    scatters each step's logits to the target's vocabulary first (-inf off the draft
+    vocabulary) and samples there: the same drafts, step for step."""
+    from npuspec.models.eagle import Eagle3Draft, PagedDraft
+    path = _random_draft("eagle3", tmp_path, draft_vocab_size=256)
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    runs = []
+    for reference in (False, True):
+        if reference:
+            for name in ("draft_logits", "draft_to_target_ids", "draft_to_target_probs"):
+                monkeypatch.setattr(Eagle3Draft, name, getattr(PagedDraft, name))
+            monkeypatch.setattr(Eagle3Draft, "draft_vocab_size",
+                                property(lambda self: self.config.vocab_size))
+        llm = LLM("tiny", speculative_config=_spec("eagle3", path, 3), enforce_eager=True,
+                  max_model_len=256, max_num_seqs=4)
+        assert llm.proposer.module.draft_vocab_size == (1024 if reference else 256)
+        drafts, real = [], llm.proposer.draft_batch
+
+        def record(batch):
+            d = real(batch)
+            drafts.append(d.tokens.tolist())
+            return d
+        monkeypatch.setattr(llm.proposer, "draft_batch", record)
+        assert _tokens(llm.generate(PROMPTS, sp)) == plain
+        runs.append(drafts)
+    assert runs[0] == runs[1]  # every step's drafts, token for token
+    ids = {t for step in runs[0] for row in step for t in row if t >= 0}
+    assert ids and all(t % 4 == 0 for t in ids), ids  # target ids of the draft vocabulary
 
 
 def test_unpadded_drafter_batch_same_drafts(tmp_path, plain):

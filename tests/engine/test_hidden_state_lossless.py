@@ -24,7 +24,9 @@ V, PROMPT, N = 16, [3, 1, 4, 1, 5], 4000
 ALPHA = 1e-3
 
 
-HEADS = {"eagle3": {}, "dflash": {"block_size": 3, "aux_layer_ids": (1, 3)},
+# eagle3-vocab: a draft vocabulary of 12 of the 16 ids (d2t), so q is 0 on the other 4
+HEADS = {"eagle3": {}, "eagle3-vocab": {"draft_vocab_size": 12},
+         "dflash": {"block_size": 3, "aux_layer_ids": (1, 3)},
          "dspark": {"block_size": 2, "aux_layer_ids": (1, 3), "markov_rank": 8}}
 
 
@@ -40,11 +42,16 @@ def _target(tmp_path, method="eagle3"):
                 p.normal_(0, 0.3)  # peaked enough that drafts are sometimes right
     d = tmp_path / "target"
     save_model(model, str(d))
-    head = _CLASSES[method](DraftConfig.from_target(method, cfg, **HEADS[method]))
+    kind, method = method, method.split("-")[0]
+    head = _CLASSES[method](DraftConfig.from_target(method, cfg, **HEADS[kind]))
     with torch.no_grad():  # a flat-ish q: drafts are accepted often, and rejected often
         for p in head.parameters():
             if p.dim() == 2:
                 p.normal_(0, 0.05)
+        if kind == "eagle3-vocab":  # target ids 0..15 without 2, 5, 9, 14
+            used = torch.tensor([i for i in range(V) if i not in (2, 5, 9, 14)])
+            head.d2t.copy_(used - torch.arange(len(used)))
+            head.init_buffers()
     save_draft(head, str(tmp_path / "head"))
     return str(d), str(tmp_path / "head"), model
 
@@ -73,6 +80,7 @@ BUDGET = {"dynamic_spec_config": {"method": "dspark", "method_params": {
 def test_sampling_is_lossless(method, tmp_path, monkeypatch):
     monkeypatch.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")
     target_dir, head_dir, model = _target(tmp_path, method)
+    method = method.split("-")[0]
     llm = LLM(target_dir, speculative_config={"method": method, "model": head_dir,
                                               "num_speculative_tokens": 2},
               additional_config=BUDGET if method == "dspark" else None,
