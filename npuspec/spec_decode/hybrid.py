@@ -10,17 +10,19 @@ elsewhere the model head drafts. Here, every step and for every request:
 
 The threshold is `suffix_min_score` when set; by default it is what the model head has been
 getting: the mean accepted drafts per step of the requests it drafted (an exponential average
-over request-steps, starting at `DEFAULT_MODEL_ACCEPTED`). The model's draft loop runs only for
-the requests that take its drafts (none: no loop this step); its first pass after each verify
-step runs for every request, so its K/V and pending state stay those of the plain method.
+over request-steps, starting at `DEFAULT_MODEL_ACCEPTED`), and the head's loop must also pay
+for its measured cost (`_model_pays`). The model's draft loop runs only for the requests that
+take its drafts (none: no loop this step); its first pass after each verify step runs for every
+request, so its K/V and pending state stay those of the plain method.
 
 Lossless: suffix rows go to the verify op as one-hot q (the suffix draft is a deterministic
 function of the context), model rows with the head's q; both are exact under rejection
-sampling. Every decision depends only on tokens and counts, never on timings, so a run is
-reproducible.
+sampling, whoever drafted. With `suffix_min_score` set the choice reads scores only (runs are
+reproducible); the default reads timings too.
 """
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -31,6 +33,9 @@ from npuspec.spec_decode.base import CONF_MIN, DraftBatch, Drafts, Proposer, per
 
 DEFAULT_MODEL_ACCEPTED = 1.0  # before the head has drafted: a suffix draft must expect one token
 EMA = 0.05                    # weight of one request-step in the model's running acceptance
+TIME_EMA = 0.1                # weight of one round in the running round and loop times
+GAP_MAX = 5.0                 # a gap over this many rounds is idle time, not a round
+EXPLORE_EVERY = 16            # run the head at least every this many steps it was declined
 
 
 class HybridProposer(Proposer):
@@ -46,8 +51,16 @@ class HybridProposer(Proposer):
         self.features = model.features
         self.module = model.module
         self.model_accepted = DEFAULT_MODEL_ACCEPTED  # running mean accepted per model step
-        self.picks = {"suffix": 0, "model": 0}        # request-steps drafted by each
+        # request-steps drafted by each ("none": the head was not worth its cost and suffix
+        # had nothing)
+        self.picks = {"suffix": 0, "model": 0, "none": 0}
         self._source: dict[str, str] = {}             # request -> who drafted its last step
+        self.clock = time.perf_counter
+        self.t_round: Optional[float] = None  # seconds per round without the head's loop
+        self.t_loop: Optional[float] = None   # seconds per call of the head's loop
+        self._last: Optional[float] = None
+        self._last_loop = 0.0
+        self._asked = 0
 
     # -- per request --------------------------------------------------------------------------
     def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
@@ -82,10 +95,52 @@ class HybridProposer(Proposer):
     def _takes_suffix(self, probs: Sequence[float]) -> bool:
         return bool(probs) and sum(probs) >= self.threshold()
 
+    def _tick(self) -> None:
+        """Time the round that ended: from the last draft_batch to this one, less the model
+        loop it ran (an exponential average; a gap over GAP_MAX rounds is idle time)."""
+        now = self.clock()
+        if self._last is not None:
+            gap = now - self._last - self._last_loop
+            if self.t_round is None:
+                self.t_round = gap
+            elif gap < GAP_MAX * self.t_round:
+                self.t_round += TIME_EMA * (gap - self.t_round)
+        self._last, self._last_loop = now, 0.0
+
+    def _model_pays(self, scores: np.ndarray, prefer: np.ndarray) -> bool:
+        """Adaptive mode: run the head's loop this step only if the tokens it adds (the head's
+        running acceptance instead of the suffix score, on the rows that prefer it) beat its
+        measured cost: with * t_round > without * (t_round + t_loop). Every EXPLORE_EVERY-th
+        such step it runs anyway, so its acceptance and cost stay measured."""
+        if self.min_score is not None or self.t_loop is None or self.t_round is None:
+            return True
+        self._asked += 1
+        if self._asked % EXPLORE_EVERY == 0:
+            return True
+        with_m = float(np.where(prefer, 1 + self.model_accepted, 1 + scores).sum())
+        without = float((1 + scores).sum())
+        return with_m * self.t_round > without * (self.t_round + self.t_loop)
+
+    def _run_model(self, sub: DraftBatch) -> Drafts:
+        t0 = self.clock()
+        md = self.model.draft_batch(sub)  # [B', K], [B', K, V] | None, [B', K]
+        dt = self.clock() - t0
+        self.t_loop = dt if self.t_loop is None else self.t_loop + TIME_EMA * (dt - self.t_loop)
+        self._last_loop = dt
+        return md
+
     def draft_batch(self, batch: DraftBatch) -> Drafts:
         B, K = len(batch.reqs), batch.k
+        self._tick()
         s = self.suffix.propose_batch_with_probs(batch.req_ids, batch.caps)
+        scores = np.array([sum(p) for _, p in s], dtype=np.float64)          # [B]
         use = np.array([self._takes_suffix(p) for _, p in s], dtype=bool)  # [B]
+        if not use.all() and not self._model_pays(scores, ~use):
+            use = np.array([bool(t) for t, _ in s], dtype=bool)  # any suffix draft, no loop
+            self.picks["none"] += int((~use).sum())
+            rest_rows = np.zeros(0, dtype=np.int64)
+        else:
+            rest_rows = np.flatnonzero(~use)
         tokens = np.full((B, K), -1, dtype=np.int64)
         conf = np.full((B, K), CONF_MIN)
         for b in np.flatnonzero(use):
@@ -93,17 +148,19 @@ class HybridProposer(Proposer):
             tokens[b, :len(t)] = t
             # per-position confidence: the tree's conditional probability p_j / p_{j-1}
             conf[b, :len(p)] = np.clip(p / np.concatenate([[1.0], p[:-1]]), CONF_MIN, 1.0)
-        rest = np.flatnonzero(~use)
+        rest = rest_rows
         md = None
         if len(rest):
             sub = DraftBatch([batch.reqs[b] for b in rest], K, [batch.caps[b] for b in rest],
                              None if batch.temps is None else batch.temps[rest])
-            md = self.model.draft_batch(sub)  # [B', K], [B', K, V] | None, [B', K]
+            md = self._run_model(sub)
             tokens[rest] = md.tokens
             conf[rest] = CONF_MIN if md.conf is None else md.conf
         probs = self._probs(batch, tokens, use, rest, md)
+        in_rest = np.zeros(B, dtype=bool)
+        in_rest[rest] = True
         for b, r in enumerate(batch.reqs):
-            self._source[r.req_id] = "suffix" if use[b] else "model"
+            self._source[r.req_id] = "suffix" if use[b] else "model" if in_rest[b] else "none"
         self.picks["suffix"] += int(use.sum())
         self.picks["model"] += int(len(rest))
         return Drafts(tokens, probs, conf)
@@ -143,6 +200,7 @@ class HybridProposer(Proposer):
         return self.model.take_path(req_id)
 
     def finish_call(self, outputs: list) -> None:
+        self._last = None  # the time until the next call's first step is not a round
         self.model.finish_call(outputs)
 
     def forget_responses(self) -> None:

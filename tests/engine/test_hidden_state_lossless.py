@@ -111,7 +111,7 @@ def test_hybrid_sampling_is_lossless(tmp_path, monkeypatch):
                         SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
     y = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [N, 3]
     picks = llm.proposer.picks
-    assert min(picks.values()) > N // 10, picks  # both drafters drafted often
+    assert min(picks["suffix"], picks["model"]) > N // 10, picks  # both drafted often
     m = llm.metrics
     assert 0.05 < m.num_accepted / m.num_drafted < 0.95, (m.num_accepted, m.num_drafted)
     joint, p3 = _exact(model)

@@ -11,7 +11,8 @@ import torch
 
 from npuspec.config import SpeculativeConfig
 from npuspec.spec_decode.base import CONF_MIN, DraftBatch, Drafts, Proposer
-from npuspec.spec_decode.hybrid import DEFAULT_MODEL_ACCEPTED, EMA, HybridProposer
+from npuspec.spec_decode.hybrid import (DEFAULT_MODEL_ACCEPTED, EMA, EXPLORE_EVERY,
+                                        TIME_EMA, HybridProposer)
 
 V = 8
 
@@ -96,7 +97,7 @@ def test_each_request_takes_the_suffix_draft_only_when_its_score_reaches_the_thr
     # suffix confidences are the conditional probabilities p_j / p_(j-1)
     np.testing.assert_allclose(d.conf[0], [0.9, 0.8 / 0.9, 0.6 / 0.8])
     np.testing.assert_allclose(d.conf[1:], 0.5)
-    assert h.picks == {"suffix": 1, "model": 2}
+    assert h.picks == {"suffix": 1, "model": 2, "none": 0}
 
 
 def test_no_model_loop_when_every_request_takes_the_suffix():
@@ -135,6 +136,59 @@ def test_default_threshold_follows_the_models_running_acceptance():
     assert h.threshold() == pytest.approx(want)
     # both drafters see every request's tokens
     assert ("extend", "a", [9]) in h.model.events and ("extend", "a", [9]) in h.suffix.calls
+
+
+def test_the_head_runs_only_when_its_tokens_pay_for_its_measured_cost():
+    h = _hybrid(SCRIPT)  # adaptive: no suffix_min_score
+    h.model_accepted = 0.2
+    h.t_round, h.t_loop = 1.0, 0.5
+    reqs = _reqs("b", "c")  # b: suffix score 0.3 >= 0.2 takes it; c (no match) prefers the head
+    # with the head: (1 + 0.3) + (1 + 0.2) = 2.5 tokens in 1.5 s; without: 2.3 in 1.0 s
+    d = h.draft_batch(DraftBatch(reqs, 3, [3, 3], None))
+    assert h.model.batches == [] and d.tokens.tolist() == [[2, -1, -1], [-1, -1, -1]]
+    assert h.picks == {"suffix": 1, "model": 0, "none": 1}
+    h.t_loop = 0.05  # now 2.5 / 1.05 s beats 2.3 / 1.0 s
+    h.t_round = 1.0
+    d = h.draft_batch(DraftBatch(reqs, 3, [3, 3], None))
+    assert [r.req_id for r in h.model.batches[0].reqs] == ["c"]
+    assert d.tokens.tolist() == [[2, -1, -1], [3, 4, 5]]
+    # a request that got no draft does not move the head's running acceptance
+    before = h.model_accepted
+    h._source["b"] = "none"
+    h.extend("b", [1])
+    assert h.model_accepted == before
+
+
+def test_a_declined_head_still_runs_every_explore_every_steps():
+    h = _hybrid(SCRIPT)
+    h.model_accepted, h.t_round, h.t_loop = 0.0, 1.0, 10.0
+    h.clock = lambda: 0.0  # every measured time is 0: the t_loop update keeps it finite
+    runs = []
+    for _ in range(2 * EXPLORE_EVERY):
+        n = len(h.model.batches)
+        h.draft_batch(DraftBatch(_reqs("c"), 3, [3], None))
+        runs.append(len(h.model.batches) > n)
+        h.t_loop = 10.0  # keep declining between explorations
+    assert sum(runs) == 2 and runs[EXPLORE_EVERY - 1] and runs[-1]
+
+
+def test_round_and_loop_times_are_measured_between_calls():
+    h = _hybrid(SCRIPT)
+    ticks = iter([0.0, 0.1, 0.4,      # call 1: start, loop start, loop end (0.3 s loop)
+                  2.0, 2.1, 2.2,      # call 2: round = 2.0 - 0.0 - 0.3 = 1.7; loop 0.1
+                  100.0])             # call 3: an idle gap (> GAP_MAX rounds) is not a round
+    h.clock = lambda: next(ticks)
+    h.draft_batch(DraftBatch(_reqs("c"), 3, [3], None))
+    assert h.t_loop == pytest.approx(0.3) and h.t_round is None
+    h.draft_batch(DraftBatch(_reqs("c"), 3, [3], None))
+    assert h.t_round == pytest.approx(1.7)
+    assert h.t_loop == pytest.approx(0.3 + TIME_EMA * (0.1 - 0.3))
+    h.min_score = 0.0  # a fixed threshold: no cost check; c has no suffix draft -> the head
+    h.clock = lambda: 100.0
+    h.draft_batch(DraftBatch(_reqs("c"), 3, [3], None))
+    assert h.t_round == pytest.approx(1.7)
+    h.finish_call([])
+    assert h._last is None
 
 
 def test_request_hooks_reach_both_drafters():
