@@ -307,26 +307,25 @@ class Eagle3Draft(PagedDraft):
                       functools.partial(self._attend, meta, cache, i))
         return self.norm(h), h
 
+    def _head(self, logit_h):
+        return _linear(logit_h, self.lm_head).float()  # [.., Vd]
+
     def logits(self, logit_h):
-        ld = _linear(logit_h, self.lm_head).float()  # [.., Vd]
-        return to_target_vocab(ld, self.vocab_index, self.config.vocab_size)  # [.., V]
+        return to_target_vocab(self._head(logit_h), self.vocab_index, self.config.vocab_size)
 
     @property
     def draft_vocab_size(self) -> int:
         return self.config.vocab_size if self.vocab_index is None else self.d2t.numel()
 
     def draft_logits(self, logit_h):
-        return _linear(logit_h, self.lm_head).float()  # [.., Vd]
+        return self._head(logit_h)
 
     def draft_to_target_ids(self, ids):
         return ids if self.vocab_index is None else self.vocab_index[ids]
 
     def draft_to_target_probs(self, q):
-        """q [.., Vd] -> [.., V], 0 off the draft vocabulary."""
-        if self.vocab_index is None:
-            return q
-        return q.new_zeros((*q.shape[:-1], self.config.vocab_size)).index_copy(
-            -1, self.vocab_index, q)
+        # q [.., Vd] -> [.., V], 0 off the draft vocabulary
+        return to_target_vocab(q, self.vocab_index, self.config.vocab_size, fill=0.0)
 
 
 def vocab_index(d2t: torch.Tensor, V: int):
@@ -336,10 +335,11 @@ def vocab_index(d2t: torch.Tensor, V: int):
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
-def to_target_vocab(ld: torch.Tensor, index, V: int) -> torch.Tensor:
+def to_target_vocab(ld: torch.Tensor, index, V: int, fill: float = float("-inf")) -> torch.Tensor:
     """Draft-vocabulary logits [.., Vd] -> target-vocabulary logits [.., V]: each draft id's
-    logit lands on its target id, every other target id gets -inf (so q is 0 there)."""
+    logit lands on its target id, every other target id gets `fill` (-inf: q is 0 there; 0 for
+    probabilities)."""
     if index is None:
         return ld
-    out = ld.new_full((*ld.shape[:-1], V), float("-inf"))
+    out = ld.new_full((*ld.shape[:-1], V), fill)
     return out.index_copy(-1, index, ld)  # [.., V]

@@ -83,7 +83,7 @@ class HybridProposer(Proposer):
         """The plain protocol (greedy): each request's chosen draft."""
         ks = per_request_k(req_ids, max_tokens)
         s = self.suffix.propose_batch_with_probs(list(req_ids), ks)
-        use = [self._takes_suffix(p) for _, p in s]
+        use = self._takes_suffix(s)[1]
         rest = [r for r, u in zip(req_ids, use) if not u]
         m = iter(self.model.propose(rest, [k for k, u in zip(ks, use) if not u]) if rest else [])
         return [list(t) if u else next(m) for (t, _), u in zip(s, use)]
@@ -92,8 +92,11 @@ class HybridProposer(Proposer):
     def threshold(self) -> float:
         return self.model_accepted if self.min_score is None else self.min_score
 
-    def _takes_suffix(self, probs: Sequence[float]) -> bool:
-        return bool(probs) and sum(probs) >= self.threshold()
+    def _takes_suffix(self, s: list) -> tuple[np.ndarray, np.ndarray]:
+        """Suffix drafts [(tokens, path probs)] -> (scores [B], which take the suffix [B])."""
+        scores = np.array([sum(p) for _, p in s], dtype=np.float64)
+        has = np.array([bool(t) for t, _ in s], dtype=bool)
+        return scores, has & (scores >= self.threshold())
 
     def _tick(self) -> None:
         """Time the round that ended: from the last draft_batch to this one, less the model
@@ -133,14 +136,12 @@ class HybridProposer(Proposer):
         B, K = len(batch.reqs), batch.k
         self._tick()
         s = self.suffix.propose_batch_with_probs(batch.req_ids, batch.caps)
-        scores = np.array([sum(p) for _, p in s], dtype=np.float64)          # [B]
-        use = np.array([self._takes_suffix(p) for _, p in s], dtype=bool)  # [B]
+        scores, use = self._takes_suffix(s)  # [B] each
         if not use.all() and not self._model_pays(scores, ~use):
             use = np.array([bool(t) for t, _ in s], dtype=bool)  # any suffix draft, no loop
-            self.picks["none"] += int((~use).sum())
-            rest_rows = np.zeros(0, dtype=np.int64)
+            rest = np.zeros(0, dtype=np.int64)
         else:
-            rest_rows = np.flatnonzero(~use)
+            rest = np.flatnonzero(~use)
         tokens = np.full((B, K), -1, dtype=np.int64)
         conf = np.full((B, K), CONF_MIN)
         for b in np.flatnonzero(use):
@@ -148,7 +149,6 @@ class HybridProposer(Proposer):
             tokens[b, :len(t)] = t
             # per-position confidence: the tree's conditional probability p_j / p_{j-1}
             conf[b, :len(p)] = np.clip(p / np.concatenate([[1.0], p[:-1]]), CONF_MIN, 1.0)
-        rest = rest_rows
         md = None
         if len(rest):
             sub = DraftBatch([batch.reqs[b] for b in rest], K, [batch.caps[b] for b in rest],
@@ -157,12 +157,11 @@ class HybridProposer(Proposer):
             tokens[rest] = md.tokens
             conf[rest] = CONF_MIN if md.conf is None else md.conf
         probs = self._probs(batch, tokens, use, rest, md)
-        in_rest = np.zeros(B, dtype=bool)
-        in_rest[rest] = True
-        for b, r in enumerate(batch.reqs):
-            self._source[r.req_id] = "suffix" if use[b] else "model" if in_rest[b] else "none"
-        self.picks["suffix"] += int(use.sum())
-        self.picks["model"] += int(len(rest))
+        source = np.where(use, "suffix", "none").astype(object)
+        source[rest] = "model"
+        for r, src in zip(batch.reqs, source):
+            self._source[r.req_id] = src
+            self.picks[src] += 1
         return Drafts(tokens, probs, conf)
 
     def _probs(self, batch: DraftBatch, tokens: np.ndarray, use: np.ndarray, rest: np.ndarray,

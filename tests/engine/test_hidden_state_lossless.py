@@ -69,6 +69,20 @@ def _exact(model):
     return joint.reshape(-1), p3
 
 
+def _assert_exact_sampling(llm, model):
+    """N requests of PROMPT, 3 tokens at T = 1: drafts both accepted and rejected, and the
+    tokens' joint distribution the target's own (chi-square)."""
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N,
+                        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
+    y = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [N, 3]
+    m = llm.metrics
+    assert 0.05 < m.num_accepted / m.num_drafted < 0.95, (m.num_accepted, m.num_drafted)
+    joint, p3 = _exact(model)
+    pv12 = chi_square_pvalue(torch.bincount(y[:, 0] * V + y[:, 1], minlength=V * V), joint)[0]
+    pv3 = chi_square_pvalue(torch.bincount(y[:, 2], minlength=V), p3)[0]
+    assert pv12 > ALPHA and pv3 > ALPHA, (pv12, pv3)
+
+
 # min 0 and a budget of 1 of K = 2: the B verify slots go to the highest survival values over
 # all rows, so rows keep 0, 1 or 2 drafts, each a prefix
 BUDGET = {"dynamic_spec_config": {"method": "dspark", "method_params": {
@@ -85,15 +99,7 @@ def test_sampling_is_lossless(method, tmp_path, monkeypatch):
                                               "num_speculative_tokens": 2},
               additional_config=BUDGET if method == "dspark" else None,
               enforce_eager=True, max_model_len=16, max_num_seqs=16, seed=1)
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N,
-                        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
-    y = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [N, 3]
-    m = llm.metrics
-    assert 0.05 < m.num_accepted / m.num_drafted < 0.95, (m.num_accepted, m.num_drafted)
-    joint, p3 = _exact(model)
-    pv12 = chi_square_pvalue(torch.bincount(y[:, 0] * V + y[:, 1], minlength=V * V), joint)[0]
-    pv3 = chi_square_pvalue(torch.bincount(y[:, 2], minlength=V), p3)[0]
-    assert pv12 > ALPHA and pv3 > ALPHA, (pv12, pv3)
+    _assert_exact_sampling(llm, model)
 
 
 def test_hybrid_sampling_is_lossless(tmp_path, monkeypatch):
@@ -107,14 +113,6 @@ def test_hybrid_sampling_is_lossless(tmp_path, monkeypatch):
                                               "enable_suffix_decoding": True,
                                               "suffix_min_score": 0.0},
               enforce_eager=True, max_model_len=16, max_num_seqs=16, seed=1)
-    outs = llm.generate([{"prompt_token_ids": PROMPT}] * N,
-                        SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True))
-    y = torch.tensor([list(o.outputs[0].token_ids) for o in outs])  # [N, 3]
+    _assert_exact_sampling(llm, model)
     picks = llm.proposer.picks
     assert min(picks["suffix"], picks["model"]) > N // 10, picks  # both drafted often
-    m = llm.metrics
-    assert 0.05 < m.num_accepted / m.num_drafted < 0.95, (m.num_accepted, m.num_drafted)
-    joint, p3 = _exact(model)
-    pv12 = chi_square_pvalue(torch.bincount(y[:, 0] * V + y[:, 1], minlength=V * V), joint)[0]
-    pv3 = chi_square_pvalue(torch.bincount(y[:, 2], minlength=V), p3)[0]
-    assert pv12 > ALPHA and pv3 > ALPHA, (pv12, pv3)
