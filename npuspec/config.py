@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
-from npuspec.config_fields import (ADAPTIVE_VERIFY_METHODS, DynamicSpecConfig, RejectionSamplerConfig, _bool, _check_device_limit, _check_extract_hidden_states, _err, _parse_batch_table, _parse_hybrid, _parse_k, _parse_method, _parse_model, _parse_ngram, _parse_parallel, _parse_rejection, _parse_suffix, _reject_unknown, resolve_synthetic_length)
+from npuspec.config_fields import (ADAPTIVE_VERIFY_METHODS, DynamicSpecConfig, RejectionSamplerConfig, _bool, _check_device_limit, _check_extract_hidden_states, _err, _parse_batch_table, _parse_hybrid, _parse_k, _parse_k_controller, candidate_ks, _parse_method, _parse_model, _parse_ngram, _parse_parallel, _parse_rejection, _parse_suffix, _reject_unknown, resolve_synthetic_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: Optional[float] = None
     enable_suffix_decoding: Optional[bool] = None
     suffix_min_score: Optional[float] = None
+    k_controller: Optional[str] = None   # "online": npuspec/spec_decode/k_controller.py
     num_speculative_tokens_per_batch_size: Optional[tuple] = None
     rejection_sample_method: str = "standard"
     synthetic_acceptance_rates: Optional[tuple] = None
@@ -82,6 +83,7 @@ class SpeculativeConfig:
         f.update(_parse_parallel(d, method, tensor_parallel_size))
         f.update(_parse_ngram(d, method))
         f.update(_parse_hybrid(d, method))
+        f.update(_parse_k_controller(d, method, tensor_parallel_size))
         if f.get("enable_suffix_decoding") and tensor_parallel_size > 1:
             raise _err("enable_suffix_decoding", True,
                        f"is not supported with tensor_parallel_size={tensor_parallel_size} yet; "
@@ -133,8 +135,15 @@ class SpeculativeConfig:
     def k_values(self) -> tuple[int, ...]:
         """Every K a step can use (one graph set each), ascending."""
         table = self.num_speculative_tokens_per_batch_size
+        if self.online_k:
+            return candidate_ks(self.num_speculative_tokens)
         ks = {r[2] for r in table} if table else {self.num_speculative_tokens}
         return tuple(sorted(ks))
+
+    @property
+    def online_k(self) -> bool:
+        """K is chosen each step by the online controller (k_controller "online")."""
+        return self.k_controller == "online"
 
     def synthetic_rates(self) -> Optional[tuple[float, ...]]:
         """Unconditional per-position acceptance rates in synthetic mode, else None."""

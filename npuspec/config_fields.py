@@ -231,7 +231,58 @@ def _parse_k(d: dict, method: str, dmc: Optional[dict]) -> int:
             return _mtp_default_k(dmc)
         raise ValueError(f"speculative_config: 'num_speculative_tokens' is required for method "
                          f"{method!r}; set it to the number of draft tokens per step, e.g. 4")
+    if k == "auto":
+        return AUTO_K
     return _int("num_speculative_tokens", k, lo=1)
+
+
+AUTO_K = 4  # num_speculative_tokens "auto": the online controller, K up to the guide's 4
+K_CONTROLLERS = ("online", "fixed")
+
+
+def candidate_ks(k_max: int) -> tuple[int, ...]:
+    """The K values an online engine captures: 0, the powers of two below K_max, K_max."""
+    ks = {0, k_max}
+    p = 1
+    while p < k_max:
+        ks.add(p)
+        p *= 2
+    return tuple(sorted(ks))
+
+
+def _parse_k_controller(d: dict, method: str, tensor_parallel_size: int) -> dict:
+    """k_controller: "online" (K chosen each step, up to num_speculative_tokens; also what
+    num_speculative_tokens "auto" means) or "fixed" (the default)."""
+    v = d.get("k_controller")
+    auto = d.get("num_speculative_tokens") == "auto"
+    if v is None:
+        v = "online" if auto else "fixed"
+    if v not in K_CONTROLLERS:
+        raise _err("k_controller", v, "must be 'online' (K picked each step from measured step "
+                                      "times and acceptance, up to num_speculative_tokens) or "
+                                      "'fixed'")
+    if v == "fixed":
+        if auto:
+            raise _err("k_controller", v, "conflicts with num_speculative_tokens 'auto' (which "
+                                          "is the online controller); give a number of tokens "
+                                          "instead, or remove k_controller")
+        return {}
+    for key, why in (("num_speculative_tokens_per_batch_size", "the controller picks K itself; "
+                      "remove the table or set k_controller 'fixed'"),
+                     ("synthetic_acceptance_rates", "synthetic acceptance is defined for a "
+                      "fixed K; remove it or set k_controller 'fixed'"),
+                     ("synthetic_acceptance_length", "synthetic acceptance is defined for a "
+                      "fixed K; remove it or set k_controller 'fixed'")):
+        if d.get(key) is not None:
+            raise _err(key, d[key], f"does not combine with k_controller 'online': {why}")
+    if method == "extract_hidden_states":
+        raise _err("k_controller", v, "does not apply to method 'extract_hidden_states' (K is "
+                                      "1); remove it")
+    if tensor_parallel_size > 1:
+        raise _err("k_controller", v, f"is not supported with tensor_parallel_size="
+                                      f"{tensor_parallel_size} yet; remove it, or run with "
+                                      f"tensor_parallel_size=1")
+    return {"k_controller": "online"}
 
 
 def _parse_model(d: dict, method: str) -> Optional[str]:

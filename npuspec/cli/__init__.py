@@ -3,7 +3,7 @@
     npuspec demo                       # speculative vs plain decoding on the embedded model
     npuspec generate --prompt "def f(" [--model PATH] [--speculative-config JSON]
     npuspec serve MODEL [--speculative-config JSON] [--port P]   # OpenAI-compatible server
-    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf|methods|serve [...]
+    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf|methods|serve|tp|dynk [...]
     npuspec plan --speculative-config JSON --max-num-seqs N
     npuspec tune [--max-num-seqs N]
     npuspec cache ls|verify|prune|clear
@@ -38,6 +38,7 @@ BENCHES = {
     "hf": "HF generate with a compiled forward: eager vs backend=inductor vs backend=npuspec",
     "methods": "every speculative method on one target: tokens/s and acceptance vs ngram",
     "serve": "npuspec serve under N streaming clients: TTFT/TPOT/ITL percentiles, tok/s with and without speculation",
+    "dynk": "the online K controller vs no speculation and every fixed K, by batch size",
     "tp": "tensor parallelism on one host: tok/s at TP=1 vs N, collectives per step vs the step's time",
 }
 

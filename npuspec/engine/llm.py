@@ -29,6 +29,7 @@ from npuspec.engine import tp as tp_mod
 from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS
 from npuspec.engine.config import EngineConfig, create_engine_config
 from npuspec.engine.drafting import draft, make_proposer
+from npuspec.engine.k_online import OnlineK
 from npuspec.engine.metrics import EngineMetrics, record_prefill, record_step
 from npuspec.engine.model_runner import ModelRunner
 from npuspec.engine.request import (Request, RequestOutput, StepOutput, parse_requests,
@@ -118,10 +119,17 @@ class LLM:
                                 chunk=self.runner.chunk,
                                 max_num_batched_tokens=self.max_num_batched_tokens)
         self._live: dict[str, Request] = {}  # request id -> added and not finished
+        self.online: Optional[OnlineK] = None
+        if self.spec is not None and self.spec.online_k:
+            self.online = OnlineK(self.k_values, self.runner.rows_for,
+                                  cheap_drafter=not (METHODS[self.spec.method].needs_model
+                                                     or self.spec.enable_suffix_decoding))
         if self.capture:
             self.runner.warm_up()
             if self.proposer is not None:
                 self.proposer.warm_up(self.k_values, self.runner.top_rows)
+            if self.online is not None:  # every captured (rows, K) step's time, once
+                self.online.seed_times(self.runner.time_steps())
         if self.tp is not None and self.tp.mirrors:
             self.tp.wait_ready()
 
@@ -239,6 +247,8 @@ class LLM:
         if r is None:
             return False
         self._sched.remove(r)
+        if self.online is not None:
+            self.online.forget(r.req_id)
         if self.proposer is not None and r.started:
             self.proposer.stop_request(r.req_id)
         r.finish_reason = r.finish_reason or "abort"
@@ -277,7 +287,10 @@ class LLM:
         outs: list[StepOutput] = []
         if batch:
             t0 = time.perf_counter()
-            drafts, probs = self._draft(batch, k)                     # [B, K], [B, K, V] | None
+            if self.online is not None:  # K from measured costs and acceptance
+                drafts, probs, k = self.online.draft(batch, self._draft)
+            else:
+                drafts, probs = self._draft(batch, k)                 # [B, K], [B, K, V] | None
             t1 = time.perf_counter()
             rows, inputs, res, t_run = self._verify(batch, k, drafts, probs)  # [rows, K+2]
             t2 = time.perf_counter()
@@ -287,6 +300,8 @@ class LLM:
             # the drafter's share: its loop before the step and its first pass after it;
             # bookkeeping: building the step's inputs, and the postprocess
             book = (t2 - t1 - t_run) + (t3 - t2)
+            if self.online is not None:
+                self.online.verified(rows, k, res, t_run, book)
             record_step(m, batch, k, res, drafts, rows,
                         draft_s=(t1 - t0) + (time.perf_counter() - t3), step_s=t_run,
                         book_s=book)
@@ -356,6 +371,8 @@ class LLM:
             r.stats.total_s = time.perf_counter() - r.arrival_time
             r.stats.num_output_tokens = len(r.output)
             self._live.pop(r.req_id, None)
+            if self.online is not None:
+                self.online.forget(r.req_id)
             if self.proposer is not None:
                 self.proposer.stop_request(r.req_id)
                 path = self.proposer.take_path(r.req_id)

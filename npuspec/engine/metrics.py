@@ -1,6 +1,7 @@
 """Per-request and per-call metrics, and the accounting of each prefill and verify step."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
@@ -8,6 +9,8 @@ import numpy as np
 
 if TYPE_CHECKING:
     from npuspec.engine.request import Request
+
+K_TRACE_MAX = 1 << 16
 
 
 @dataclasses.dataclass
@@ -64,6 +67,10 @@ class EngineMetrics(RequestMetrics):
     num_prefill_steps: int = 0      # chunked-prefill forwards
     num_preemptions: int = 0        # requests preempted (recomputed) for lack of KV blocks
     padded_rows: int = 0            # rows added to reach captured sizes
+    # (batch size, K) of the latest verify steps, oldest first (the online K controller's
+    # choices; bounded, since a server's running totals live as long as it does)
+    k_trace: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=K_TRACE_MAX))
 
 
 def record_prefill(m: EngineMetrics, new: list[Request], dt: float) -> None:
@@ -104,6 +111,7 @@ def record_step(m: EngineMetrics, reqs: list[Request], k: int, res: np.ndarray,
     m.num_steps += B  # request-steps: mean_acceptance_length is per request
     m.padded_rows += rows - B
     m.steps_by_k[k] = m.steps_by_k.get(k, 0) + 1
+    m.k_trace.append((B, k))
     if k:
         m._grow(k)
         nd = drafted.sum(0)

@@ -9,6 +9,8 @@ what they draft, what their tokens mean) lives in the scheduler and the LLM.
 """
 from __future__ import annotations
 
+import time
+
 from typing import Optional
 
 import numpy as np
@@ -116,6 +118,22 @@ class ModelRunner:
         for k in self.k_values:
             self.run_step(self.step_inputs(k, [], self.top_rows(k), None, None))
         self.prefill([])
+
+    def time_steps(self, repeats: int = 2) -> dict[tuple[int, int], float]:
+        """{(rows, K): seconds} of one greedy step at every captured size (the online K
+        controller's first costs; the best of `repeats` replays after one untimed pass, so a
+        graph's first replay, which may still allocate, is not its cost)."""
+        steps = [(size // (k + 1), k) for k in self.k_values for size in self.plans.get(k) or ()
+                 if size // (k + 1) >= self.min_rows]
+        inputs = {rk: self.step_inputs(rk[1], [], rk[0], None, None) for rk in steps}
+        out = {rk: float("inf") for rk in steps}
+        for rep in range(repeats + 1):
+            for rk in steps:
+                t0 = time.perf_counter()
+                self.run_step(inputs[rk]).cpu()
+                if rep:
+                    out[rk] = min(out[rk], time.perf_counter() - t0)
+        return out
 
     def start_call(self, reqs: list[Request]) -> None:
         """Note which optional step inputs this generate() call's batches carry."""

@@ -58,6 +58,8 @@ class Gauges(NamedTuple):
     waiting: int
     free_blocks: int
     preemptions: int      # since start
+    steps_by_k: tuple = ()  # ((K, verify steps run with it since start), ...)
+    last_k: int = -1        # K of the latest verify step (-1: none yet)
 
 
 @dataclasses.dataclass
@@ -199,4 +201,7 @@ def _outs(llm, outs) -> list[Out]:
 
 def _gauges(llm) -> Gauges:
     running, waiting = llm.num_requests()
-    return Gauges(running, waiting, llm.runner.blocks.num_free, llm.num_preemptions)
+    tot = llm.totals
+    return Gauges(running, waiting, llm.runner.blocks.num_free, llm.num_preemptions,
+                  tuple(sorted(tot.steps_by_k.items())),
+                  tot.k_trace[-1][1] if tot.k_trace else -1)

@@ -66,6 +66,11 @@ class ServerMetrics:
         self.accepted_per_pos = [per_pos.labels(m, str(i)) for i in range(k_max)]
         self.mean_al = gauge("spec_decode_mean_acceptance_length", "Tokens emitted per "
                              "request-step (1 + accepted / drafts) since start.")
+        self.spec_k = gauge("spec_decode_k", "K (draft tokens per request) of the latest "
+                            "verify step: the online K controller's choice, or the fixed K.")
+        self._steps_by_k = counter("spec_decode_num_steps_by_k", "Verify steps run with each "
+                                   "K.", ["k"])
+        self._k_seen: dict[int, int] = {}
         self._model, self._num_blocks = m, num_blocks
         # request id -> (arrival, last output time or None, drafted, accepted, by position)
         self._seen: dict[str, tuple[float, Optional[float], int, int, tuple]] = {}
@@ -117,6 +122,12 @@ class ServerMetrics:
         self.waiting.set(gauges.waiting)
         usable = max(self._num_blocks - 1, 1)  # block 0 is scratch
         self.kv_usage.set(1 - gauges.free_blocks / usable)
+        for k, n in gauges.steps_by_k:
+            if n > self._k_seen.get(k, 0):
+                self._steps_by_k.labels(self._model, str(k)).inc(n - self._k_seen.get(k, 0))
+                self._k_seen[k] = n
+        if gauges.last_k >= 0:
+            self.spec_k.set(gauges.last_k)
         if gauges.preemptions > self._preempted:
             self.preemptions.inc(gauges.preemptions - self._preempted)
             self._preempted = gauges.preemptions

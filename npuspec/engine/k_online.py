@@ -1,0 +1,66 @@
+"""The engine's side of the online K controller (npuspec/spec_decode/k_controller.py).
+
+Per step: choose the K to draft for, draft, choose the K to verify from the drafts in hand and
+cut them to it; after the verify step, feed back each request's drafted and accepted tokens and
+the step's time. A time measured across a compile, a capture, a cache load or an eager fallback
+is dropped (`k_controller.undisturbed`).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from npuspec._counters import counters
+from npuspec.spec_decode.k_controller import KController, cut, lengths_of, undisturbed
+
+
+class OnlineK:
+    def __init__(self, ks, rows_for, cheap_drafter: bool):
+        """`cheap_drafter`: drafting costs next to nothing whatever K (ngram, suffix), so a
+        step that speculates at all drafts at K_max and lets the drafts decide."""
+        self.ctl = KController(ks, rows_for)
+        self.cheap = cheap_drafter
+        self._slots = np.zeros(0, dtype=np.int64)
+        self._lengths = np.zeros(0, dtype=np.int64)
+        self._k_draft = 0
+        self._snap: dict = {}
+
+    def seed_times(self, times: dict) -> None:
+        """Warm-up's step times {(rows, K): seconds}."""
+        for (rows, k), t in times.items():
+            self.ctl.record_verify(rows, k, t)
+
+    def draft(self, batch: list, draft_fn):
+        """-> (drafts [B, K], probs [B, K, V] | None, K) for this step. `draft_fn(batch, k)`
+        is the engine's drafting at a given K."""
+        ctl = self.ctl
+        slots = ctl.slots([r.req_id for r in batch])
+        # a cheap drafter drafts at K_max and the drafts in hand decide
+        choice = ctl.tick_explore() if self.cheap else ctl.choose_before(slots)
+        snap = counters.snapshot()
+        t0 = time.perf_counter()
+        drafts, probs = draft_fn(batch, choice.k_draft)             # [B, Kd], [B, Kd, V]
+        dt = time.perf_counter() - t0
+        self._snap = counters.snapshot()
+        if choice.k_draft > 0 and undisturbed(snap, self._snap):
+            ctl.record_draft(choice.k_draft, len(batch), dt)
+        lengths = lengths_of(drafts)                                # [B]
+        k = ctl.choose_after(choice, slots, lengths)
+        if k < choice.k_draft:
+            drafts, probs = cut(drafts, probs, k)
+        self._slots, self._lengths, self._k_draft = slots, lengths, choice.k_draft
+        return drafts, probs, k
+
+    def verified(self, rows: int, k: int, res: np.ndarray, t_run: float, book_s: float) -> None:
+        """After the step and its bookkeeping: res [rows, K+2] (num_emitted last), t_run the
+        step's seconds, book_s the host's around it."""
+        B = len(self._slots)
+        accepted = np.minimum(res[:B, k + 1] - 1, np.minimum(self._lengths, k))  # [B]
+        self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
+        if undisturbed(self._snap, counters.snapshot()):
+            self.ctl.record_verify(rows, k, t_run)
+            self.ctl.record_book(k, B, book_s)
+
+    def forget(self, req_id: str) -> None:
+        self.ctl.forget(req_id)

@@ -1,0 +1,256 @@
+"""The online K controller (docs/engine.md, "The online K controller").
+
+Each step it picks the K (0 included) that maximises expected tokens per second for the batch
+that verifies, from two things the engine measures as it runs:
+
+- acceptance, per request and position i = 1..K_max (running averages; a new request starts
+  from the pool, a slow running average of the running requests' estimates):
+      p[i] = P(the drafter drafted at least i tokens | K >= i was asked for)
+      c[i] = P(the first i drafts were accepted | at least i were drafted)
+  so a request expects 1 + sum_{i<=K} p[i] c[i] tokens from a step of K before drafting, and
+  1 + sum_{i<=min(K, L)} c[i] once its L drafts are known;
+- cost, per (rows, K) graph: the verify step's seconds (warm-up measures every captured pair
+  once; later steps update it), plus the host's bookkeeping and the drafter's seconds per
+  request for each K.
+
+Two choices per step: before drafting (`choose_before`: which K to draft for; 0 skips the
+drafter; a drafter that costs next to nothing, ngram or suffix, always drafts at K_max) and
+after it (`choose_after`: the largest useful K given the drafts in hand, never
+more than was drafted). Cutting a draft to a length chosen from the drafts alone keeps
+verification exact, as the confidence budget's cuts do. A step whose K is below K_max is
+replaced by one at K_max every EXPLORE_EVERY steps, so positions past the chosen K keep being
+measured; those steps are not cut after drafting.
+
+The state is a few [slots, K_max] float arrays and a dict of step times; everything is numpy on
+the host (tests/spec_decode/test_k_controller.py checks it against synthetic costs and
+acceptances whose optimum is known).
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+from typing import Sequence
+
+import numpy as np
+
+from npuspec.config_fields import candidate_ks  # noqa: F401 (the K set is the config's)
+
+ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
+ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
+POOL_EVERY = 4         # ... moved toward the running requests' mean every few steps
+ALPHA_TIME = 0.2       # step times: a few steps settle a changed load
+PRIOR_P = 1.0          # before anything is measured: drafts are there ...
+PRIOR_C = 0.6          # ... and accepted often enough that speculating is tried
+EXPLORE_EVERY = 16     # one step in this many at K_max while a smaller K is chosen
+
+
+@dataclasses.dataclass
+class Choice:
+    """One step's decision: the K to draft for, the K verified, whether it explores."""
+    k_draft: int
+    k: int = 0
+    explore: bool = False
+
+
+class KController:
+    """Per-request acceptance by position and per-(rows, K) step times -> K per step.
+
+    Written for a small host cost (a few µs per numpy call, so few calls; per-K figures are
+    Python floats: there are at most a handful of K)."""
+
+    def __init__(self, ks: Sequence[int], rows_for, explore_every: int = EXPLORE_EVERY):
+        """`ks`: the captured K values (ascending, 0 first); `rows_for(batch, k)`: the rows a
+        step of `batch` requests runs at K (padded to a captured size)."""
+        assert list(ks) == sorted(set(ks)) and ks[0] == 0, ks
+        self.ks = tuple(int(k) for k in ks)
+        self.k_max = self.ks[-1]
+        self.rows_for = rows_for
+        self.explore_every = explore_every
+        km = max(self.k_max, 1)
+        self.pos = np.arange(1, km + 1)                     # [K_max] positions 1..K_max
+        self.pool_p = np.full(km, PRIOR_P)
+        self.pool_c = np.full(km, PRIOR_C)
+        self.p = np.zeros((0, km))
+        self.c = np.zeros((0, km))
+        self.slot: dict[str, int] = {}
+        self.free: list[int] = []
+        self.verify_s: dict[tuple[int, int], float] = {}   # (rows, K) -> seconds
+        self.draft_s: dict[int, float] = {}                 # K -> seconds per request
+        self.book_s: dict[int, float] = {}                  # K -> the host's, per request
+        self._rows: dict[int, tuple[int, ...]] = {}         # batch -> rows at each K
+        self._w: dict[int, np.ndarray] = {}
+        self._observed = 0
+        self.since_explore = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def slots(self, req_ids: Sequence[str]) -> np.ndarray:
+        """Each request's row of the state; a new one starts from the pooled estimate."""
+        out = np.empty(len(req_ids), dtype=np.int64)
+        for i, rid in enumerate(req_ids):
+            s = self.slot.get(rid)
+            if s is None:
+                s = self._new_slot()
+                self.slot[rid] = s
+                self.p[s], self.c[s] = self.pool_p, self.pool_c
+            out[i] = s
+        return out
+
+    def _new_slot(self) -> int:
+        if self.free:
+            return self.free.pop()
+        n = len(self.p)
+        grow = max(n, 8)
+        self.p = np.concatenate([self.p, np.zeros((grow, self.p.shape[1]))])
+        self.c = np.concatenate([self.c, np.zeros((grow, self.c.shape[1]))])
+        self.free.extend(range(n + grow - 1, n, -1))
+        return n
+
+    def forget(self, req_id: str) -> None:
+        s = self.slot.pop(req_id, None)
+        if s is not None:
+            self.free.append(s)
+
+    # -- costs ---------------------------------------------------------------------------------
+    def step_time(self, rows: int, k: int) -> float:
+        """Seconds a verify step of `rows` rows at K takes; NaN until that graph has run (with
+        graph capture, warm-up runs every pair; without it, the first step of each pair is
+        its measurement)."""
+        return self.verify_s.get((rows, k), math.nan)
+
+    def record_verify(self, rows: int, k: int, seconds: float) -> None:
+        self._ema(self.verify_s, (rows, k), seconds)
+
+    def record_draft(self, k: int, batch: int, seconds: float) -> None:
+        """The drafter's seconds for a batch drafted at K (kept per request)."""
+        assert k in self.ks, (k, self.ks)
+        self._ema(self.draft_s, k, seconds / max(batch, 1))
+
+    def record_book(self, k: int, batch: int, seconds: float) -> None:
+        """The host's seconds around a verify step at K: its inputs, the tokens' bookkeeping
+        (kept per request: on a small model they are a real part of a step)."""
+        assert k in self.ks, (k, self.ks)
+        self._ema(self.book_s, k, seconds / max(batch, 1))
+
+    @staticmethod
+    def _ema(table: dict, key, value: float) -> None:
+        old = table.get(key)
+        table[key] = value if old is None else old + ALPHA_TIME * (value - old)
+
+    def _cost(self, B: int, n: int, draft: bool) -> list[float]:
+        """Seconds of a step of B requests at each of the first n K: verify, the host's
+        bookkeeping and (before drafting) the drafter; unmeasured host parts count as 0."""
+        rows = self._rows.get(B)
+        if rows is None:
+            rows = self._rows[B] = tuple(self.rows_for(B, k) for k in self.ks)
+        out = []
+        for k, r in zip(self.ks[:n], rows):
+            host = self.book_s.get(k, 0.0) + (self.draft_s.get(k, 0.0) if draft else 0.0)
+            out.append(self.verify_s.get((r, k), math.nan) + B * host)
+        return out
+
+    # -- choices -------------------------------------------------------------------------------
+    @staticmethod
+    def _best(gain: Sequence[float], cost: Sequence[float]) -> int:
+        """Index of the K with the most tokens per second. A K whose step has never run is
+        tried first (the largest such), so every pair gets measured."""
+        unknown = [i for i, c in enumerate(cost) if c != c]
+        if unknown:
+            return unknown[-1]
+        rates = [g / c for g, c in zip(gain, cost)]
+        return rates.index(max(rates))
+
+    def _gains(self, B: int, per_position: np.ndarray, n: int) -> list[float]:
+        """Expected tokens at each of the first n K: B + the per-position sums up to K."""
+        cum = [0.0, *itertools.accumulate(per_position.tolist())]
+        return [B + cum[k] for k in self.ks[:n]]
+
+    def choose_before(self, slots: np.ndarray) -> Choice:
+        """The K to draft for, from the expected acceptance and the full round's cost."""
+        B = len(slots)
+        # P(at least i accepted) = p[i] c[i], non-increasing in i whatever the noise
+        u = np.minimum.accumulate(self.p[slots] * self.c[slots], axis=1).sum(0)  # [K_max]
+        n = len(self.ks)
+        k = self.ks[self._best(self._gains(B, u, n), self._cost(B, n, draft=True))]
+        if k < self.k_max:
+            self.since_explore += 1
+            if self.since_explore >= self.explore_every:
+                self.since_explore = 0
+                return Choice(self.k_max, self.k_max, explore=True)
+        return Choice(k, k)
+
+    def tick_explore(self) -> Choice:
+        """choose_before's exploration schedule alone, for a drafter that always drafts at
+        K_max (choose_after then explores when told to)."""
+        self.since_explore += 1
+        if self.since_explore >= self.explore_every:
+            self.since_explore = 0
+            return Choice(self.k_max, self.k_max, explore=True)
+        return Choice(self.k_max, self.k_max)
+
+    def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
+        """The K to verify, <= the K drafted, given each request's drafted length [B]."""
+        if choice.k_draft == 0:
+            return 0
+        B = len(slots)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        # K past the smallest one that holds the longest draft verifies padding only
+        longest = min(choice.k_draft, int(lengths.max(initial=0)))
+        n = bisect.bisect_left(self.ks, longest) + 1
+        if choice.explore or n == 1:
+            return self.ks[n - 1]
+        # request b gets 1 + sum of c[i] over i <= min(K, L_b)
+        per_pos = (self.c[slots] * (lengths[:, None] >= self.pos)).sum(0)     # [K_max]
+        return self.ks[self._best(self._gains(B, per_pos, n), self._cost(B, n, draft=False))]
+
+    # -- observations --------------------------------------------------------------------------
+    def observe(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,
+                accepted: np.ndarray) -> None:
+        """One step: drafted for K_draft, each request's drafted length [B] (before any cut),
+        verified at K <= K_draft, accepted drafts [B]. Availability learns from the drafts
+        before the cut (a step cut to K = 0 for lack of drafts still says so); acceptance from
+        the positions verified."""
+        if k_draft == 0 or len(slots) == 0:
+            return
+        L = np.asarray(drafted, dtype=np.int64)[:, None]                    # [B, 1]
+        had = L >= self.pos                                                 # [B, K_max]
+        acc = np.asarray(accepted, dtype=np.int64)[:, None] >= self.pos    # implies verified
+        verified = np.minimum(L, k) >= self.pos
+        w_p = self._weights(k_draft)                                        # [K_max]
+        p, c = self.p[slots], self.c[slots]
+        self.p[slots] = p + w_p * (had - p)               # positions <= K_draft only
+        self.c[slots] = c + ALPHA_REQUEST * verified * (acc - c)  # verified positions only
+        self._observed += 1
+        if self._observed % POOL_EVERY == 0:  # the pool follows the live requests' estimates
+            self.pool_p += ALPHA_POOL * (self.p[slots].mean(0) - self.pool_p)
+            self.pool_c += ALPHA_POOL * (self.c[slots].mean(0) - self.pool_c)
+
+    def _weights(self, k: int) -> np.ndarray:
+        """ALPHA_REQUEST at positions 1..K, 0 past them."""
+        w = self._w.get(k)
+        if w is None:
+            w = self._w[k] = ALPHA_REQUEST * (self.pos <= k)
+        return w
+
+    def expected_tokens(self, slots: np.ndarray, k: int) -> float:
+        """Sum over the requests of 1 + sum_{i<=K} p[i] c[i] (for tests and the metrics)."""
+        return float(len(slots) + (self.p[slots, :k] * self.c[slots, :k]).sum())
+
+
+def undisturbed(before: dict, after: dict) -> bool:
+    """No compile, capture, cache load or eager fallback happened between two counter
+    snapshots: a step time measured across one is not the graph's time."""
+    keys = ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits", "graph_breaks")
+    return all(before.get(k, 0) == after.get(k, 0) for k in keys)
+
+
+def lengths_of(drafts: np.ndarray) -> np.ndarray:
+    """Drafted tokens per row [B] of drafts [B, K] (-1 = none; drafts form a prefix)."""
+    return (np.asarray(drafts) >= 0).sum(1)
+
+
+def cut(drafts: np.ndarray, probs, k: int):
+    """Drafts [B, K'] and probs [B, K', V] | None cut to K <= K' positions."""
+    return drafts[:, :k], (None if probs is None else probs[:, :k])
+

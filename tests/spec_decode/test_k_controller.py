@@ -1,0 +1,210 @@
+"""The online K controller (npuspec/spec_decode/k_controller.py) against synthetic step costs
+and acceptances whose optimum is computed by hand or by brute force."""
+import numpy as np
+import pytest
+
+from npuspec.config import SpeculativeConfig
+from npuspec.spec_decode import k_controller as kc
+
+KS = (0, 1, 2, 4)
+
+
+def rows_exact(b, k):
+    return b
+
+
+def cost_fn(fixed, per_token):
+    """A step's seconds: a fixed part plus a part per verified token (rows * (K+1))."""
+    return lambda rows, k: fixed + per_token * rows * (k + 1)
+
+
+def make(ks=KS, cost=cost_fn(1.0, 0.0), batches=(1,), explore_every=10**9):
+    ctl = kc.KController(ks, rows_exact, explore_every=explore_every)
+    for b in batches:
+        for k in ks:
+            ctl.record_verify(b, k, cost(b, k))
+    return ctl
+
+
+def teach(ctl, slots, c, p=1.0, steps=200, seed=0):
+    """Feed K_max steps whose drafts exist with prob p at each position and whose i-th draft is
+    accepted with prob c given the first i-1 were."""
+    rng = np.random.default_rng(seed)
+    k = ctl.k_max
+    for _ in range(steps):
+        L = np.array([k if rng.random() < p else 0 for _ in slots])
+        A = np.array([next((i for i in range(l) if rng.random() >= c), l) for l in L])
+        ctl.observe(slots, k, L, k, A)
+
+
+def brute_best(ks, c, p, cost, b):
+    """argmax over K of b * (1 + sum_{i<=K} p c^i) / cost(b, K)."""
+    rate = [b * (1 + sum(p * c ** i for i in range(1, k + 1))) / cost(b, k) for k in ks]
+    return ks[int(np.argmax(rate))]
+
+
+@pytest.mark.parametrize("c,fixed,per_token,b", [
+    (0.9, 1.0, 0.0, 1),     # verify cost flat in K: speculate as far as possible
+    (0.9, 0.0, 1.0, 8),     # cost proportional to tokens: every draft must pay for itself
+    (0.0, 1.0, 0.01, 4),    # nothing is ever accepted: K = 0
+    (0.7, 1.0, 0.05, 16),   # somewhere in between
+    (0.5, 1.0, 0.2, 2),
+])
+def test_the_chosen_k_maximises_expected_tokens_per_second(c, fixed, per_token, b):
+    cost = cost_fn(fixed, per_token)
+    ctl = make(cost=cost, batches=(b,))
+    slots = ctl.slots([f"r{i}" for i in range(b)])
+    teach(ctl, slots, c, steps=400)
+    # the learnt estimate is close to the truth ...
+    est = ctl.c[slots].mean(0)
+    if c > 0:
+        np.testing.assert_allclose(est[0], c, atol=0.1)
+    # ... and the choice is the brute-force optimum under it
+    want = brute_best(list(KS), c, 1.0, cost, b)
+    got = ctl.choose_before(slots)
+    assert (got.k, got.k_draft, got.explore) == (want, want, False), (got, want, est)
+
+
+def test_known_optima_by_hand():
+    # cost flat, c = 0.9: K = 4 gives 1 + .9 + .81 + .729 + .656 = 4.10 tokens per unit
+    ctl = make()
+    s = ctl.slots(["a"])
+    teach(ctl, s, 0.9)
+    assert ctl.choose_before(s).k == 4
+    # cost 1 + K: K = 1 gives 1.9 / 2 = .95 < K = 0's 1.0, and so on: K = 0
+    ctl = make(cost=lambda r, k: 1.0 + k)
+    s = ctl.slots(["a"])
+    teach(ctl, s, 0.9)
+    assert ctl.choose_before(s).k == 0
+
+
+def test_load_changes_the_choice():
+    """One request: K = 4 pays. 64 requests on a compute-bound cost: K = 0."""
+    cost = lambda rows, k: 0.01 + 0.001 * rows * (k + 1)  # noqa: E731
+    ctl = make(cost=cost, batches=(1, 64))
+    s1 = ctl.slots(["r0"])
+    teach(ctl, s1, 0.8)
+    assert ctl.choose_before(s1).k == 4
+    s64 = ctl.slots([f"r{i}" for i in range(64)])
+    teach(ctl, s64, 0.8)
+    assert ctl.choose_before(s64).k == 0
+
+
+def test_without_drafts_the_draft_is_not_verified():
+    """ngram with nothing to copy: drafting at K_max found no drafts, so the step runs K = 0;
+    with two drafts per request, K = 2 (the tokens past them cost and cannot be accepted)."""
+    ctl = make(cost=cost_fn(1.0, 0.01), batches=(3,))
+    s = ctl.slots(["a", "b", "c"])
+    teach(ctl, s, 0.9)
+    ch = kc.Choice(k_draft=4, k=4)
+    assert ctl.choose_after(ch, s, np.array([0, 0, 0])) == 0
+    assert ctl.choose_after(ch, s, np.array([2, 2, 1])) == 2
+    assert ctl.choose_after(ch, s, np.array([4, 0, 0])) == 4
+    # never more than was drafted
+    assert ctl.choose_after(kc.Choice(k_draft=1, k=1), s, np.array([1, 1, 1])) <= 1
+
+
+def test_exploration_runs_k_max_every_n_steps_and_is_not_cut():
+    ctl = make(cost=lambda r, k: 1.0 + k, explore_every=5)
+    s = ctl.slots(["a"])
+    teach(ctl, s, 0.9)
+    picks = [ctl.choose_before(s) for _ in range(10)]
+    assert [p.explore for p in picks] == [False] * 4 + [True] + [False] * 4 + [True]
+    assert all(p.k == 4 for p in picks if p.explore)
+    assert all(p.k == 0 for p in picks if not p.explore)
+    assert ctl.choose_after(picks[4], s, np.array([4])) == 4
+    assert ctl.choose_after(picks[4], s, np.array([3])) == 4   # K = 2 would cut a draft
+    assert ctl.choose_after(picks[4], s, np.array([0])) == 0   # nothing to verify
+
+
+def test_an_unmeasured_step_is_tried_first():
+    ctl = kc.KController(KS, rows_exact)
+    s = ctl.slots(["a"])
+    assert ctl.choose_before(s).k == 4          # nothing measured: the largest K first
+    for k in (4, 2):
+        ctl.record_verify(1, k, 1.0)
+    assert ctl.choose_before(s).k == 1          # then the largest unmeasured one
+    ctl.record_verify(1, 1, 1.0)
+    ctl.record_verify(1, 0, 1.0)
+    assert ctl.choose_before(s).k == 4          # all measured, flat cost, prior c = 0.6
+
+
+def test_draft_cost_counts_before_drafting():
+    """A drafter costing 1 s per request per step at K = 4 (and nothing at K = 2) moves the
+    choice from 4 to 2 under a flat verify cost."""
+    ctl = make()
+    s = ctl.slots(["a"])
+    teach(ctl, s, 0.5)
+    assert ctl.choose_before(s).k == 4
+    ctl.record_draft(4, 1, 1.0)
+    ctl.record_draft(2, 1, 0.0)
+    assert ctl.choose_before(s).k == 2
+
+
+def test_new_requests_start_from_the_pool_and_slots_are_reused():
+    ctl = make()
+    a = ctl.slots(["a"])
+    teach(ctl, a, 0.0, steps=300)
+    b = ctl.slots(["b"])
+    assert ctl.c[b[0], 0] < 0.2                      # learnt from a through the pool
+    ctl.forget("a")
+    assert ctl.slots(["c"])[0] == a[0]                # a's row, reinitialised from the pool
+    np.testing.assert_allclose(ctl.c[a[0]], ctl.pool_c)
+    many = ctl.slots([f"x{i}" for i in range(100)])   # grows past the first allocation
+    assert len(set(many.tolist())) == 100 and a[0] not in many and b[0] not in many
+
+
+def test_observe_learns_availability_and_acceptance_separately():
+    ctl = make()
+    s = ctl.slots(["a"])
+    teach(ctl, s, 1.0, p=0.5, steps=400)
+    np.testing.assert_allclose(ctl.p[s[0]], 0.5, atol=0.25)  # a running average of coin flips
+    np.testing.assert_allclose(ctl.c[s[0]], 1.0, atol=1e-6)  # c learns only where drafted
+
+
+def test_undisturbed_names_compiles_captures_and_fallbacks():
+    assert kc.undisturbed({"graph_replays": 1}, {"graph_replays": 9})
+    for key in ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits"):
+        assert not kc.undisturbed({}, {key: 1}), key
+
+
+def test_host_time_is_small_at_batch_64():
+    """Functional check only (the figure is `npuspec bench kcontroller`'s): one step's three
+    calls at batch 64 run and return a K from the captured set."""
+    ctl = make(batches=(64,))
+    s = ctl.slots([f"r{i}" for i in range(64)])
+    ch = ctl.choose_before(s)
+    k = ctl.choose_after(ch, s, np.full(64, 4))
+    ctl.observe(s, ch.k_draft, np.full(64, 4), k, np.full(64, k // 2))
+    assert k in KS
+
+
+def test_candidate_ks():
+    assert kc.candidate_ks(1) == (0, 1)
+    assert kc.candidate_ks(4) == (0, 1, 2, 4)
+    assert kc.candidate_ks(7) == (0, 1, 2, 4, 7)
+
+
+def test_config_auto_and_errors():
+    auto = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"})
+    assert auto.online_k and auto.num_speculative_tokens == 4 and auto.k_values() == KS
+    assert SpeculativeConfig.from_dict(auto.to_dict()) == auto
+    on = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 8,
+                                      "k_controller": "online"})
+    assert on.k_values() == (0, 1, 2, 4, 8)
+    off = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert not off.online_k and off.k_values() == (4,)
+    bad = [({"k_controller": "sometimes"}, "k_controller"),
+           ({"num_speculative_tokens": "auto", "k_controller": "fixed"}, "k_controller"),
+           ({"k_controller": "online",
+             "num_speculative_tokens_per_batch_size": [[1, 8, 2]]},
+            "num_speculative_tokens_per_batch_size"),
+           ({"num_speculative_tokens": "auto", "rejection_sample_method": "synthetic",
+             "synthetic_acceptance_length": 2.0}, "synthetic_acceptance_length")]
+    for extra, key in bad:
+        d = {"method": "ngram", "num_speculative_tokens": 4, **extra}
+        with pytest.raises(ValueError, match=key):
+            SpeculativeConfig.from_dict(d)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"},
+                                    tensor_parallel_size=2)
