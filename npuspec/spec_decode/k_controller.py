@@ -251,6 +251,7 @@ def lengths_of(drafts: np.ndarray) -> np.ndarray:
 
 
 def cut(drafts: np.ndarray, probs, k: int):
-    """Drafts [B, K'] and probs [B, K', V] | None cut to K <= K' positions."""
-    return drafts[:, :k], (None if probs is None else probs[:, :k])
+    """Drafts [B, K'] and probs [B, K', V] | None cut to K <= K' positions (a K = 0 step
+    takes no probabilities, as drafting at K = 0 returns none)."""
+    return drafts[:, :k], (None if probs is None or k == 0 else probs[:, :k])
 

@@ -90,6 +90,19 @@ BUDGET = {"dynamic_spec_config": {"method": "dspark", "method_params": {
     "min_verify_tokens": 0}}}
 
 
+def test_online_k_sampling_is_lossless(tmp_path, monkeypatch):
+    """The online K controller cuts the head's drafts and their q after drafting, and changes
+    K between steps: still the target's distribution."""
+    monkeypatch.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")
+    target_dir, head_dir, model = _target(tmp_path, "eagle3")
+    llm = LLM(target_dir, speculative_config={"method": "eagle3", "model": head_dir,
+                                              "num_speculative_tokens": 2,
+                                              "k_controller": "online"},
+              enforce_eager=True, max_model_len=16, max_num_seqs=16, seed=1)
+    _assert_exact_sampling(llm, model)
+    assert len(llm.metrics.steps_by_k) >= 2, llm.metrics.steps_by_k
+
+
 @pytest.mark.parametrize("method", list(HEADS))
 def test_sampling_is_lossless(method, tmp_path, monkeypatch):
     monkeypatch.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")

@@ -157,6 +157,10 @@ def test_speculative_metrics_move(server, client):
     assert d("npuspec:time_to_first_token_seconds_count") == 1
     assert d("npuspec:request_success_total", finished_reason="length") == 1
     assert metric(m, "npuspec:spec_decode_mean_acceptance_length") > 1
+    # K per step (a fixed K here; the online controller's choices under k_controller online)
+    k = NGRAM["num_speculative_tokens"]
+    assert d("npuspec:spec_decode_num_steps_by_k_total", k=str(k)) >= 40 / (k + 1)
+    assert metric(m, "npuspec:spec_decode_k") == k
 
 
 def test_stop_strings_n_and_seed(client, offline):

@@ -1,0 +1,104 @@
+"""The online K controller in the engine (`k_controller: online`, or `num_speculative_tokens:
+"auto"`): greedy output equals plain decoding with K changing between steps, captured and not,
+for a token drafter and a model head; warm-up measures every captured (rows, K) step; a time
+taken across a compile or a fallback is not used; the K of every step is in the metrics. Its
+sampling is proven lossless in test_hidden_state_lossless.py ("eagle3-online")."""
+
+import numpy as np
+
+import npuspec.engine
+from npuspec import LLM, SamplingParams
+from npuspec._counters import counters
+from npuspec.engine.k_online import OnlineK
+
+# one prompt that repeats itself (drafts accepted) and some with little to copy
+PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
+           "import os\nimport sys\n", "class Queue:\n    def", "for i in range(10):"]
+SP = SamplingParams(temperature=0, max_tokens=32)
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _plain():
+    return _tokens(LLM("tiny", enforce_eager=True, max_model_len=256).generate(PROMPTS, SP))
+
+
+def test_captured_ngram_greedy_equals_plain_with_k_changing(monkeypatch):
+    monkeypatch.setattr(npuspec.engine, "DEFAULT_LOWERING", "eager")
+    plain = _plain()
+    llm = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": "auto"},
+              max_model_len=256, max_num_seqs=4)
+    assert llm.k_values == (0, 1, 2, 4)
+    ctl = llm.online.ctl
+    # warm-up timed every captured (rows, K) step once
+    want = {(size // (k + 1), k) for k in llm.k_values for size in llm.runner.plans[k]}
+    assert want <= set(ctl.verify_s), want - set(ctl.verify_s)
+    before = counters.snapshot()
+    assert _tokens(llm.generate(PROMPTS, SP)) == plain
+    assert counters.delta(before).get("eager_fallbacks", 0) == 0
+    m = llm.metrics
+    assert len(m.k_trace) == m.num_engine_steps == sum(m.steps_by_k.values())
+    assert set(m.steps_by_k) <= set(llm.k_values)
+    assert m.steps_by_k.get(0, 0) > 0 and sum(v for k, v in m.steps_by_k.items() if k) > 0
+    assert m.num_accepted > 0
+
+
+def test_uncaptured_model_head_and_suffix_greedy_equal_plain():
+    plain = _plain()
+    for spec in ({"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4,
+                  "k_controller": "online"},
+                 {"method": "suffix", "num_speculative_tokens": "auto"}):
+        llm = LLM("tiny", speculative_config=spec, enforce_eager=True, max_model_len=256,
+                  max_num_seqs=4)
+        assert _tokens(llm.generate(PROMPTS, SP)) == plain, spec["method"]
+        m = llm.metrics
+        assert len([k for k in m.steps_by_k if k]) >= 2, (spec["method"], m.steps_by_k)
+        # without capture each (rows, K) pair is measured the first time it runs
+        assert llm.online.ctl.verify_s, spec["method"]
+
+
+def test_fixed_k_is_unchanged_and_traced():
+    llm = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+              enforce_eager=True, max_model_len=256, max_num_seqs=4)
+    assert llm.online is None and llm.k_values == (3,)
+    llm.generate(PROMPTS, SP)
+    assert set(llm.metrics.steps_by_k) == {3}
+    assert {k for _, k in llm.metrics.k_trace} == {3}
+
+
+class _Req:
+    def __init__(self, rid):
+        self.req_id = rid
+
+
+def test_a_step_disturbed_by_a_fallback_or_compile_is_not_timed():
+    online = OnlineK((0, 1, 2), lambda b, k: b, cheap_drafter=True)
+    batch = [_Req("a"), _Req("b")]
+
+    def drafting(bump):
+        def fn(reqs, k):
+            if bump:
+                counters.bump(bump)
+            return np.full((len(reqs), k), 7, dtype=np.int64), None
+        return fn
+    drafts, _, k = online.draft(batch, drafting(None))
+    assert k == 2 and drafts.shape == (2, 2)  # nothing measured yet: the largest K first
+    assert online.ctl.draft_s  # the drafter's time was kept
+    res = np.array([[7, 7, 1, 3], [7, 1, -1, 2]])
+    online.verified(2, k, res, 0.5, 0.01)
+    assert online.ctl.verify_s == {(2, 2): 0.5} and online.ctl.book_s
+    # acceptance learnt: request a took both drafts, b one
+    s = online.ctl.slots(["a", "b"])
+    assert online.ctl.c[s[0], 1] > online.ctl.c[s[1], 1]
+    for bump in ("graphs_captured", "eager_fallbacks", "cache_misses"):
+        # across the drafting: the drafter's time is dropped
+        online.ctl.draft_s.clear()
+        drafts, _, k = online.draft(batch, drafting(bump))
+        assert not online.ctl.draft_s, bump
+        # across the verify step: its time is dropped
+        counters.bump(bump)
+        old = dict(online.ctl.verify_s)
+        online.verified(2, k, np.array([[7] * (k + 1) + [1]] * 2), 9.0, 0.01)
+        assert online.ctl.verify_s == old, bump
