@@ -25,6 +25,7 @@ import numpy as np
 
 from npuspec.bench.plots import require_matplotlib
 from npuspec.bench.table import print_table
+from npuspec.cli_util import common
 from npuspec.cli_util.common import positive
 from npuspec.cli_util.prompts import load_prompts
 from npuspec.engine import LLM, SamplingParams
@@ -213,7 +214,9 @@ def main(argv=None) -> int:
     if args.plot:
         require_matplotlib()
     prompts = load_prompts(args.prompts, model=None if args.model == "tiny" else args.model)
-    max_model_len = 2048 if args.model != "tiny" else None
+    # the prompts plus --max-tokens (the burst's long request: 6x): one engine per setting
+    # is alive at once, each with a KV pool for max_num_seqs requests of this length
+    max_model_len = common.fit_max_model_len(args.model, prompts, args.max_tokens * 6)
     rows, traces = [], {}
     for method in [m for m in args.methods.split(",") if m]:
         r, online = sweep(args.model, method, args.k, args.batches, prompts, args.max_tokens,
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
         if args.burst > 0 and max(args.batches) >= args.burst + 1:
             traces[method] = load_change(online, prompts, args.burst, args.max_tokens)
             trace, change, steps = traces[method]
-            runs, last = [], None
+            runs = []
             for bk in trace:
                 if runs and runs[-1][0] == bk:
                     runs[-1][1] += 1

@@ -148,8 +148,9 @@ async def read_metrics(client, base: str) -> dict:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {sample name (with a `{position=i}` suffix for the per-position
-    counter): value}, summed over other labels (model_name, finished_reason)."""
+    """Prometheus text -> {sample name (with a `{position=i}` or `{k=K}` suffix for the
+    per-position and per-K counters): value}, summed over other labels (model_name,
+    finished_reason)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -158,8 +159,9 @@ def parse_metrics(text: str) -> dict[str, float]:
             if not s.name.startswith("npuspec:") or s.name.endswith(("_bucket", "_created")):
                 continue
             key = s.name
-            if "position" in s.labels:
-                key += f"{{position={s.labels['position']}}}"
+            for lab in ("position", "k"):
+                if lab in s.labels:
+                    key += f"{{{lab}={s.labels[lab]}}}"
             out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -181,6 +183,9 @@ def spec_metrics(before: dict, after: dict) -> dict:
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "acceptance_rate": accepted / drafted if drafted else None,
             "acceptance_by_position": [d(k) / drafts for _, k in positions] if drafts else [],
+            "steps_by_k": {int(k.split("=")[1].rstrip("}")): d(k) for k in sorted(after)
+                           if k.startswith("npuspec:spec_decode_num_steps_by_k_total{")
+                           and d(k)},
             "gauge_mean_acceptance_length_since_start":
                 after.get("npuspec:spec_decode_mean_acceptance_length")}
 

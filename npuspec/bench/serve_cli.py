@@ -86,6 +86,8 @@ def print_report(args, rows: list[dict], identity: dict, base_name: str, offline
                   "out tok/s": r["output_tokens_per_s"], f"x {base_name}": na(r["vs_baseline"]),
                   "acc len": na(r["spec"]["mean_acceptance_length"]),
                   "acc rate": na(r["spec"]["acceptance_rate"]),
+                  "steps by K": " ".join(f"{k}:{int(n)}" for k, n in
+                                         r["spec"].get("steps_by_k", {}).items()) or "-",
                   "server start s": r["server_startup_s"]} for r in rows],
                 title=f"bench serve: {args.model}, {args.num_prompts} requests x {args.max_tokens} "
                       f"tokens, rate {rate}, max concurrency {args.max_concurrency}, max_num_seqs "

@@ -35,7 +35,9 @@ from typing import Sequence
 
 import numpy as np
 
-from npuspec.config_fields import candidate_ks  # noqa: F401 (the K set is the config's)
+from npuspec.config_fields import candidate_ks
+
+__all__ = ["KController", "Choice", "candidate_ks", "undisturbed", "lengths_of", "cut"]
 
 ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
 ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
