@@ -37,7 +37,7 @@ class OnlineK:
         ctl = self.ctl
         slots = ctl.slots([r.req_id for r in batch])
         # a cheap drafter drafts at K_max and the drafts in hand decide
-        choice = ctl.tick_explore() if self.cheap else ctl.choose_before(slots)
+        choice = ctl.choose_before_cheap() if self.cheap else ctl.choose_before(slots)
         snap = counters.snapshot()
         t0 = time.perf_counter()
         drafts, probs = draft_fn(batch, choice.k_draft)             # [B, Kd], [B, Kd, V]

@@ -14,8 +14,8 @@ that verifies, from two things the engine measures as it runs:
   request for each K.
 
 Two choices per step: before drafting (`choose_before`: which K to draft for; 0 skips the
-drafter; a drafter that costs next to nothing, ngram or suffix, always drafts at K_max) and
-after it (`choose_after`: the largest useful K given the drafts in hand, never
+drafter; a token drafter, ngram or suffix, drafts at K_max unless drafting has stopped paying
+for its own time lately, `choose_before_cheap`) and after it (`choose_after`: the largest useful K given the drafts in hand, never
 more than was drafted). Cutting a draft to a length chosen from the drafts alone keeps
 verification exact, as the confidence budget's cuts do. A step whose K is below K_max is
 replaced by one at K_max every EXPLORE_EVERY steps, so positions past the chosen K keep being
@@ -84,6 +84,8 @@ class KController:
         self._rows: dict[int, tuple[int, ...]] = {}         # batch -> rows at each K
         self._w: dict[int, np.ndarray] = {}
         self._observed = 0
+        self.draft_value = 1.0   # see choose_before_cheap
+        self.last_k = self.k_max
         self.since_explore = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -182,29 +184,47 @@ class KController:
                 return Choice(self.k_max, self.k_max, explore=True)
         return Choice(k, k)
 
-    def tick_explore(self) -> Choice:
-        """choose_before's exploration schedule alone, for a drafter that always drafts at
-        K_max (choose_after then explores when told to)."""
-        self.since_explore += 1
-        if self.since_explore >= self.explore_every:
-            self.since_explore = 0
-            return Choice(self.k_max, self.k_max, explore=True)
-        return Choice(self.k_max, self.k_max)
+    def choose_before_cheap(self) -> Choice:
+        """For a drafter that drafts at K_max whatever K (ngram, suffix): draft, unless
+        drafting has stopped paying for itself lately (`draft_value` < 1: the steps' best
+        choice after drafting, with the drafter's time, got fewer tokens per second than a
+        K = 0 step without it); then K = 0 without drafting, except every
+        EXPLORE_EVERY-th step, which drafts and runs K_max."""
+        skip = self.draft_value < 1.0
+        if skip or self.last_k < self.k_max:
+            self.since_explore += 1
+            if self.since_explore >= self.explore_every:
+                self.since_explore = 0
+                return Choice(self.k_max, self.k_max, explore=True)
+        return Choice(0, 0) if skip else Choice(self.k_max, self.k_max)
+
+    def _value_of_drafting(self, B: int, gain: list[float], cost: list[float], best: int) -> None:
+        """draft_value <- running average of (best rate after drafting, drafter's time
+        included) / (rate of a K = 0 step without drafting)."""
+        if cost[0] != cost[0] or cost[best] != cost[best]:
+            return
+        drafter = B * self.draft_s.get(self.k_max, 0.0)
+        ratio = (gain[best] / (cost[best] + drafter)) / (B / cost[0])
+        self.draft_value += ALPHA_TIME * (ratio - self.draft_value)
 
     def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
         """The K to verify, <= the K drafted, given each request's drafted length [B]."""
         if choice.k_draft == 0:
+            self.last_k = 0
             return 0
         B = len(slots)
         lengths = np.asarray(lengths, dtype=np.int64)
         # K past the smallest one that holds the longest draft verifies padding only
         longest = min(choice.k_draft, int(lengths.max(initial=0)))
         n = bisect.bisect_left(self.ks, longest) + 1
-        if choice.explore or n == 1:
-            return self.ks[n - 1]
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
         per_pos = (self.c[slots] * (lengths[:, None] >= self.pos)).sum(0)     # [K_max]
-        return self.ks[self._best(self._gains(B, per_pos, n), self._cost(B, n, draft=False))]
+        gain, cost = self._gains(B, per_pos, n), self._cost(B, n, draft=False)
+        best = self._best(gain, cost)
+        if choice.k_draft == self.k_max:
+            self._value_of_drafting(B, gain, cost, best)
+        self.last_k = self.ks[n - 1] if choice.explore else self.ks[best]
+        return self.last_k
 
     # -- observations --------------------------------------------------------------------------
     def observe(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,

@@ -45,11 +45,16 @@ def test_captured_ngram_greedy_equals_plain_with_k_changing(monkeypatch):
     assert m.num_accepted > 0
 
 
-def test_uncaptured_model_head_and_suffix_greedy_equal_plain():
+def test_uncaptured_model_heads_and_suffix_greedy_equal_plain():
     plain = _plain()
     for spec in ({"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 4,
                   "k_controller": "online"},
-                 {"method": "suffix", "num_speculative_tokens": "auto"}):
+                 {"method": "suffix", "num_speculative_tokens": "auto"},
+                 # with the confidence budget: it cuts each request's drafts first, the
+                 # controller then chooses from the lengths left
+                 {"method": "dspark", "model": "tiny-dspark", "num_speculative_tokens": 7,
+                  "k_controller": "online", "dynamic_spec_config": {
+                      "method": "dspark", "method_params": {"min_verify_tokens": 0}}}):
         llm = LLM("tiny", speculative_config=spec, enforce_eager=True, max_model_len=256,
                   max_num_seqs=4)
         assert _tokens(llm.generate(PROMPTS, SP)) == plain, spec["method"]

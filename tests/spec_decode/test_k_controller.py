@@ -129,6 +129,37 @@ def test_an_unmeasured_step_is_tried_first():
     assert ctl.choose_before(s).k == 4          # all measured, flat cost, prior c = 0.6
 
 
+def run_cheap(ctl, s, L, A, steps):
+    """Steps of a token drafter: choose, draft L (or nothing when skipped), verify, observe."""
+    picks = []
+    for _ in range(steps):
+        ch = ctl.choose_before_cheap()
+        lengths = np.full(len(s), L if ch.k_draft else 0)
+        k = ctl.choose_after(ch, s, lengths)
+        ctl.observe(s, ch.k_draft, lengths, k, np.minimum(lengths, A))
+        picks.append((ch.k_draft, k, ch.explore))
+    return picks
+
+
+def test_a_token_drafter_stops_drafting_when_it_does_not_pay_and_keeps_checking():
+    # a drafter costing 1 s per request per step, verify 1 s whatever K: drafts of 4 with
+    # none accepted never pay for the drafting
+    ctl = make(explore_every=8)
+    ctl.record_draft(4, 1, 1.0)
+    s = ctl.slots(["a"])
+    picks = run_cheap(ctl, s, L=4, A=0, steps=40)
+    assert ctl.draft_value < 1
+    late = picks[20:]
+    assert [p for p in late if p[0]] and all(p[2] for p in late if p[0])  # only explorations
+    assert sum(1 for p in late if p[0]) in (len(late) // 8, len(late) // 8 + 1)
+    # the same drafter whose drafts are all accepted: drafting pays, every step drafts
+    ctl = make(explore_every=8)
+    ctl.record_draft(4, 1, 1.0)
+    s = ctl.slots(["a"])
+    picks = run_cheap(ctl, s, L=4, A=4, steps=40)
+    assert ctl.draft_value > 1 and all(p[:2] == (4, 4) for p in picks[5:])
+
+
 def test_draft_cost_counts_before_drafting():
     """A drafter costing 1 s per request per step at K = 4 (and nothing at K = 2) moves the
     choice from 4 to 2 under a flat verify cost."""
