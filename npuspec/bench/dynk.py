@@ -17,6 +17,7 @@ step at batch 64 (its three calls on synthetic state), median of 2,000 steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -116,7 +117,10 @@ def sweep(model, method, k_max, batches, prompts, max_tokens, repeats, max_model
                      "online ×best fixed": med["online"] / fixed[best], "best fixed": best,
                      "online steps by K": json.dumps(ksteps[b]),
                      "identical": f"{same[('online', b)]}/{len(ref[b])}"})
-    return rows, engines["online"]
+    online = engines.pop("online")
+    engines.clear()
+    gc.collect()  # the next method's engines need the KV pools these hold
+    return rows, online
 
 
 def load_change(llm, prompts, burst, max_tokens):
@@ -196,13 +200,14 @@ def _plot(path, rows, traces):
     a.axhline(1.0, color="k", lw=0.5)
     a.set(xscale="log", xlabel="batch size", ylabel="tok/s vs no speculation")
     a.legend(fontsize=7)
-    for m, (trace, change, _) in traces.items():
-        b.plot([k for _, k in trace], label=f"{m}: K")
-        b2 = b.twinx()
-        b2.plot([n for n, _ in trace], "k:", lw=0.8)
-        b2.set_ylabel("batch size (dotted)")
+    b2 = b.twinx()
+    for i, (m, (trace, change, _)) in enumerate(traces.items()):
+        color = f"C{i}"
+        b.plot([k for _, k in trace], color=color, label=f"{m}: K")
+        b2.plot([n for n, _ in trace], ":", color=color, lw=0.8)
         for c in change:
-            b.axvline(c, color="grey", lw=0.5)
+            b.axvline(c, color=color, lw=0.5, alpha=0.5)
+    b2.set_ylabel("batch size (dotted)")
     b.set(xlabel="verify step", ylabel="K chosen")
     b.legend(fontsize=7)
     fig.tight_layout()
@@ -236,6 +241,8 @@ def main(argv=None) -> int:
             print(f"{method}: load change (1 -> {1 + args.burst} -> 1 requests) at steps "
                   f"{change}; steps to settle after each phase start: {steps}")
             print("  (batch, K) x steps: " + ", ".join(f"{tuple(bk)}x{n}" for bk, n in runs))
+        del online
+        gc.collect()
     us = host_time_us()
     print(f"controller host time per step at batch 64: {us:.1f} µs (median of 2000)")
     if args.json:
