@@ -3,7 +3,7 @@
 Per step: choose the K to draft for, draft, choose the K to verify from the drafts in hand and
 cut them to it; after the verify step, feed back each request's drafted and accepted tokens and
 the step's time. A time measured across a compile, a capture, a cache load or an eager fallback
-is dropped (`k_controller.undisturbed`).
+is dropped (`k_controller.disturbances`).
 """
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ import time
 import numpy as np
 
 from npuspec._counters import counters
-from npuspec.spec_decode.k_controller import KController, cut, lengths_of, undisturbed
+from npuspec.spec_decode.k_controller import KController, cut, disturbances, lengths_of
 
 
 class OnlineK:
     def __init__(self, ks, rows_for, cheap_drafter: bool):
         """`cheap_drafter`: drafting costs next to nothing whatever K (ngram, suffix), so a
         step that speculates at all drafts at K_max and lets the drafts decide."""
-        self.ctl = KController(ks, rows_for)
+        self.ctl = KController(ks, rows_for, availability=not cheap_drafter)
         self.cheap = cheap_drafter
         self._slots = np.zeros(0, dtype=np.int64)
         self._lengths = np.zeros(0, dtype=np.int64)
         self._k_draft = 0
-        self._snap: dict = {}
+        self._snap: tuple = ()
 
     def seed_times(self, times: dict) -> None:
         """Warm-up's step times {(rows, K): seconds}."""
@@ -38,12 +38,12 @@ class OnlineK:
         slots = ctl.slots([r.req_id for r in batch])
         # a cheap drafter drafts at K_max and the drafts in hand decide
         choice = ctl.choose_before_cheap() if self.cheap else ctl.choose_before(slots)
-        snap = counters.snapshot()
+        snap = disturbances(counters)
         t0 = time.perf_counter()
         drafts, probs = draft_fn(batch, choice.k_draft)             # [B, Kd], [B, Kd, V]
         dt = time.perf_counter() - t0
-        self._snap = counters.snapshot()
-        if choice.k_draft > 0 and undisturbed(snap, self._snap):
+        self._snap = disturbances(counters)
+        if choice.k_draft > 0 and snap == self._snap:
             ctl.record_draft(choice.k_draft, len(batch), dt)
         lengths = lengths_of(drafts)                                # [B]
         k = ctl.choose_after(choice, slots, lengths)
@@ -58,7 +58,7 @@ class OnlineK:
         B = len(self._slots)
         accepted = np.minimum(res[:B, k + 1] - 1, np.minimum(self._lengths, k))  # [B]
         self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
-        if undisturbed(self._snap, counters.snapshot()):
+        if self._snap == disturbances(counters):
             self.ctl.record_verify(rows, k, t_run)
             self.ctl.record_book(k, B, book_s)
 

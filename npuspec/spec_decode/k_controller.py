@@ -37,7 +37,8 @@ import numpy as np
 
 from npuspec.config_fields import candidate_ks
 
-__all__ = ["KController", "Choice", "candidate_ks", "undisturbed", "lengths_of", "cut"]
+__all__ = ["KController", "Choice", "candidate_ks", "undisturbed", "disturbances",
+           "lengths_of", "cut"]
 
 ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
 ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
@@ -62,9 +63,11 @@ class KController:
     Written for a small host cost (a few µs per numpy call, so few calls; per-K figures are
     Python floats: there are at most a handful of K)."""
 
-    def __init__(self, ks: Sequence[int], rows_for, explore_every: int = EXPLORE_EVERY):
+    def __init__(self, ks: Sequence[int], rows_for, explore_every: int = EXPLORE_EVERY,
+                 availability: bool = True):
         """`ks`: the captured K values (ascending, 0 first); `rows_for(batch, k)`: the rows a
-        step of `batch` requests runs at K (padded to a captured size)."""
+        step of `batch` requests runs at K (padded to a captured size); `availability`:
+        learn p (only `choose_before` reads it; a token drafter's steps never call it)."""
         assert list(ks) == sorted(set(ks)) and ks[0] == 0, ks
         self.ks = tuple(int(k) for k in ks)
         self.k_max = self.ks[-1]
@@ -72,6 +75,10 @@ class KController:
         self.explore_every = explore_every
         km = max(self.k_max, 1)
         self.pos = np.arange(1, km + 1)                     # [K_max] positions 1..K_max
+        # row m: 1 at positions 1..m  [K_max+1, K_max]; the update's factors from it
+        self._upto = (np.arange(km + 1)[:, None] >= self.pos).astype(np.float64)
+        self._decay = 1.0 - ALPHA_REQUEST * self._upto
+        self._gain = ALPHA_REQUEST * self._upto
         self.pool_p = np.full(km, PRIOR_P)
         self.pool_c = np.full(km, PRIOR_C)
         self.p = np.zeros((0, km))
@@ -86,6 +93,7 @@ class KController:
         self._observed = 0
         self.draft_value = 1.0   # see choose_before_cheap
         self.last_k = self.k_max
+        self.availability = availability
         self.since_explore = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -218,7 +226,7 @@ class KController:
         longest = min(choice.k_draft, int(lengths.max(initial=0)))
         n = bisect.bisect_left(self.ks, longest) + 1
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
-        per_pos = (self.c[slots] * (lengths[:, None] >= self.pos)).sum(0)     # [K_max]
+        per_pos = (self.c[slots] * self._upto[lengths]).sum(0)               # [K_max]
         gain, cost = self._gains(B, per_pos, n), self._cost(B, n, draft=False)
         best = self._best(gain, cost)
         if choice.k_draft == self.k_max:
@@ -235,17 +243,18 @@ class KController:
         the positions verified."""
         if k_draft == 0 or len(slots) == 0:
             return
-        L = np.asarray(drafted, dtype=np.int64)[:, None]                    # [B, 1]
-        had = L >= self.pos                                                 # [B, K_max]
-        acc = np.asarray(accepted, dtype=np.int64)[:, None] >= self.pos    # implies verified
-        verified = np.minimum(L, k) >= self.pos
-        w_p = self._weights(k_draft)                                        # [K_max]
-        p, c = self.p[slots], self.c[slots]
-        self.p[slots] = p + w_p * (had - p)               # positions <= K_draft only
-        self.c[slots] = c + ALPHA_REQUEST * verified * (acc - c)  # verified positions only
+        L = np.asarray(drafted, dtype=np.int64)                             # [B]
+        if self.availability:
+            p = self.p[slots]
+            self.p[slots] = p + self._weights(k_draft) * (self._upto[L] - p)  # <= K_draft
+        # c <- c + a (acc - c) at the verified positions (i <= min(L, K)); an accepted
+        # position is verified, so that is c (1 - a [verified]) + a [accepted]: two lookups
+        self.c[slots] = (self.c[slots] * self._decay[np.minimum(L, k)]
+                         + self._gain[np.asarray(accepted, dtype=np.int64)])
         self._observed += 1
         if self._observed % POOL_EVERY == 0:  # the pool follows the live requests' estimates
-            self.pool_p += ALPHA_POOL * (self.p[slots].mean(0) - self.pool_p)
+            if self.availability:
+                self.pool_p += ALPHA_POOL * (self.p[slots].mean(0) - self.pool_p)
             self.pool_c += ALPHA_POOL * (self.c[slots].mean(0) - self.pool_c)
 
     def _weights(self, k: int) -> np.ndarray:
@@ -260,11 +269,19 @@ class KController:
         return float(len(slots) + (self.p[slots, :k] * self.c[slots, :k]).sum())
 
 
+DISTURBANCES = ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits",
+                "graph_breaks")
+
+
 def undisturbed(before: dict, after: dict) -> bool:
     """No compile, capture, cache load or eager fallback happened between two counter
     snapshots: a step time measured across one is not the graph's time."""
-    keys = ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits", "graph_breaks")
-    return all(before.get(k, 0) == after.get(k, 0) for k in keys)
+    return all(before.get(k, 0) == after.get(k, 0) for k in DISTURBANCES)
+
+
+def disturbances(counters) -> tuple:
+    """The counters `undisturbed` compares, read without copying the rest (per step)."""
+    return tuple(counters.get(k, 0) for k in DISTURBANCES)
 
 
 def lengths_of(drafts: np.ndarray) -> np.ndarray:
