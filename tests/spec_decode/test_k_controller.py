@@ -160,6 +160,17 @@ def test_a_token_drafter_stops_drafting_when_it_does_not_pay_and_keeps_checking(
     assert ctl.draft_value > 1 and all(p[:2] == (4, 4) for p in picks[5:])
 
 
+def test_a_drafter_that_costs_next_to_nothing_keeps_drafting_through_dry_spells():
+    """No drafts for 40 steps, drafting at 10 µs against a 1 s step: skipping would save
+    nothing measurable and miss the next drafts, so every step drafts."""
+    ctl = make(explore_every=8)
+    ctl.record_draft(4, 1, 1e-5)
+    s = ctl.slots(["a"])
+    picks = run_cheap(ctl, s, L=0, A=0, steps=40)
+    assert kc.DRAFT_SKIP_BELOW < ctl.draft_value < 1
+    assert all(p[0] == 4 for p in picks)
+
+
 def test_draft_cost_counts_before_drafting():
     """A drafter costing 1 s per request per step at K = 4 (and nothing at K = 2) moves the
     choice from 4 to 2 under a flat verify cost."""
