@@ -64,13 +64,15 @@ class H(BaseHTTPRequestHandler):
             time.sleep(0.002)
             chunk = {"choices": [{"index": 0, "text": "".join(pieces[i:i + step]), "finish_reason": None}]}
             self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode()); self.wfile.flush()
-        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        # counted before [DONE], as the real server counts a step before it streams it: a
+        # client that reads /metrics right after [DONE] must see this request
         with lock:
             state["gen"] += n
             if spec:
                 steps = (n + 1) // 2
                 state["drafts"] += steps; state["draft_tokens"] += 4 * steps; state["accepted"] += steps
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+        self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
 
 srv = ThreadingHTTPServer((args.host, args.port), H)
 srv.daemon_threads = True
