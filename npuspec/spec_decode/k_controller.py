@@ -268,9 +268,6 @@ class KController:
             w = self._w[k] = ALPHA_REQUEST * (self.pos <= k)
         return w
 
-    def expected_tokens(self, slots: np.ndarray, k: int) -> float:
-        """Sum over the requests of 1 + sum_{i<=K} p[i] c[i] (for tests and the metrics)."""
-        return float(len(slots) + (self.p[slots, :k] * self.c[slots, :k]).sum())
 
 
 DISTURBANCES = ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits",
