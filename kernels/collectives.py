@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Optional
 
 import torch
@@ -30,6 +31,13 @@ _GROUP: Optional[dist.ProcessGroup] = None
 _SHM = None  # a kernels.shm_collectives.ShmComm when the ranks share this host's memory
 COMM = {"all_reduce": 0, "all_gather": 0, "bytes": 0, "seconds": 0.0, "shm": 0}
 _told: set = set()
+# gloo's worker thread lets go of a collective's tensors just after the caller's wait returns.
+# Freeing a tensor that Python has seen takes the GIL, and a thread that asks for it while the
+# interpreter finalizes aborts the process ("terminate called without an active exception":
+# torchrun's ranks hit it under CPU load, right after their last step). So the tensors of the
+# latest gloo collectives are kept here with the C++ reference count each had before the
+# call, and `drain_gloo` (TP shutdown, interpreter still whole) waits until gloo let go.
+_GLOO_HELD: deque = deque(maxlen=32)
 
 
 def set_group(group: Optional[dist.ProcessGroup], shm=None) -> None:
@@ -37,6 +45,30 @@ def set_group(group: Optional[dist.ProcessGroup], shm=None) -> None:
     shared-memory path same-host CPU ranks take for what fits it."""
     global _GROUP, _SHM
     _GROUP, _SHM = group, shm
+
+
+def gloo_call(fn, *tensors: torch.Tensor) -> None:
+    """Run `fn()`, a blocking gloo collective over `tensors`, and remember the tensors until
+    `drain_gloo` sees gloo release them."""
+    held = tuple((t, t._use_count()) for t in tensors)
+    fn()
+    _GLOO_HELD.append(held)
+
+
+def drain_gloo(timeout_s: float = 5.0) -> bool:
+    """Wait (GIL released) until gloo's threads dropped every remembered tensor. -> whether
+    they did within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while _GLOO_HELD:
+        if all(t._use_count() <= base for t, base in _GLOO_HELD[0]):
+            _GLOO_HELD.popleft()
+        elif time.monotonic() > deadline:
+            log.debug("npuspec: gloo still holds a collective's tensors after %.0f s", timeout_s)
+            _GLOO_HELD.clear()
+            return False
+        else:
+            time.sleep(0.001)
+    return True
 
 
 def _shm_for(x: torch.Tensor):
@@ -76,7 +108,7 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
         COMM["shm"] += 1
     else:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=_GROUP)
+        gloo_call(lambda: dist.all_reduce(out, group=_GROUP), out)
     _count("all_reduce", out.numel() * out.element_size(), t0)
     return out
 
@@ -98,7 +130,8 @@ def tp_all_gather(x: torch.Tensor, world: int) -> torch.Tensor:
     else:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(world)]
-        dist.all_gather(parts, x, group=_GROUP)  # gloo has no all_gather_into_tensor
+        # gloo has no all_gather_into_tensor
+        gloo_call(lambda: dist.all_gather(parts, x, group=_GROUP), x, *parts)
         out = torch.cat(parts, dim=-1)
     _count("all_gather", out.numel() * out.element_size(), t0)
     return out

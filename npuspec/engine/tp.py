@@ -135,18 +135,22 @@ class TP:
         torch.distributed.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def _broadcast(self, t: torch.Tensor) -> None:
+        collectives.gloo_call(
+            lambda: torch.distributed.broadcast(t, src=0, group=self.cpu_group), t)
+
     def sync_drafts(self, drafts: Optional[np.ndarray], batch: int, k: int) -> np.ndarray:
         """Rank 0's drafts int64 [B, K] on every rank."""
         t = (torch.from_numpy(np.ascontiguousarray(drafts, dtype=np.int64)) if self.rank == 0
              else torch.empty((batch, k), dtype=torch.int64))
         assert tuple(t.shape) == (batch, k), (t.shape, batch, k)
-        torch.distributed.broadcast(t, src=0, group=self.cpu_group)
+        self._broadcast(t)
         return t.numpy()
 
     def sync_result(self, res: np.ndarray) -> np.ndarray:
         """Rank 0's verify result [rows, K+2] int32 on every rank."""
         t = torch.from_numpy(np.ascontiguousarray(res))
-        torch.distributed.broadcast(t, src=0, group=self.cpu_group)
+        self._broadcast(t)
         return t.numpy()
 
     # -- start-up and shutdown -----------------------------------------------------------------
@@ -195,6 +199,7 @@ class TP:
                 w.proc.kill()
                 w.proc.join(5)
             w.conn.close()
+        collectives.drain_gloo()  # before the interpreter can start to finalize
         collectives.set_group(None)
         if self.shm is not None:
             self.shm.close()
