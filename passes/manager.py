@@ -22,7 +22,9 @@ traced with the same table as the graph they run on:
 - "aten": no decompositions; used by the eager lowering on the graph from AOT autograd.
 
 Before matching, in this order: `canonicalize` rewrites dim/slice literals into one form (both
-in the graph and in the traced patterns); `picks.canonical_picks` puts every spelling of
+in the graph and in the traced patterns); `rewrites.normalize` applies the exact normal forms
+of passes/rewrites/ (one rule per file; `counters["canonical_rewrites.<rule>"]` counts the
+sites of a graph in which a family then matched); `picks.canonical_picks` puts every spelling of
 "p at the drafted ids" into the gather form; `prefix.prove_prefix_counts` proves every
 accepted-prefix count and rewrites it into the cumprod form. `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
@@ -46,7 +48,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical, picks, prefix, rowlocal, unmatched
+from npuspec.passes import canonical, picks, prefix, rewrites, rowlocal, unmatched
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 
@@ -158,6 +160,7 @@ class PassManager:
 
     def __init__(self, patterns: Optional[Sequence[VerifyPattern]] = None):
         self.patterns = list(default_patterns() if patterns is None else patterns)
+        self.last_rewrites: dict = {}  # {rule: sites} of the last _rewrite (passes/rewrites)
 
     def run(self, gm_or_graph, flavor: str = "inductor") -> dict:
         """Rewrite in place. Returns {family name: replacements} (families with 0 left out).
@@ -177,6 +180,8 @@ class PassManager:
         for name, n in found.items():
             counters.bump(f"verify_patterns_matched.{name}", n)
         if found:
+            for name, n in self.last_rewrites.items():  # the real graph's, not the dry run's
+                counters.bump(f"canonical_rewrites.{name}", n)
             counters.bump("verify_patterns_matched", sum(found.values()))
             if graph.owning_module is not None:
                 graph.owning_module.recompile()
@@ -191,6 +196,9 @@ class PassManager:
     def _rewrite(self, graph: torch.fx.Graph, flavor: str) -> dict:
         _remove_noop_ops(graph)
         canonical.canonicalize(graph)  # repeated views merged: shared inputs match
+        self.last_rewrites = rewrites.normalize(graph, flavor)  # exact normal forms
+        if self.last_rewrites:
+            canonical.canonicalize(graph)  # views the rules made merge with the user's
         if picks.canonical_picks(graph, flavor):  # p[b, k, ids], reshape-for-squeeze -> gather
             canonical.canonicalize(graph)  # the new views merge with the user's
         prefix.prove_prefix_counts(graph, flavor)  # every accepted-prefix spelling -> one
@@ -216,7 +224,8 @@ class PassManager:
 
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
-                                       rowlocal, unmatched).encode())
+                                       rowlocal, unmatched, rewrites,
+                                       *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())
         return h.hexdigest()

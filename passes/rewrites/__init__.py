@@ -1,0 +1,38 @@
+"""Exact normal forms, applied to a graph before any verify pattern runs (issue 37, point 1).
+
+Codebases spell one computation many ways: `relu(x)` or `x.clamp(min=0)`, `gather` or advanced
+indexing, `keepdim=True` then a squeeze, the row picked before or after an elementwise op. Each
+rule here rewrites one family of spellings into the one form the pattern families are traced
+with, and only where the two are bit-equal on every input (NaN and -0.0 included) or the rule
+states the input domain it checks. A rule is one small module with
+
+    NAME: str                      # the counter suffix: canonical_rewrites.<NAME>
+    def apply(graph, flavor) -> int  # rewrites in place; returns how many sites it rewrote
+
+and its own exactness test in tests/passes/rewrites/. `normalize` runs RULES in order; the pass
+manager calls it after the literal canonicaliser and before the pick rewrite (manager.py).
+Adding a rule: write the module, add it to RULES, add its test. Its source enters the pass
+manager's uuid through `modules()`, so editing a rule invalidates cached compiles.
+"""
+from __future__ import annotations
+
+from torch.fx import Graph
+
+RULES: tuple = ()  # rule modules, in the order they run
+
+
+def normalize(graph: Graph, flavor: str) -> dict:
+    """Run every rule once, in order. -> {rule NAME: sites rewritten} (zeros left out)."""
+    done = {}
+    for rule in RULES:
+        n = rule.apply(graph, flavor)
+        if n:
+            done[rule.NAME] = done.get(rule.NAME, 0) + n
+    if done:
+        graph.eliminate_dead_code()
+    return done
+
+
+def modules() -> tuple:
+    """The rule modules, for the pass manager's source hash."""
+    return RULES
