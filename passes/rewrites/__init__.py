@@ -11,8 +11,8 @@ states the input domain it checks. A rule is one small module with
 
 and its own exactness test, tests/passes/test_rewrite_<NAME>.py. `normalize` runs RULES in
 order; the pass manager calls it after the literal canonicaliser and before the pick rewrite
-(manager.py). Adding a rule: write the module, add it to RULES, add its test. Its source enters the pass
-manager's uuid through `modules()`, so editing a rule invalidates cached compiles.
+(manager.py). Adding a rule: write the module, add it to RULES, add its test. Its source enters
+the pass manager's uuid through `modules()`, so editing a rule invalidates cached compiles.
 """
 from __future__ import annotations
 
