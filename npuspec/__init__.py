@@ -3,12 +3,13 @@ from npuspec._counters import counters
 
 __version__ = "0.1.0"
 
-__all__ = ["SpeculativeConfig", "counters", "LLM", "SamplingParams", "__version__"]
+__all__ = ["SpeculativeConfig", "counters", "LLM", "SamplingParams", "compile", "__version__"]
 
 _LAZY = {
     "SpeculativeConfig": "npuspec.config",
     "LLM": "npuspec.engine",
     "SamplingParams": "npuspec.engine",
+    "compile": "npuspec.compilation.api",
 }
 
 

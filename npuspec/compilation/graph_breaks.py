@@ -9,8 +9,8 @@ the line and Dynamo's reason with its hint, and bumps `counters["graph_breaks"]`
 
 Dynamo's own capture flags cover some of these (`torch._dynamo.config.capture_scalar_outputs`
 for `.item()`, `capture_dynamic_output_shape_ops` for `nonzero` and mask indexing); they change
-how every compile in the process traces, so npuspec names them in the message and leaves the
-choice to the user.
+how every compile in the process traces, so the backend never sets them: the message points to
+`npuspec.compile(fn)` (compilation/api.py), which sets them while fn alone is traced.
 """
 from __future__ import annotations
 
@@ -55,8 +55,8 @@ def note_graph_break(gm) -> Optional[str]:
     msg = (f"npuspec: Dynamo breaks the graph at {file}:{line}: {reason}. The code before and "
            f"after that line compiles as separate graphs, so a verify step spanning it is not "
            f"fused into one npuspec op (each part still computes what eager does). "
-           f"torch._dynamo.config.capture_scalar_outputs (for .item()) and "
-           f"capture_dynamic_output_shape_ops (for nonzero, mask indexing) let Dynamo trace "
-           f"some of these.")
+           f"npuspec.compile(fn) traces fn with Dynamo's capture_scalar_outputs (for .item()) "
+           f"and capture_dynamic_output_shape_ops (for nonzero, mask indexing) on, for fn "
+           f"only; a data-dependent `if` still breaks.")
     log.warning(msg)
     return msg
