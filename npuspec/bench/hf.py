@@ -113,8 +113,11 @@ def run(args) -> int:
              "assisted": {"assistant_model": assistant}}
     if args.start_child is not None:  # one (system, mode) of --start, in its own process
         system, mode = args.start_child.split(":", 1)
-        model = functools.partial(compiled_model, lambda: load_hf(mdir), system)
-        return hf_start.child(hf_runner(model, ids, args.max_tokens, eos, **extra[mode]))
+        model = functools.lru_cache(None)(
+            functools.partial(compiled_model, lambda: load_hf(mdir), system))
+        shorter = [x[1:] for x in ids]  # new prompt and cache lengths for the warm model
+        return hf_start.child(hf_runner(model, ids, args.max_tokens, eos, **extra[mode]),
+                              hf_runner(model, shorter, args.max_tokens, eos, **extra[mode]))
     if args.start:
         return _report_start(args, modes, mdir, threads)
     runners = []

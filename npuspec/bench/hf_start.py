@@ -8,6 +8,8 @@ directories (TORCHINDUCTOR_CACHE_DIR and NPUSPEC_CACHE_DIR):
     cold        first child: empty caches; its first run compiles everything
     warm start  second child on the caches the first one left: a restarted deployment
     steady      the second child's second run (nothing left to compile)
+    new lengths the second child's third run, every prompt one token shorter: a warm process
+                meeting new prompt and cache lengths (what each new shape costs to compile)
 
 A run is one generate() per prompt. Tokens are compared with the eager child of the mode.
 """
@@ -24,9 +26,10 @@ CHILD_FLAG = "--start-child"
 COMPILED = ("inductor", "npuspec")
 
 
-def child(setup) -> int:
+def child(setup, setup_shorter) -> int:
     """In the child: `setup()` (load, compile the forward), the first run (every compile),
-    a second run; prints one JSON line."""
+    a second run, then `setup_shorter()`'s run on the same compiled model with every prompt
+    one token shorter; prints one JSON line."""
     t0 = time.perf_counter()
     run = setup()
     t1 = time.perf_counter()
@@ -34,8 +37,11 @@ def child(setup) -> int:
     t2 = time.perf_counter()
     run()
     t3 = time.perf_counter()
+    shorter = setup_shorter()()
+    t4 = time.perf_counter()
     print(json.dumps({"load_s": t1 - t0, "first_s": t2 - t1, "steady_s": t3 - t2,
-                      "token_ids": first["token_ids"], "tokens": first["tokens"]}))
+                      "shorter_s": t4 - t3, "token_ids": first["token_ids"],
+                      "shorter_ids": shorter["token_ids"], "tokens": first["tokens"]}))
     return 0
 
 
@@ -72,13 +78,17 @@ def run_start(argv: list[str], modes: list[str], progress) -> list[dict]:
         compiled = r["system"] != "eager"
         r["cold_vs_inductor"] = r["cold_first_s"] / ind["cold_first_s"] if compiled else "-"
         r["warm_vs_inductor"] = r["warm_first_s"] / ind["warm_first_s"] if compiled else "-"
+        r["new_lengths_vs_inductor"] = (r["new_lengths_s"] / ind["new_lengths_s"] if compiled
+                                        else "-")
     return rows
 
 
 def _row(mode: str, system: str, cold: dict, warm: dict, ref: dict) -> dict:
     same = sum(a == b for a, b in zip(cold["token_ids"], ref["token_ids"]))
     same_warm = sum(a == b for a, b in zip(warm["token_ids"], ref["token_ids"]))
+    same_shorter = sum(a == b for a, b in zip(warm["shorter_ids"], ref["shorter_ids"]))
     return {"mode": mode, "system": system, "cold_first_s": cold["first_s"],
             "warm_first_s": warm["first_s"], "steady_s": warm["steady_s"],
-            "load_s": warm["load_s"], "tokens": cold["tokens"],
-            "identical": min(same, same_warm), "prompts": len(ref["token_ids"])}
+            "new_lengths_s": warm["shorter_s"], "load_s": warm["load_s"],
+            "tokens": cold["tokens"], "identical": min(same, same_warm, same_shorter),
+            "prompts": len(ref["token_ids"])}

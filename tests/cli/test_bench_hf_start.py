@@ -22,14 +22,18 @@ def test_child_prints_its_first_runs_tokens_as_one_json_line(tiny_available, cap
     out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert rc == 0 and len(out) == 1
     doc = json.loads(out[0])
-    assert set(doc) == {"load_s", "first_s", "steady_s", "token_ids", "tokens"}
-    assert doc["first_s"] > 0 and doc["steady_s"] > 0
+    assert set(doc) == {"load_s", "first_s", "steady_s", "shorter_s", "token_ids",
+                        "shorter_ids", "tokens"}
+    assert doc["first_s"] > 0 and doc["steady_s"] > 0 and doc["shorter_s"] > 0
     # the same prompts and tokens as the parent's own (default) settings give in-process
     tok = chat_tokenizer(tiny_available)
     ids = encode(tiny_available, code_edit_prompts(tiny_available, tok), tok)[:2]
     ref = hf_runner(lambda: load_hf(tiny_available), ids, 6, [])()()
     assert len(doc["token_ids"]) == 2 and doc["tokens"] == sum(map(len, doc["token_ids"])) > 0
     assert doc["token_ids"] == [t[:len(d)] for t, d in zip(ref["token_ids"], doc["token_ids"])]
+    # the new-lengths run answers every prompt without its first token
+    short = hf_runner(lambda: load_hf(tiny_available), [x[1:] for x in ids], 6, [])()()
+    assert doc["shorter_ids"] == short["token_ids"]
 
 
 def test_child_argv_round_trips_the_parents_settings():
@@ -45,6 +49,7 @@ def test_child_argv_round_trips_the_parents_settings():
 
 def test_rows_per_mode_and_ratios_to_inductor(monkeypatch):
     figures = {"eager": [1.0], "inductor": [40.0, 8.0], "npuspec": [44.0, 6.0]}
+    shorter = {"eager": 0.5, "inductor": 4.0, "npuspec": 5.0}
     calls = []
 
     def spawn(argv, system, mode, cache):
@@ -53,7 +58,7 @@ def test_rows_per_mode_and_ratios_to_inductor(monkeypatch):
         first = figures[system][n]
         toks = [[1, 2, 3]] if system != "npuspec" or mode == "greedy" else [[1, 2, 4]]
         return {"load_s": 0.5, "first_s": first, "steady_s": 0.25, "token_ids": toks,
-                "tokens": 3}
+                "shorter_s": shorter[system], "shorter_ids": [[1, 2]], "tokens": 3}
 
     monkeypatch.setattr(hf_start, "_spawn", spawn)
 
@@ -75,6 +80,7 @@ def test_rows_per_mode_and_ratios_to_inductor(monkeypatch):
     assert (r["cold_first_s"], r["warm_first_s"]) == (44.0, 6.0)
     assert r["cold_vs_inductor"] == pytest.approx(1.1) and r["warm_vs_inductor"] == pytest.approx(0.75)
     assert by[("greedy", "eager")]["cold_vs_inductor"] == "-"
+    assert r["new_lengths_s"] == 5.0 and r["new_lengths_vs_inductor"] == pytest.approx(1.25)
     assert r["identical"] == 1 and by[("prompt lookup", "npuspec")]["identical"] == 0
 
 
