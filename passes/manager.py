@@ -42,6 +42,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -116,6 +117,9 @@ def compiled(pattern: VerifyPattern, flavor: str) -> _Compiled:
 # The last few runs as (flavor, {family: count}, graph text after the passes), newest last:
 # what tests and `npuspec` debugging look at to see which ops a compile produced.
 HISTORY: collections.deque = collections.deque(maxlen=32)
+# Seconds each run took, newest last (`npuspec bench passes` reports them beside Inductor's
+# compile time for the same graph): the dry run, the rewrites and the replacements together.
+SECONDS: collections.deque = collections.deque(maxlen=256)
 
 
 def _remove_noop_ops(graph: torch.fx.Graph) -> None:
@@ -171,6 +175,7 @@ class PassManager:
         if flavor not in FLAVORS:
             raise ValueError(f"PassManager.run: flavor={flavor!r} must be one of {FLAVORS}")
         graph = gm_or_graph.graph if isinstance(gm_or_graph, torch.fx.GraphModule) else gm_or_graph
+        t0 = time.perf_counter()
         seq = next(_dump_seq) if envs.debug_dump() else 0
         if seq:
             _dump(graph, "1_before", seq)
@@ -190,6 +195,7 @@ class PassManager:
         if seq:
             _dump(graph, "2_after", seq)
         HISTORY.append((flavor, dict(found), str(graph)))
+        SECONDS.append(time.perf_counter() - t0)
         log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
         return found
 

@@ -10,6 +10,13 @@ rewrites each into one npuspec::rejection_sample call (greedy, and target_is_pro
 shows the median step time of each, the ratios against eager and Inductor, whether the tokens
 equal eager's from the same RNG state, and how many verify patterns the npuspec compile matched.
 
+Compile time: `compile_s` is each backend's first call less its median call (Dynamo, AOT and
+the lowering), `passes_s` the time the npuspec pass manager took on that graph
+(`passes.manager.SECONDS`: the dry run on a copy, the exact rewrites and the replacements), and
+`passes_share` that time over the like-for-like Inductor's `compile_s` for the same function.
+The patterns' one-off registration (tracing every spelling, once per process and flavour) is
+paid before the timed compiles and printed on its own.
+
 Baselines: "inductor" is stock backend="inductor", whose RNG (fallback_random=False) draws
 different numbers than eager, so its sampled tokens differ; "inductor(fallback_random)" is
 Inductor with eager RNG ops, the same RNG contract npuspec keeps, i.e. the like-for-like baseline.
@@ -20,8 +27,11 @@ import argparse
 
 import torch
 
+import time
+
 from npuspec import counters
 from npuspec.bench.table import median_time, print_table
+from npuspec.passes import manager
 
 
 def _greedy(logits, drafts):
@@ -72,7 +82,11 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str) -> list[dict]:
+VARIANTS = ("eager", "inductor", "inductor(fallback_random)", "npuspec", "npuspec(eager lowering)")
+
+
+def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str,
+             variants=VARIANTS) -> list[dict]:
     args = make_inputs(B, K, V, device)
     step = verify_step
     if draws == "outside":
@@ -84,9 +98,7 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str) -> l
     torch.manual_seed(0)
     ref = step(*args)
     rows = []
-    variants = ["eager", "inductor", "inductor(fallback_random)", "npuspec",
-                "npuspec(eager lowering)"]
-    times = {}
+    times, compile_s = {}, {}
     for name in variants:
         torch._dynamo.reset()
         before = counters.snapshot()
@@ -107,9 +119,14 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str) -> l
             fn = torch.compile(step, backend="npuspec",
                                options={"lowering": "eager", "capture": False})
         torch.manual_seed(0)
-        out = fn(*args)                                  # compiles (not timed)
+        runs = len(manager.SECONDS)
+        t0 = time.perf_counter()
+        out = fn(*args)                                  # compiles
+        first = time.perf_counter() - t0
+        passes_s = sum(list(manager.SECONDS)[runs:]) if len(manager.SECONDS) > runs else 0.0
         matched = counters.delta(before).get("verify_patterns_matched", 0)
         times[name] = median_time(lambda: fn(*args), repeats=repeats, warmup=2, sync=sync)
+        compile_s[name] = max(first - times[name], 0.0) if name != "eager" else 0.0
         fr = "inductor(fallback_random)"
         rows.append({"draws": draws, "B": B, "V": V, "backend": name,
                      "median_ms": times[name] * 1e3,
@@ -117,8 +134,21 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str) -> l
                      "vs_inductor": times["inductor"] / times[name] if "inductor" in times else float("nan"),
                      "vs_inductor_eager_rng": times[fr] / times[name] if fr in times else float("nan"),
                      "tokens==eager": "yes" if _same(out, ref) else "no",
-                     "patterns_matched": matched})
+                     "patterns_matched": matched, "compile_s": compile_s[name],
+                     "passes_s": passes_s,
+                     "passes_share": (passes_s / compile_s[fr] if name.startswith("npuspec")
+                                      and compile_s.get(fr) else float("nan"))})
     return rows
+
+
+def register_patterns() -> float:
+    """Trace every family's spellings for both flavours (once per process). -> seconds."""
+    t0 = time.perf_counter()
+    pm = manager.PassManager()
+    for flavor in manager.FLAVORS:
+        for p in pm.patterns:
+            manager.compiled(p, flavor)
+    return time.perf_counter() - t0
 
 
 def main(argv=None):
@@ -145,12 +175,14 @@ def main(argv=None):
         import os
         import tempfile
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="npuspec-bench-")
+    print(f"pattern registration (once per process, both flavours): {register_patterns():.2f} s")
     rows = []
     for draws in a.draws:
         for B in a.batch:
             rows += run_case(B, a.k, a.vocab, a.repeats, a.device, draws)
     cols = ["draws", "B", "V", "backend", "median_ms", "vs_eager", "vs_inductor",
-            "vs_inductor_eager_rng", "tokens==eager", "patterns_matched"]
+            "vs_inductor_eager_rng", "tokens==eager", "patterns_matched", "compile_s",
+            "passes_s", "passes_share"]
     print_table(rows, cols, title=f"verify step, K={a.k}, {a.device}, {torch.get_num_threads()} "
                                   f"thread(s): npuspec vs inductor vs eager (ratio > 1: faster "
                                   f"than that baseline)")
