@@ -6,8 +6,9 @@ of these ops instead of the whole `npuspec::rejection_sample`:
 
     greedy_accept(draft_ids, target_ids)            -> int64 [...]   accepted-prefix length
     ratio_accept(p, q, draft_ids, uniforms, mode)   -> int64 [...]   standard test, prefix length
-    residual_probs(p, q, normalize)                 -> float [..., V] clamp(p - q, 0) (normalised)
-    residual_sample(p, q, noise, normalize, sampler)-> int64 [...]   exponential race / Gumbel-max
+    residual_probs(p, q, normalize, nonneg)         -> float [..., V] clamp(p - q, 0) (normalised)
+    residual_sample(p, q, noise, normalize, sampler, nonneg)
+                                                    -> int64 [...]   exponential race / Gumbel-max
 
 Every op is a pure function of its tensor inputs (random draws come in as tensors, so the user's
 own draws are kept) and is registered with `torch.library.custom_op` plus a fake impl, so it can
@@ -31,6 +32,9 @@ from npuspec.kernels.verify_probs import ACCEPT_MODES
 
 NORMALIZE = ("none", "row", "all")  # residual normalisation: none, r / r.sum(-1, keepdim), r / r.sum()
 SAMPLERS = ("race", "gumbel")  # argmax(r / E) ; argmax(log(r) + G)
+# how max(d, 0) is written, d = p - q: torch.clamp(d, min=0) keeps a NaN (and -0.0);
+# torch.where(d > 0, d, 0.0) makes both +0.0 (gpt-fast, romsto, feifeibear write it so)
+NONNEG = ("clamp", "where")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,12 +134,19 @@ def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms
 # ---------------------------------------------------------------------------------------------
 # residual distribution and residual sampling
 # ---------------------------------------------------------------------------------------------
-def _residual(p: Tensor, q: Tensor, normalize: str) -> Tensor:
+def _residual(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Tensor:
     """max(p - q, 0) [normalised], computed in one buffer: the in-place ops give the same
-    values as the out-of-place idiom, without two extra [..., V] allocations."""
+    values as the out-of-place idiom, without two extra [..., V] allocations. nonneg="where"
+    writes +0.0 wherever d > 0 fails (NaN too), as where(d > 0, d, 0.0) does."""
     if normalize not in NORMALIZE:
         raise ValueError(f"npuspec.kernels.residual: normalize={normalize!r} must be one of {NORMALIZE}")
-    r = torch.sub(p, q).clamp_min_(0)  # [..., V]
+    if nonneg not in NONNEG:
+        raise ValueError(f"npuspec.kernels.residual: nonneg={nonneg!r} must be one of {NONNEG}")
+    r = torch.sub(p, q)  # [..., V]
+    if nonneg == "clamp":
+        r.clamp_min_(0)
+    else:
+        r.masked_fill_(r.gt(0).logical_not_(), 0.0)
     if normalize == "row":
         r.div_(r.sum(-1, keepdim=True))
     elif normalize == "all":
@@ -144,19 +155,21 @@ def _residual(p: Tensor, q: Tensor, normalize: str) -> Tensor:
 
 
 @torch.library.custom_op("npuspec::residual_probs", mutates_args=())
-def residual_probs(p: Tensor, q: Tensor, normalize: str) -> Tensor:
+def residual_probs(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Tensor:
     """max(p - q, 0), then divided by its row sum ("row"), by its total ("all") or not ("none").
-    Feeds the user's own `torch.multinomial`, so the user's RNG stream is consumed unchanged."""
-    return _residual(p, q, normalize)
+    Feeds the user's own `torch.multinomial`, so the user's RNG stream is consumed unchanged.
+    nonneg: how max(., 0) is spelled (NONNEG), which decides where NaN goes."""
+    return _residual(p, q, normalize, nonneg)
 
 
 @residual_probs.register_fake
-def _(p, q, normalize):
+def _(p, q, normalize, nonneg="clamp"):
     return torch.empty_like(torch.broadcast_tensors(p, q)[0], dtype=torch.promote_types(p.dtype, q.dtype))
 
 
-def residual_probs_ref(p: Tensor, q: Tensor, normalize: str) -> Tensor:
-    r = (p - q).clamp(min=0)
+def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Tensor:
+    d = p - q
+    r = d.clamp(min=0) if nonneg == "clamp" else torch.where(d > 0, d, torch.zeros_like(d))
     if normalize == "row":
         r = r / r.sum(dim=-1, keepdim=True)
     elif normalize == "all":
@@ -165,13 +178,14 @@ def residual_probs_ref(p: Tensor, q: Tensor, normalize: str) -> Tensor:
 
 
 @torch.library.custom_op("npuspec::residual_sample", mutates_args=())
-def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str) -> Tensor:
+def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
+                    nonneg: str = "clamp") -> Tensor:
     """One token per row from the residual max(p - q, 0) using the caller's draws:
     sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "gumbel": argmax(log(r) + G) with
-    G ~ Gumbel(0, 1) [..., V]. -> int64 [...]"""
+    G ~ Gumbel(0, 1) [..., V]; nonneg: how max(., 0) is spelled (NONNEG). -> int64 [...]"""
     if sampler not in SAMPLERS:
         raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
-    r = _residual(p, q, normalize)  # [..., V]
+    r = _residual(p, q, normalize, nonneg)  # [..., V]
     if r.shape != torch.broadcast_shapes(r.shape, noise.shape) or r.dtype != torch.promote_types(
             r.dtype, noise.dtype):
         score = r / noise if sampler == "race" else torch.log(r) + noise
@@ -183,13 +197,14 @@ def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler
 
 
 @residual_sample.register_fake
-def _(p, q, noise, normalize, sampler):
+def _(p, q, noise, normalize, sampler, nonneg="clamp"):
     shape = torch.broadcast_shapes(p.shape, q.shape, noise.shape)
     return p.new_empty(shape[:-1], dtype=torch.int64)
 
 
-def residual_sample_ref(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str) -> Tensor:
-    r = residual_probs_ref(p, q, normalize)
+def residual_sample_ref(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
+                        nonneg: str = "clamp") -> Tensor:
+    r = residual_probs_ref(p, q, normalize, nonneg)
     if sampler == "race":
         return torch.argmax(r / noise, dim=-1)
     return torch.argmax(r.log() + noise, dim=-1)

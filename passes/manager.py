@@ -26,7 +26,11 @@ in the graph and in the traced patterns); `rewrites.normalize` applies the exact
 of passes/rewrites/ (one rule per file; `counters["canonical_rewrites.<rule>"]` counts the
 sites of a graph in which a family then matched); `picks.canonical_picks` puts every spelling of
 "p at the drafted ids" into the gather form; `prefix.prove_prefix_counts` proves every
-accepted-prefix count and rewrites it into the cumprod form. `counters["verify_patterns_matched"]` moves by the number of
+accepted-prefix count and rewrites it into the cumprod form. The families then run in three
+rounds: on the graph with repeated views merged, again with them split (`canonical.split_views`),
+and, for counts still unfused whose mask or pick the user's other code also reads, once more
+with private copies of what they are computed from (`passes/shared.py`; copies no match took
+merge back). `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
 matched but which looks like a verify step is named once per source line
 (`passes/unmatched.py`, `counters["verify_patterns_unmatched"]`). With NPUSPEC_DEBUG_DUMP set,
@@ -49,7 +53,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical, picks, prefix, rewrites, rowlocal, unmatched
+from npuspec.passes import canonical, picks, prefix, rewrites, rowlocal, shared, unmatched
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 
@@ -212,12 +216,8 @@ class PassManager:
         for views in ("merged", "split"):
             if views == "split":  # a merged view shared with outside code then blocks nothing
                 canonical.split_views(graph)
-            for p in self.patterns:
-                if not p.applies(graph):
-                    continue
-                n = compiled(p, flavor).pass_.apply(graph)
-                if n:
-                    found[p.name] = found.get(p.name, 0) + n
+            self._apply_families(graph, flavor, found)
+        self._shared_round(graph, flavor, found)
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
             # later (an RNG draw after the ratio test) moves down after it (see
@@ -228,9 +228,30 @@ class PassManager:
             graph.lint()
         return found
 
+    def _apply_families(self, graph: torch.fx.Graph, flavor: str, found: dict) -> None:
+        for p in self.patterns:
+            if not p.applies(graph):
+                continue
+            n = compiled(p, flavor).pass_.apply(graph)
+            if n:
+                found[p.name] = found.get(p.name, 0) + n
+
+    def _shared_round(self, graph: torch.fx.Graph, flavor: str, found: dict) -> None:
+        """A third round for the counts still unfused whose mask or pick the user's other code
+        also reads: each gets private copies of what it is computed from, the families run
+        once more, and the copies no match took merge back into their originals
+        (passes/shared.py). Skipped outright when no count of a scan is left."""
+        if not shared.anchors(graph):
+            return
+        canonical.canonicalize(graph)  # views merged again, as the patterns were traced
+        copies = shared.privatize(graph)
+        if copies:
+            self._apply_families(graph, flavor, found)
+            shared.merge_back(graph, copies)
+
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
-                                       rowlocal, unmatched, rewrites,
+                                       rowlocal, unmatched, rewrites, shared,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

@@ -1,7 +1,7 @@
 """The ratio-test and residual families: the standard rejection test and the residual resample.
 
 4. RatioAccept    p(x)/q(x) vs u + prefix length              -> npuspec::ratio_accept
-5. Residual       clamp(p - q, 0) [normalised] + race/Gumbel/multinomial
+5. Residual       max(p - q, 0) (clamp or where) [normalised] + race/Gumbel/multinomial
                                                               -> npuspec::residual_sample / residual_probs
 
 (numbers: the manager's order, passes/patterns.py). Random draws are pattern *inputs*, so the
@@ -231,10 +231,19 @@ class ResidualConfig:
     enabled: bool = True
     normalize: tuple = ("none", "row", "all")
     samplers: tuple = ("race", "gumbel", "multinomial")
+    # max(d, 0) as written: torch.clamp(d, min=0), d.clamp_min(0), torch.where(d > 0, d, 0.0).
+    # passes/rewrites/nonneg.py puts relu, maximum and the other where spellings into these
+    clamps: tuple = ("clamp", "clamp_min", "where")
+    # samplers whose argmax is also matched with keepdim=True (gpt-fast's race)
+    keepdim: tuple = ("race",)
 
 
 def _resid(p, q, normalize, clamp):
-    r = torch.clamp(p - q, min=0) if clamp == "clamp" else (p - q).clamp_min(0)
+    d = p - q
+    if clamp == "where":  # NaN -> +0.0: the ops' nonneg="where"
+        r = torch.where(d > 0, d, 0.0)
+    else:
+        r = torch.clamp(d, min=0) if clamp == "clamp" else d.clamp_min(0)
     if normalize == "row":
         r = r / r.sum(dim=-1, keepdim=True)
     elif normalize == "all":
@@ -245,16 +254,19 @@ def _resid(p, q, normalize, clamp):
 class Residual(VerifyPattern):
     """Sampling from the residual distribution max(p - q, 0) after a rejection:
 
-        r = torch.clamp(p - q, min=0)           # or (p - q).clamp_min(0)
+        r = torch.clamp(p - q, min=0)           # or (p - q).clamp_min(0), or with d = p - q
+                                                # torch.where(d > 0, d, 0.0) (NaN -> 0)
         r = r / r.sum(-1, keepdim=True)         # optional ("row"), or r / r.sum() ("all")
         tok = (r / E).argmax(-1)                # exponential race, E ~ Exp(1) drawn by the user
+                                                # (also argmax(-1, keepdim=True), as gpt-fast)
         tok = (r.log() + G).argmax(-1)          # Gumbel-max, G drawn by the user
         tok = torch.multinomial(r, 1)           # multinomial (the user's op is kept)
 
     Race and Gumbel become `npuspec::residual_sample(p, q, noise, normalize, sampler)`;
     multinomial becomes `torch.multinomial(npuspec::residual_probs(p, q, normalize), 1)`, so
-    the multinomial draws the same numbers from the same generator. p, q, noise must share
-    one float dtype; p and q one shape."""
+    the multinomial draws the same numbers from the same generator. The where spelling maps
+    a NaN of p - q to 0 where clamp keeps it: it becomes the ops' nonneg="where", which
+    evaluates that where. p, q, noise must share one float dtype; p and q one shape."""
 
     name = "residual"
     Config = ResidualConfig
@@ -264,29 +276,33 @@ class Residual(VerifyPattern):
         ex = lambda: [torch.rand(2, 9), torch.rand(2, 9), torch.rand(2, 9) + 0.1]  # noqa: E731
         ex2 = lambda: [torch.rand(2, 9), torch.rand(2, 9)]  # noqa: E731
         for norm, sampler, clamp in itertools.product(self.config.normalize, self.config.samplers,
-                                                      ("clamp", "clamp_min")):
+                                                      self.config.clamps):
+            mode = ("where",) if clamp == "where" else ()  # the op's nonneg, default "clamp"
             if sampler == "multinomial":
                 def s(p, q, norm, clamp):
                     return torch.multinomial(_resid(p, q, norm, clamp), 1)
 
-                def r(p, q, norm):
-                    return torch.multinomial(npuspec_ops.residual_probs(p, q, norm), 1)
+                def r(p, q, norm, mode):
+                    return torch.multinomial(npuspec_ops.residual_probs(p, q, norm, *mode), 1)
 
                 out.append(Spelling(f"{sampler}_{norm}_{clamp}", _bind(s, norm=norm, clamp=clamp),
-                                    _bind(r, norm=norm), ex2))
+                                    _bind(r, norm=norm, mode=mode), ex2))
                 continue
 
-            def s(p, q, noise, norm, sampler, clamp):
+            def s(p, q, noise, norm, sampler, clamp, keep):
                 res = _resid(p, q, norm, clamp)
                 score = res / noise if sampler == "race" else res.log() + noise
-                return score.argmax(dim=-1)
+                return score.argmax(dim=-1, keepdim=True) if keep else score.argmax(dim=-1)
 
-            def r(p, q, noise, norm, sampler):
-                return npuspec_ops.residual_sample(p, q, noise, norm, sampler)
+            def r(p, q, noise, norm, sampler, mode, keep):
+                tok = npuspec_ops.residual_sample(p, q, noise, norm, sampler, *mode)
+                return tok.unsqueeze(-1) if keep else tok  # the same indices, the dim kept
 
-            out.append(Spelling(f"{sampler}_{norm}_{clamp}",
-                                _bind(s, norm=norm, sampler=sampler, clamp=clamp),
-                                _bind(r, norm=norm, sampler=sampler), ex))
+            for keep in (False, True) if sampler in self.config.keepdim else (False,):
+                out.append(Spelling(f"{sampler}_{norm}_{clamp}" + ("_keepdim" if keep else ""),
+                                    _bind(s, norm=norm, sampler=sampler, clamp=clamp, keep=keep),
+                                    _bind(r, norm=norm, sampler=sampler, mode=mode, keep=keep),
+                                    ex))
         return out
 
     def extra_check(self, match) -> bool:

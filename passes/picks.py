@@ -9,15 +9,17 @@ Codebases read p(x) at the drafted ids in several ways that move the same data:
     p.gather(-1, ids3)[..., 0]                               # also p.gather(-1, ids[..., None])[..., 0]
 
 `canonical_picks` rewrites the others into the first. It also removes two things that hide a
-pick from the families without changing any value: `x * 1` on a float (a lenience factor at
-its default), and `zeros_like(x)` (or ones/empty/rand/randn) of a contiguous x, remade from
-x's shape, so a draw `zeros_like(q).uniform_()` or `rand_like(ratio)` no longer counts as a
-second user of q or of the ratio. Each rewrite is pure data movement with
-the same values: advanced indexing with `arange` rows and columns reads p[b, k, ids[b, k]],
-which is what gather reads; int32 ids are widened to int64 (gather's index type), which
-changes no id; a reshape that drops a trailing 1, or `[..., 0]` on it, is that squeeze. The arange operands are
-checked by evaluating them (they are computed from constants only), so any spelling of
-arange(B)[:, None] / arange(K) is recognised and nothing else is.
+pick from the families without changing any value: `x * 1` on a float (a lenience factor at its
+default), and `zeros_like(x)` (or ones/empty/rand/randn) of a contiguous x, remade from x's
+shape, so a draw `zeros_like(q).uniform_()` or `rand_like(ratio)` no longer counts as a second
+user of q or of the ratio. A fill written over the picks afterwards (vLLM v1's `draft_px[pad] =
+inf`, a bool [B, K] mask) moves before the pick, onto the rows of q, and the
+`squeeze(unsqueeze(x, d), d)` that functionalizing that write leaves is x. Each rewrite is pure
+data movement with the same values: advanced indexing with `arange` rows and columns reads p[b,
+k, ids[b, k]], which is what gather reads; int32 ids are widened to int64 (gather's index type),
+which changes no id; a reshape that drops a trailing 1, or `[..., 0]` on it, is that squeeze.
+The arange operands are checked by evaluating them (they are computed from constants only), so
+any spelling of arange(B)[:, None] / arange(K) is recognised and nothing else is.
 """
 from __future__ import annotations
 
@@ -173,6 +175,54 @@ def _fresh_like(graph: Graph, n: Node) -> Node:
     return new
 
 
+def _filled_pick(n: Node) -> Optional[tuple]:
+    """(q, U, mask, c) when n is index_put(squeeze(gather(q, 2, U), 2), [mask], c): a
+    one-element c written over the picks of the rows where the bool [B, K] mask holds (vLLM
+    v1's `draft_px[pad] = inf`, padded slots never accepted)."""
+    if n.target is not aten.index_put.default or len(n.args) != 3 or n.kwargs:
+        return None
+    x, indices, c = n.args
+    if (not isinstance(x, Node) or x.target is not aten.squeeze.dim or x.args[1] != 2
+            or len(indices) != 1 or not isinstance(indices[0], Node)):
+        return None
+    g = x.args[0]
+    if g.target is not aten.gather.default or len(g.args) != 3 or g.args[1] != 2 or g.kwargs:
+        return None
+    q, U, mask = g.args[0], g.args[2], indices[0]
+    qv, xv, mv, cv = _val(q), _val(x), _val(mask), _val(c)
+    if any(v is None for v in (qv, xv, mv, cv)) or qv.dim() != 3 or xv.dim() != 2:
+        return None
+    if (mv.dtype != torch.bool or mv.dim() != 2 or cv.dim() != 0 or cv.dtype != qv.dtype
+            or not all(prefix._same(a, b) for a, b in zip(mv.shape, xv.shape))):
+        return None
+    return q, U, mask, c
+
+
+def _fill_before_pick(graph: Graph, n: Node) -> Optional[Node]:
+    """index_put(q.gather(2, U).squeeze(2), [mask], c) -> index_put(q, [mask], c).gather(2,
+    U).squeeze(2). The bool [B, K] mask selects whole [V] rows of q, so every id picked from a
+    masked row reads c and every other pick reads q: the same values, bit for bit, with q's
+    pick in the families' form. It costs a [B, K, V] copy of q where the fill was [B, K]."""
+    found = _filled_pick(n)
+    if found is None:
+        return None
+    q, U, mask, c = found
+    filled = _new(graph, aten.index_put.default, (q, [mask], c), n)
+    g = _new(graph, aten.gather.default, (filled, 2, U), n)
+    return _new(graph, aten.squeeze.dim, (g, 2), n)
+
+
+def _undone_unsqueeze(n: Node) -> bool:
+    """squeeze(unsqueeze(x, d), d): x itself (what functionalizing a write into a squeezed view
+    leaves behind); not when it is a graph output, which must not become x."""
+    if n.target is not aten.squeeze.dim or len(n.args) != 2:
+        return False
+    u = n.args[0]
+    return (isinstance(u, Node) and u.target is aten.unsqueeze.default and len(u.args) == 2
+            and u.args[1] == n.args[1] and isinstance(u.args[1], int) and u.args[1] >= 0
+            and all(m.op != "output" for m in n.users))
+
+
 def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
     """Rewrite the pick spellings above into gather/unsqueeze/squeeze (and drop the exact
     no-ops and shape-only uses that would hide one). Returns how many."""
@@ -203,7 +253,9 @@ def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
             new = _new(graph, aten.gather.default, (n.args[0], 2, u), n)
         elif _trailing_one_view(n):
             new = _new(graph, aten.squeeze.dim, (n.args[0], 2), n)
-        else:
+        elif _undone_unsqueeze(n):
+            new = n.args[0].args[0]
+        elif (new := _fill_before_pick(graph, n)) is None:
             continue
         n.replace_all_uses_with(new)
         done += 1

@@ -14,7 +14,9 @@ GreedyVerify, RatioAccept's rejection spellings).
 
 A proof over every mask is a proof: the sub-graph reads nothing but `ok`, and the masks are
 all of its values. K is limited to MAX_K (2^K evaluations, batched); random ops, graph inputs
-and data-dependent shapes end the search for that sub-graph, which is then left as written.
+(but `ok`'s own batch size) and data-dependent shapes end the search for that sub-graph, which
+is then left as written. Where a proven count's mask `ok.cumprod(1)` is used elsewhere too, it
+is rebuilt from the count (`masks_from_counts`).
 """
 from __future__ import annotations
 
@@ -57,13 +59,17 @@ def _flags(graph: Graph) -> list[Node]:
 def closure(ok: Optional[Node], n: Node, budget: int = MAX_NODES) -> Optional[list[Node]]:
     """The nodes computing `n` from `ok` and constants (from constants only when `ok` is
     None), in graph order, or None when `n` reads anything else (a graph input, a random op,
-    more than `budget` nodes)."""
+    more than `budget` nodes). The batch size of `ok` as a SymInt input (`zeros(B, 1)` under
+    a dynamic batch) counts as part of `ok`: the evaluation binds it to the rows it runs."""
     seen, stack = set(), [n]
     while stack:
         m = stack.pop()
         if m is ok or m in seen:
             continue
         if m.op == "get_attr" and _attr(m) is not None:  # a lifted constant (arange(K))
+            seen.add(m)
+            continue
+        if m.op == "placeholder" and ok is not None and _is_batch_size(m, ok):
             seen.add(m)
             continue
         if m.op != "call_function" or len(seen) >= budget:
@@ -76,6 +82,11 @@ def closure(ok: Optional[Node], n: Node, budget: int = MAX_NODES) -> Optional[li
     if ok is not None and ok not in _inputs(seen):
         return None
     return [m for m in n.graph.nodes if m in seen]
+
+
+def _is_batch_size(m: Node, ok: Node) -> bool:
+    v, b = m.meta.get("val"), _val(ok).shape[0]
+    return isinstance(v, torch.SymInt) and not isinstance(b, int) and _same(v, b)
 
 
 def _attr(m: Node):
@@ -92,6 +103,8 @@ def _inputs(nodes) -> set:
 def run(order: list[Node], env: dict):
     """Evaluate `order` on the values in `env` (node -> tensor); -> the last node's value."""
     for m in order:
+        if m in env:  # bound by the caller (the batch size)
+            continue
         if m.op == "get_attr":
             env[m] = _attr(m)
             continue
@@ -152,7 +165,8 @@ def _proves_real(order, ok: Node, kind: str, b) -> Optional[bool]:
             if kind == "scalar":
                 r = torch.stack([run(order, {ok: chunk[j:j + 1]}).reshape(()) for j in range(rows)])
             else:
-                r = run(order, {ok: chunk}).reshape(rows)
+                sizes = {m: rows for m in order if m.op == "placeholder"}  # the batch size
+                r = run(order, {ok: chunk, **sizes}).reshape(rows)
             got.append(r[:min(rows, len(masks) - i)])
         got = torch.cat(got)
     except Exception as e:  # an op this evaluation cannot run (shapes, device): no proof
@@ -223,7 +237,7 @@ def _fill_meta(graph: Graph, root: Node, last: Node) -> None:
 
 def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
     """Replace every proven prefix-count sub-graph by the canonical spelling. Returns how many."""
-    done = 0
+    done, made = 0, []
     for ok in _flags(graph):
         b = _val(ok).shape[0]
         proven: set = set()
@@ -243,11 +257,101 @@ def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
             new = _canonical(graph, ok, n, kind, flavor, leading)
             n.replace_all_uses_with(new)
             proven.update(order)
+            made.append(new)
             done += 1
-    if done:
+    masks = masks_from_counts(graph, flavor, made)
+    if done or masks:
         graph.eliminate_dead_code()
-        log.info("npuspec passes: %d accepted-prefix counts proven and canonicalised", done)
+        log.info("npuspec passes: %d accepted-prefix counts proven and canonicalised, %d masks "
+                 "rebuilt from them", done, masks)
     return done
+
+
+def masks_from_counts(graph: Graph, flavor: str, made: list) -> int:
+    """For each count the proof wrote (`made`: its final nodes), `n = ok.cumprod(1).sum(1)`,
+    the users of the user's own `ok.cumprod(1)` (the accept mask, vLLM v1's kept tokens, when
+    the count was spelled from it another way) read `(arange(K) < n[:, None])` as int64
+    instead. For a bool ok the cumprod is 1 exactly at the positions before the first False,
+    which is that comparison: the same int64 values. Without it the family still matches the
+    count, but the user's whole accept chain (picks, ratio, compare, cumprod) stays in the graph
+    beside the fused op to feed the mask; with it, that chain is gone. A mask beside a count
+    written `mask.sum(1)` is left as written (test_near_miss.py: an extra use blocks that
+    match)."""
+    done = 0
+    for s in filter(None, map(_sum_of, made)):
+        ok = _counted_flags(s)
+        pos = {m: i for i, m in enumerate(graph.nodes)}
+        cs = sorted((c for c in ok.users if _cumprod_of(c, ok)), key=pos.__getitem__)
+        others = [(c, u) for c in cs for u in c.users if u is not s]
+        if not others:
+            continue
+        # s reads the earliest cumprod and moves up to it (its only input), so the mask made
+        # right after s comes before every user it takes over
+        s.replace_input_with(s.args[0], cs[0])
+        cs[0].append(s)
+        mask = _mask_from_count(graph, s, _val(ok).shape[1], flavor)
+        for c, u in others:
+            u.replace_input_with(c, mask)
+        done += 1
+    return done
+
+
+def _sum_of(new: Node) -> Optional[Node]:
+    """The `sum(cumprod(ok, 1), [1])` under the casts and shaping `_canonical` adds, when its
+    ok is a bool [B, K] (not a negation, which no user's cumprod reads)."""
+    while isinstance(new, Node) and _counted_flags(new) is None:
+        if new.op != "call_function" or not new.args:
+            return None
+        new = new.args[0]
+    return new if isinstance(new, Node) else None
+
+
+def _cumprod_of(c: Node, ok: Node) -> bool:
+    return (c.op == "call_function" and c.target is aten.cumprod.default and not c.kwargs
+            and len(c.args) == 2 and c.args[0] is ok and c.args[1] == 1)
+
+
+def _counted_flags(s: Node) -> Optional[Node]:
+    """ok when s is sum(cumprod(ok, 1), [1]) of a bool [B, K] ok with a static K."""
+    if s.op != "call_function" or s.target is not aten.sum.dim_IntList or s.kwargs:
+        return None
+    if len(s.args) != 2 or list(s.args[1]) != [1] or not isinstance(s.args[0], Node):
+        return None
+    c = s.args[0]
+    if not isinstance(c.args[0], Node) or not _cumprod_of(c, c.args[0]):
+        return None
+    v = _val(c.args[0])
+    ok = v is not None and v.dtype == torch.bool and v.dim() == 2 and isinstance(v.shape[1], int)
+    return c.args[0] if ok else None
+
+
+def _mask_from_count(graph: Graph, s: Node, k: int, flavor: str) -> Node:
+    """(arange(K)[None, :] < s[:, None]).long(), inserted after s."""
+    dev = _val(s).device
+    with graph.inserting_after(s):
+        if flavor == "inductor":  # what Inductor's decompositions make of arange
+            pos = graph.call_function(torch.ops.prims.iota.default, (k,), {
+                "start": 0, "step": 1, "dtype": torch.int64, "device": dev,
+                "requires_grad": False})
+        else:
+            pos = graph.call_function(aten.arange.default, (k,), {
+                "dtype": torch.int64, "device": dev, "pin_memory": False})
+    with graph.inserting_after(pos):
+        col = graph.call_function(aten.unsqueeze.default, (s, 1))
+    with graph.inserting_after(col):
+        lt = graph.call_function(aten.lt.Tensor, (pos, col))
+    with graph.inserting_after(lt):
+        mask = _cast(graph, lt, torch.int64, flavor)
+    pos.meta["val"] = _val(s).new_empty((k,), dtype=torch.int64)  # in s's own (fake) mode
+    for n in (col, lt, mask):
+        _eval_meta(n)
+    return mask
+
+
+def _eval_meta(n: Node) -> None:
+    args = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, n.args)
+    kwargs = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, n.kwargs)
+    n.meta["val"] = n.target(*args, **kwargs)
 
 
 def _is_canonical(order: list[Node], ok: Node) -> bool:
@@ -256,6 +360,8 @@ def _is_canonical(order: list[Node], ok: Node) -> bool:
     if order and order[0].target is aten.bitwise_not.default and order[0].args[0] is ok:
         ok, order = order[0], order[1:]
     targets = [m.target for m in order]
+    if targets == [aten.cumprod.default] and any(_counted_flags(u) is ok for u in order[0].users):
+        return True  # at K = 1 the canonical count's own [B, 1] mask is a "count" too
     return (targets[:2] == [aten.cumprod.default, aten.sum.dim_IntList]
             and order[0].args[0] is ok and order[0].args[1] == 1
             and len(order[1].args) == 2 and not order[1].kwargs.get("keepdim")

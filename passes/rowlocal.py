@@ -9,9 +9,10 @@ sub-graph is left as written.
 
 A value is *local* (row b reads only row b of `ok`, dim 0 is the row dim) or *constant* (reads
 no `ok`). Locality holds through pointwise ops whose local inputs share the output's rank,
-reductions, scans and selections along dims other than 0, views that keep dim 0, and gathers
-along other dims. A constant may meet a local value only where it does not vary along dim 0,
-so every row computes the same function. A batch of one row is trivially local.
+reductions, scans and selections along dims other than 0, views that keep dim 0, gathers
+along other dims, and cats along other dims of local and one-valued operands. A constant may
+meet a local value only where it does not vary along dim 0, so every row computes the same
+function. A batch of one row is trivially local.
 """
 from __future__ import annotations
 
@@ -127,6 +128,8 @@ def _step_local(m: Node, local: set, uniform: set, b) -> bool:
         return (all(_val(a).dim() == rank and _has_rows(_val(a), b)
                     for a in tensors if a in local)
                 and all(a in uniform or _const_flat_rows(_val(a), rank) for a in const))
+    if name == "cat":
+        return _cat_rows(m, local, uniform, b, rank)
     src = m.args[0]
     if src not in local or not _has_rows(_val(src), b):
         return False
@@ -147,6 +150,24 @@ def _step_local(m: Node, local: set, uniform: set, b) -> bool:
         dim, idx = m.args[1], m.args[2]
         return idx in local and isinstance(dim, int) and dim % _val(src).dim() != 0
     return False
+
+
+def _cat_rows(m: Node, local: set, uniform: set, b, rank: int) -> bool:
+    """cat along a dim other than 0: row b of the result is row b of each operand side by side
+    (a False column appended to the flags, MLX's `.index(False)`). An operand that reads no
+    `ok` must be one-valued (zeros_like(ok[:, :1]), full((B, 1), c)), so every row gets the
+    same columns. Along dim 0 the operands' rows are stacked, so row b moves: refused."""
+    parts = m.args[0]
+    dim = m.args[1] if len(m.args) > 1 else m.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or not isinstance(dim, int) or dim % rank == 0:
+        return False
+    for a in parts:
+        if a in local:  # a lower-rank local operand cannot occur: cat wants one rank
+            if not (_has_rows(_val(a), b) and _val(a).dim() == rank):
+                return False
+        elif not (isinstance(a, Node) and a in uniform and _has_rows(_val(a), b)):
+            return False  # a constant that may vary by row, or a legacy empty operand
+    return True
 
 
 def _full_slice(m: Node) -> bool:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-RULES: tuple = ()  # rule modules, in the order they run
+from npuspec.passes.rewrites import gather_rows, k_one, keepdim, nonneg
+
+RULES: tuple = (gather_rows, nonneg, keepdim, k_one)  # rule modules, in the order they run
 
 
 def normalize(graph: Graph, flavor: str) -> dict:

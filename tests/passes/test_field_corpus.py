@@ -38,6 +38,16 @@ FUSED_NOW = {
     "lucidrains_whole_step",          # ratio_accept only
     "medusa_greedy_posterior",        # greedy_accept, in the graph before `if accept_length == 0`
     "eagle_greedy_posterior",         # greedy_accept, likewise
+    # issue 37's rewrites and rounds:
+    "vllm_v1_native_random",          # ratio_accept (gather_rows, the pad fill moved to q)
+    "vllm_v1_native_ngram",           # ratio_accept, likewise
+    "vllm_ascend_greedy_spec_len_1",  # greedy_accept (k_one)
+    "sglang_tree_greedy_chain",       # greedy_accept (k_one)
+    "gpt_fast_speculative_decode",    # residual_sample (nonneg where mode), one graph of three
+    "gpt_fast_residual",              # residual_sample (nonneg where mode, keepdim race)
+    "romsto_max_fn_residual",         # residual_probs (nonneg where mode)
+    "medusa_typical_posterior",       # ratio_accept (shared intermediates round)
+    "lmdeploy_torch_greedy",          # greedy_accept (shared intermediates round)
 }
 
 # run under the inductor lowering in the quick suite; the rest are marked slow
