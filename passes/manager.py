@@ -121,9 +121,10 @@ def compiled(pattern: VerifyPattern, flavor: str) -> _Compiled:
 # The last few runs as (flavor, {family: count}, graph text after the passes), newest last:
 # what tests and `npuspec` debugging look at to see which ops a compile produced.
 HISTORY: collections.deque = collections.deque(maxlen=32)
-# Seconds each run took, newest last (`npuspec bench passes` reports them beside Inductor's
-# compile time for the same graph): the dry run, the rewrites and the replacements together.
-SECONDS: collections.deque = collections.deque(maxlen=256)
+# Runs and seconds spent in them, totals over the process (`npuspec bench passes` reports the
+# time a compile added beside Inductor's compile time for the same graph): the dry run, the
+# rewrites and the replacements together.
+TOTALS = {"runs": 0, "seconds": 0.0}
 
 
 def _remove_noop_ops(graph: torch.fx.Graph) -> None:
@@ -199,7 +200,8 @@ class PassManager:
         if seq:
             _dump(graph, "2_after", seq)
         HISTORY.append((flavor, dict(found), str(graph)))
-        SECONDS.append(time.perf_counter() - t0)
+        TOTALS["runs"] += 1
+        TOTALS["seconds"] += time.perf_counter() - t0
         log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
         return found
 

@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
 from npuspec.passes import prefix
-from npuspec.passes.prefix import _static, _val  # one definition of each for both passes
+from npuspec.passes.rewrites.nodes import _static, _val
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten

@@ -28,6 +28,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
+from npuspec.passes.rewrites.nodes import _cast, _val
 from npuspec.passes.rowlocal import row_local
 
 log = logging.getLogger("npuspec.passes")
@@ -35,15 +36,6 @@ aten = torch.ops.aten
 
 MAX_K = 12
 MAX_NODES = 40  # nodes between `ok` and a count: larger sub-graphs are not verify code
-
-
-def _val(n):
-    v = n.meta.get("val") if isinstance(n, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
-
-
-def _static(shape) -> bool:
-    return all(isinstance(s, int) for s in shape)
 
 
 def _flags(graph: Graph) -> list[Node]:
@@ -176,13 +168,6 @@ def _proves_real(order, ok: Node, kind: str, b) -> Optional[bool]:
         if got.shape == want.shape and bool((got.to(torch.float64) == want.to(torch.float64)).all()):
             return leading
     return None
-
-
-def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
-    # what `.to(dtype)` traces to in each flavor (Inductor's decompositions: a prims cast)
-    if flavor == "inductor":
-        return graph.call_function(torch.ops.prims.convert_element_type.default, (x, dtype))
-    return graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
 
 
 def _canonical(graph: Graph, ok: Node, like: Node, kind: str, flavor: str,

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.prefix import _static, _val
+from npuspec.passes.rewrites.nodes import _static, _val
 
 NAME = "gather_rows"
 aten = torch.ops.aten

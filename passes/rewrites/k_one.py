@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.prefix import _cast, _val
+from npuspec.passes.rewrites.nodes import _cast, _val
 
 NAME = "k_one"
 aten, prims = torch.ops.aten, torch.ops.prims
