@@ -11,6 +11,10 @@ in both graphs first:
 - `select(x, dim, index)` gets a non-negative index;
 - `a <= b` becomes `b >= a` and `a < b` becomes `b > a` (tensor-tensor compares; identical
   results, NaN included), so `u <= ratio` and `ratio >= u` are one pattern;
+- `a == b` and `a != b` put a position grid (an arange) first and a target token (an argmax)
+  last, through views and casts, so `drafts == target[:, :-1]` and its mirror are one pattern;
+- a one-sided `clamp(x, min=c)` / `clamp(x, max=c)` becomes `clamp_min(x, c)` /
+  `clamp_max(x, c)` (the kernels ATen runs for them);
 - repeated identical views (`slice`, `select`, `unsqueeze`, `squeeze` of the same node with the
   same literals) become one node, so `pk = p[:, :K]` used twice and `p[:, :K]` written twice
   are one pattern. Views are pure, so sharing one changes no value.
@@ -45,6 +49,15 @@ _DIM_ARG = {
     aten.sort.default: (1, 0), aten.topk.default: (2, 0),
 }
 _FLIP = {aten.le.Tensor: aten.ge.Tensor, aten.lt.Tensor: aten.gt.Tensor}
+# symmetric compares: operands ordered by where they come from (_side), so `drafts == target`
+# and `target == drafts` are one pattern
+_SYMMETRIC = (aten.eq.Tensor, aten.ne.Tensor)
+# views and casts a compare operand is looked through to find what it comes from
+_THROUGH = (aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.squeeze.dims, aten.view.default, aten.reshape.default, aten._to_copy.default,
+            torch.ops.prims.convert_element_type.default, aten.expand.default)
+_IOTA = (aten.arange.default, aten.arange.start, aten.arange.start_step,
+         torch.ops.prims.iota.default)
 # op -> index of a list-of-dims argument
 _DIMS_ARG = {
     aten.sum.dim_IntList: 1, aten.amax.default: 1, aten.amin.default: 1,
@@ -123,6 +136,32 @@ def _canon_select(node: Node) -> None:
         node.args = (node.args[0], dim, idx % size)
 
 
+def _side(n, depth: int = 6) -> int:
+    """0: an arange (a position grid), 2: an argmax (a target token), 1: anything else."""
+    for _ in range(depth):
+        if not isinstance(n, Node) or n.op != "call_function":
+            return 1
+        if n.target in _IOTA:
+            return 0
+        if n.target in (aten.argmax.default, aten.max.dim):
+            return 2
+        if n.target not in _THROUGH:
+            return 1
+        n = n.args[0]
+    return 1
+
+
+def _canon_clamp(node: Node) -> None:
+    """`clamp(x, c, None)` -> `clamp_min(x, c)`, `clamp(x, None, c)` -> `clamp_max(x, c)`: ATen
+    runs the one-sided kernel for a one-sided clamp, and Inductor lowers both alike."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    x, lo, hi = args[:3]
+    if node.kwargs or (lo is None) == (hi is None):
+        return
+    node.target = aten.clamp_min.default if hi is None else aten.clamp_max.default
+    node.args = (x, lo if hi is None else hi)
+
+
 def canonicalize(graph: Graph) -> Graph:
     """Rewrite dim/slice/select literals of `graph` in place into the canonical form."""
     for node in graph.nodes:
@@ -132,6 +171,12 @@ def canonicalize(graph: Graph) -> Graph:
         if t in _FLIP and len(node.args) == 2 and not node.kwargs:
             node.target = _FLIP[t]
             node.args = (node.args[1], node.args[0])
+        elif t in _SYMMETRIC and len(node.args) == 2 and not node.kwargs:
+            a, b = node.args
+            if _side(a) > _side(b):
+                node.args = (b, a)
+        elif t is aten.clamp.default:
+            _canon_clamp(node)
         elif t is aten.slice.Tensor:
             _canon_slice(node)
         elif t is aten.select.int:

@@ -27,8 +27,9 @@ family maps that form to the residual ops' `nonneg="where"` mode, which evaluate
 The clamp class is one function up to two things: the sign of a zero and the payload of a NaN
 (NaN sits at the same places, every other value is the same bits). Even relu and clamp, equal
 in eager, differ under Inductor. Its members are rewritten into what `torch.clamp(x, min=0)`
-traces to, the form of the Residual and whole-step families (`clamp(x, 0)` in the "aten"
-flavor, `clamp_min(x, 0)` in Inductor's), and only where neither difference can reach anything
+becomes, the form of the Residual and whole-step families (`clamp_min(x, 0)` in both flavours:
+Inductor's table writes it so, and canonical.py turns a one-sided clamp into it), and only
+where neither difference can reach anything
 the graph returns: every use of the site must end, through the ops below, in an `argmax` or a
 one-sample `multinomial` (the residual's race, Gumbel-max or multinomial), whose outputs depend
 only on which entries are NaN and on the order of the values, in which -0.0 == +0.0. Write
@@ -132,8 +133,9 @@ def _float_site(n: Node, x) -> Optional[Node]:
 # the clamp class -> torch.clamp(x, min=0), where only argmax / multinomial(.., 1) see the result
 # --------------------------------------------------------------------------------------------
 def _canonical_clamp(flavor: str):
-    """The op `torch.clamp(x, min=0)` traces to (Inductor's table makes it clamp_min)."""
-    return aten.clamp.default if flavor == "aten" else aten.clamp_min.default
+    """The op `torch.clamp(x, min=0)` becomes in both flavours: clamp_min (Inductor's table
+    writes it so; in the aten flavour the literal canonicaliser does, canonical.py)."""
+    return aten.clamp_min.default
 
 
 def _clamp_input(graph: Graph, n: Node, flavor: str) -> Optional[Node]:

@@ -306,8 +306,6 @@ ENTRIES = all_entries()
 # the quick slice's variants that lose a match today, minimised to one rewrite by the slow run
 # (strict: once a pass learns the spelling this fails until the entry is taken out)
 KNOWN_BREAKS = {
-    "step_ascend_block": "clamp_forms: pi.clamp(max=1.0) -> pi.clamp_max(1.0) loses "
-                         "sample_verify (only residual fuses)",
     "vllm_v1_native_random": "squeeze_index: q.gather(dim=-1, index=ids.unsqueeze(-1))"
                              ".squeeze(-1) -> [..., 0] loses ratio_accept",
 }
