@@ -52,7 +52,13 @@ def gloo_call(fn, *tensors: torch.Tensor) -> None:
     `drain_gloo` sees gloo release them."""
     held = tuple((t, t._use_count()) for t in tensors)
     fn()
+    while _GLOO_HELD and _released(_GLOO_HELD[0]):  # keep only what gloo may still hold: a
+        _GLOO_HELD.popleft()                         # prefill's logits parts are large
     _GLOO_HELD.append(held)
+
+
+def _released(held: tuple) -> bool:
+    return all(t._use_count() <= base for t, base in held)
 
 
 def drain_gloo(timeout_s: float = 5.0) -> bool:
@@ -60,7 +66,7 @@ def drain_gloo(timeout_s: float = 5.0) -> bool:
     they did within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while _GLOO_HELD:
-        if all(t._use_count() <= base for t, base in _GLOO_HELD[0]):
+        if _released(_GLOO_HELD[0]):
             _GLOO_HELD.popleft()
         elif time.monotonic() > deadline:
             log.debug("npuspec: gloo still holds a collective's tensors after %.0f s", timeout_s)
