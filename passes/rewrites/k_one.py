@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.rewrites.nodes import _cast, _val
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _val
 
 NAME = "k_one"
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -121,13 +121,8 @@ def _count(graph: Graph, n: Node, a: Node, b: Node, flavor: str) -> Node:
         c = graph.call_function(aten.cumprod.default, (ok, 1))
         s = graph.call_function(aten.sum.dim_IntList, (c, [1]))
     for m in (a1, b1, ok, c, s):
-        _meta(m)
+        _fake_meta(m)
     return s
-
-
-def _meta(m: Node) -> None:
-    args = [_val(a) if isinstance(a, Node) else a for a in m.args]
-    m.meta["val"] = m.target(*args, **m.kwargs)  # on the fake values, in their own mode
 
 
 def _reuse(graph: Graph, n: Node, s: Node, flavor: str) -> None:
@@ -135,14 +130,14 @@ def _reuse(graph: Graph, n: Node, s: Node, flavor: str) -> None:
         if u.target is aten.where.self:
             with graph.inserting_before(u):
                 flag = _cast(graph, s, torch.bool, flavor)
-            _meta(flag)
+            _fake_meta(flag)
             u.replace_input_with(n, flag)
         elif _cast_dtype(u) == torch.int64:
             u.replace_all_uses_with(s)
         else:
             with graph.inserting_before(u):
                 x = _cast(graph, s, _cast_dtype(u), flavor)
-            _meta(x)
+            _fake_meta(x)
             u.replace_all_uses_with(x)
 
 

@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
+from npuspec.passes.rewrites.nodes import _fake_meta
+
 NAME = "keepdim"
 aten = torch.ops.aten
 _ARG = (aten.argmax.default, aten.argmin.default)
@@ -50,10 +52,7 @@ def _squeezes(u: Node, d: int, rank: int) -> bool:
 
 def _new(graph: Graph, target, args, before: Node) -> Node:
     with graph.inserting_before(before):
-        n = graph.call_function(target, args)
-    vals = [a.meta["val"] if isinstance(a, Node) else a for a in args]
-    n.meta["val"] = target(*vals)  # on the fake values, in their own fake mode
-    return n
+        return _fake_meta(graph.call_function(target, args))
 
 
 def apply(graph: Graph, flavor: str) -> int:

@@ -3,7 +3,9 @@ kept in this package so that the dependency runs one way, passes -> passes/rewri
 from __future__ import annotations
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -23,3 +25,16 @@ def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
     if flavor == "inductor":
         return graph.call_function(torch.ops.prims.convert_element_type.default, (x, dtype))
     return graph.call_function(aten._to_copy.default, (x,), {"dtype": dtype})
+
+
+def _fake_meta(n: Node, like=None) -> Node:
+    """Fill n.meta["val"] by running its op on its inputs' fake values (in their fake mode,
+    or like's when the inputs hold none). -> n"""
+    vals = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, (n.args, n.kwargs))
+    mode = detect_fake_mode(tree_leaves(vals) + ([like] if like is not None else []))
+    if mode is None:
+        n.meta["val"] = n.target(*vals[0], **vals[1])
+    else:
+        with mode:
+            n.meta["val"] = n.target(*vals[0], **vals[1])
+    return n

@@ -60,7 +60,8 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.utils._pytree import tree_leaves, tree_map
+
+from npuspec.passes.rewrites.nodes import _fake_meta, _val
 
 NAME = "nonneg"
 aten = torch.ops.aten
@@ -74,11 +75,6 @@ _META_ONLY = (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.d
               aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
               aten.sym_storage_offset.default)
 _PASS = (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor)  # ~ with one operand from the site
-
-
-def _val(n) -> Optional[torch.Tensor]:
-    v = n.meta.get("val") if isinstance(n, Node) else None
-    return v if isinstance(v, torch.Tensor) else None
 
 
 def _zero_literal(v, positive: bool) -> bool:
@@ -132,16 +128,15 @@ def _float_site(n: Node, x) -> Optional[Node]:
 # --------------------------------------------------------------------------------------------
 # the clamp class -> torch.clamp(x, min=0), where only argmax / multinomial(.., 1) see the result
 # --------------------------------------------------------------------------------------------
-def _canonical_clamp(flavor: str):
-    """The op `torch.clamp(x, min=0)` becomes in both flavours: clamp_min (Inductor's table
-    writes it so; in the aten flavour the literal canonicaliser does, canonical.py)."""
-    return aten.clamp_min.default
+# what `torch.clamp(x, min=0)` becomes in both flavours (Inductor's table writes it so; in the
+# aten flavour the literal canonicaliser does, canonical.py)
+_CANONICAL_CLAMP = aten.clamp_min.default
 
 
 def _clamp_input(graph: Graph, n: Node, flavor: str) -> Optional[Node]:
     """x when n is a clamp-class spelling of max(x, 0) other than the canonical one."""
     t, a = n.target, n.args
-    if t is _canonical_clamp(flavor) and len(a) == 2 and type(a[1]) is int and not n.kwargs:
+    if t is _CANONICAL_CLAMP and len(a) == 2 and type(a[1]) is int and not n.kwargs:
         return None  # clamp(x, 0) / clamp_min(x, 0) already
     x = None
     if t is aten.relu.default:
@@ -257,17 +252,8 @@ def _zero_kwargs(xv) -> dict:
 # --------------------------------------------------------------------------------------------
 def _new(graph: Graph, target, args, kwargs, before: Node, like: torch.Tensor) -> Node:
     """A node before `before`, its meta value computed on fake values (in like's fake mode)."""
-    from torch._guards import detect_fake_mode
     with graph.inserting_before(before):
-        n = graph.call_function(target, args, kwargs)
-    vals = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, (args, kwargs))
-    mode = detect_fake_mode(tree_leaves(vals) + [like])
-    if mode is None:
-        n.meta["val"] = target(*vals[0], **vals[1])
-    else:
-        with mode:
-            n.meta["val"] = target(*vals[0], **vals[1])
-    return n
+        return _fake_meta(graph.call_function(target, args, kwargs), like)
 
 
 def _canonical_where_node(graph: Graph, n: Node, x: Node) -> Node:
@@ -289,7 +275,7 @@ def apply(graph: Graph, flavor: str) -> int:
             x = _clamp_input(graph, n, flavor)
             if x is None or not _token_chain(n):
                 continue
-            new = _new(graph, _canonical_clamp(flavor), (x, 0), {}, n, _val(x))
+            new = _new(graph, _CANONICAL_CLAMP, (x, 0), {}, n, _val(x))
         else:
             new = _canonical_where_node(graph, n, x)
         # both keep x's dtype and shape, which _float_site checked the old node keeps
