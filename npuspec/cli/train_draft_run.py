@@ -262,17 +262,19 @@ def _distilled(args, target_path: str, out: str, tok, stdlib, sep: int):
     settings = {"target_tokenizer": tokenizer_fingerprint(tok), "prompts": prompts,
                 "max_tokens": args.distill_tokens, "chat_template": chat is not None}
     os.makedirs(out, exist_ok=True)
-    t0 = time.time()
+    head: dict = {}
     seqs = distill.load_or_generate(
         os.path.join(out, "distill.jsonl"), settings,
         lambda: distill.generate(target_path, prompts, args.distill_tokens, args.distill_batch,
-                                 chat_tok=chat))
+                                 chat_tok=chat), header=head)
     docs = []
     for enc in tok.encode_batch(distill.pydoc_texts()):
         docs += enc.ids + [sep]
     extra = torch.cat([torch.tensor(docs, dtype=torch.int32), stdlib.train])
     info = {"prompts": len(prompts), "distill_tokens": args.distill_tokens,
-            "chat_template": chat is not None, "distill_seconds": round(time.time() - t0, 1),
+            "chat_template": chat is not None,
+            # how long generating the answers took (the run that made distill.jsonl)
+            "distill_seconds": head.get("seconds"),
             "mixed_with": {"pydoc_topics_tokens": len(docs),
                            "stdlib": {k: stdlib.info[k] for k in ("train_files", "train_tokens")}}}
     return distill.distilled_corpus(seqs, sep, extra=extra, info=info)

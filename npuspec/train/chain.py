@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from npuspec.models.decoder import _linear
 from npuspec.train.config import TrainConfig
 from npuspec.train.data import Batch
 
@@ -115,7 +116,7 @@ def _step_eagle(m, ids, hidden, positions, cos, sin, attend):
     e = _embed(m, ids, hidden.dtype, m.embed_tokens)
     if m.config.para_norm:
         e, hidden = m.embedding_layernorm(e), m.hidden_states_layernorm(hidden)
-    h = m.fc(torch.cat([e, hidden], dim=-1))
+    h = _linear(torch.cat([e, hidden], dim=-1), m.fc)  # serving's call (packed or not)
     for i, layer in enumerate(m.layers):
         x = h if layer.input_layernorm is None else layer.input_layernorm(h)
         h = layer(x, h, cos, sin, attend(i))

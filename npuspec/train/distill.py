@@ -11,7 +11,8 @@ large batch (greedy, so one run reproduces them), and are mixed with offline Eng
     corpus = distilled_corpus(seqs, sep_id, extra=[...])        # -> data.Corpus
 
 The prompts cover the held-out open-ended set's kinds (explanations, stories, advice,
-how-tos, recipes, comparisons) and code, from our own subject lists and Python's topic and
+how-tos, recipes, comparisons), facts, letters and code, from our own subject lists
+(distill_subjects.py) and Python's topic and
 module names; any prompt equal to or containing a held-out one is dropped (the held-out set
 is npuspec/bench/traces/open_ended.jsonl, measured by `npuspec bench methods --prompts
 open-ended`). `load_or_generate` keeps the answers in OUT/distill.jsonl, keyed by their
@@ -23,12 +24,14 @@ import hashlib
 import json
 import os
 import random
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from npuspec.cli_util.prompts import apply_template, open_ended_requests
 from npuspec.train.data import Corpus
+from npuspec.train.distill_subjects import SUBJECTS
 
 # (kind, template): {s} is a subject from the kind's list
 TEMPLATES = {
@@ -41,42 +44,11 @@ TEMPLATES = {
     "howto": ["How do I {s}? Give step-by-step instructions.", "Explain how to {s}."],
     "recipe": ["Give me a simple recipe for {s}.", "How do I cook {s} at home?"],
     "compare": ["Compare {s}.", "What are the differences between {s}?"],
+    "facts": ["Tell me some interesting facts about {s}.", "Describe {s} in a few paragraphs."],
+    "letter": ["Write a short, polite email to {s}.", "Write a friendly letter to {s}."],
     "python": ["Explain the Python topic '{s}' with a small example.",
                "What does the Python standard library module {s} do? Show a short example."],
 }
-SUBJECTS = {
-    "explain": ["photosynthesis", "inflation", "the water cycle", "compound interest",
-                "how vaccines work", "plate tectonics", "machine learning", "black holes",
-                "the immune system", "supply and demand", "electric circuits", "the internet",
-                "climate and weather", "evolution", "encryption", "the stock market",
-                "gravity", "DNA", "renewable energy", "the human brain", "tides", "rainbows",
-                "recycling", "democracy", "antibiotics", "earthquakes", "memory in computers"],
-    "story": ["a lighthouse keeper", "a lost robot", "a dragon who cannot fly",
-              "two friends on a road trip", "a talking cat", "a village by the sea",
-              "an astronaut alone on Mars", "a magic library", "a detective in the rain",
-              "a shy giant", "a time traveller's mistake", "a garden that grows at night",
-              "a fox and a crow", "the last train of the day", "a clockmaker's apprentice"],
-    "advice": ["learn a new language", "start running", "save money each month",
-               "get better sleep", "prepare for a job interview", "learn to program",
-               "keep a houseplant alive", "make new friends in a new city",
-               "study for an exam", "manage stress at work", "start a small business",
-               "speak in public", "travel on a budget", "write a novel"],
-    "howto": ["change a flat tyre", "plant tomatoes", "write a good email",
-              "set up a budget spreadsheet", "tie a tie", "clean a laptop keyboard",
-              "back up my photos", "make a paper airplane", "train a puppy to sit",
-              "organize a small closet", "fix a leaking tap", "take notes in a lecture",
-              "paint a room", "build a campfire safely"],
-    "recipe": ["lentil soup", "pancakes", "vegetable curry", "banana bread",
-               "tomato pasta sauce", "fried rice", "a green salad", "chocolate cookies",
-               "roast chicken", "guacamole", "oatmeal", "mushroom risotto", "omelette"],
-    "compare": ["cats and dogs as pets", "trains and planes for travel", "tea and coffee",
-                "renting and buying a home", "Python and JavaScript", "books and films",
-                "city life and country life", "solar and wind power",
-                "electric and petrol cars", "email and instant messaging",
-                "working from home and working in an office", "summer and winter holidays"],
-}
-
-
 def _python_subjects() -> list[str]:
     import sys
 
@@ -115,7 +87,8 @@ def distill_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def generate(model: str, prompts: Sequence[str], max_tokens: int, batch: int,
-             chat_tok=None, llm_kwargs: Optional[dict] = None) -> list[list[int]]:
+             chat_tok=None, llm_kwargs: Optional[dict] = None,
+             log: Callable[[str], None] = print) -> list[list[int]]:
     """The target's greedy answers through npuspec's engine: [prompt ids + answer ids] per
     prompt. `chat_tok`: a transformers tokenizer with a chat template (cli_util.prompts.
     chat_tokenizer), which the prompts are rendered with first; None sends them as they are.
@@ -126,8 +99,14 @@ def generate(model: str, prompts: Sequence[str], max_tokens: int, batch: int,
              if chat_tok is not None else list(prompts))
     llm = LLM(model, max_num_seqs=batch, max_model_len=max(512, 2 * max_tokens + 256),
               **(llm_kwargs or {}))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    outs, t0 = [], time.time()
+    chunk = 8 * batch  # a progress line per chunk; each chunk still decodes `batch` at a time
     try:
-        outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=max_tokens))
+        for i in range(0, len(texts), chunk):
+            outs += llm.generate(texts[i:i + chunk], params)
+            log(f"self-distilled data: {len(outs)}/{len(texts)} answers, "
+                f"{time.time() - t0:.0f} s")
     finally:
         llm.shutdown()
     return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
@@ -138,10 +117,12 @@ def _settings_key(settings: dict) -> str:
 
 
 def load_or_generate(path: str, settings: dict, make: Callable[[], list[list[int]]],
-                     log: Callable[[str], None] = print) -> list[list[int]]:
-    """The sequences stored at `path` (JSON lines: a header with `settings`, then one
-    {"ids": [...]} per prompt) when they were made with the same settings, else `make()`'s,
-    written there first (atomically)."""
+                     log: Callable[[str], None] = print,
+                     header: Optional[dict] = None) -> list[list[int]]:
+    """The sequences stored at `path` (JSON lines: a header with `settings` and the seconds
+    `make()` took, then one {"ids": [...]} per prompt) when they were made with the same
+    settings, else `make()`'s, written there first (atomically). `header`, when given, gets
+    the stored header's entries (`seconds`: how long generating them took)."""
     key = _settings_key(settings)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
@@ -149,12 +130,18 @@ def load_or_generate(path: str, settings: dict, make: Callable[[], list[list[int
             if head.get("key") == key:
                 seqs = [json.loads(line)["ids"] for line in f if line.strip()]
                 log(f"self-distilled data: {len(seqs)} answers read from {path}")
+                if header is not None:
+                    header.update(head)
                 return seqs
         log(f"self-distilled data: {path} was made with other settings; generating again")
+    t0 = time.time()
     seqs = make()
+    head = {"key": key, "settings": settings, "seconds": round(time.time() - t0, 1)}
+    if header is not None:
+        header.update(head)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps({"key": key, "settings": settings}) + "\n")
+        f.write(json.dumps(head) + "\n")
         for s in seqs:
             f.write(json.dumps({"ids": s}) + "\n")
     os.replace(tmp, path)
@@ -163,13 +150,18 @@ def load_or_generate(path: str, settings: dict, make: Callable[[], list[list[int
 
 def distilled_corpus(seqs: list[list[int]], sep_id: int, extra: Optional[torch.Tensor] = None,
                      val_share: float = 0.02, info: Optional[dict] = None):
-    """A data.Corpus from the sequences, each followed by `sep_id`: the last `val_share` of
-    them (at least one) are its validation split; `extra` (token ids, e.g. the stdlib corpus's
+    """A data.Corpus from the sequences, each followed by `sep_id`: `val_share` of them (at
+    least one, evenly spaced, the last included) are its validation split; `extra` (token ids, e.g. the stdlib corpus's
     training stream) is appended to the training split."""
     if len(seqs) < 2:
         raise ValueError(f"self-distilled data: {len(seqs)} sequence(s); at least 2 are needed "
                          f"(one held out for validation)")
     n_val = max(1, int(len(seqs) * val_share))
+    # every step-th sequence, ending with the last: the prompts come round-robin over the
+    # kinds, so the validation split covers the kinds as the training split does (the tail
+    # alone would be the kinds with the most subjects)
+    step = len(seqs) // n_val
+    val_idx = set(range(len(seqs) - 1, -1, -step)[:n_val])
 
     def stream(ss):
         ids = []
@@ -177,7 +169,8 @@ def distilled_corpus(seqs: list[list[int]], sep_id: int, extra: Optional[torch.T
             ids += s + [sep_id]
         return torch.tensor(ids, dtype=torch.int32)
 
-    train, val = stream(seqs[:-n_val]), stream(seqs[-n_val:])
+    train = stream([s for i, s in enumerate(seqs) if i not in val_idx])
+    val = stream([s for i, s in enumerate(seqs) if i in val_idx])
     distilled_tokens = int(train.numel())
     if extra is not None and extra.numel():
         train = torch.cat([train, extra.to(torch.int32)])

@@ -47,8 +47,11 @@ def test_answers_are_the_engines_greedy_ones_and_generated_once(tmp_path):
         made.append(1)
         return seqs
     assert distill.load_or_generate(path, settings, make, log=lambda s: None) == seqs
-    assert distill.load_or_generate(path, settings, make, log=lambda s: None) == seqs
+    head = {}
+    assert distill.load_or_generate(path, settings, make, log=lambda s: None,
+                                    header=head) == seqs
     assert len(made) == 1  # the second call read the file
+    assert head["settings"] == settings and head["seconds"] >= 0  # the generation's time
     distill.load_or_generate(path, {**settings, "max_tokens": 9}, make, log=lambda s: None)
     assert len(made) == 2  # other settings: generated again
 
@@ -57,6 +60,10 @@ def test_answers_are_the_engines_greedy_ones_and_generated_once(tmp_path):
     assert corpus.train.tolist() == seqs[0] + [0] + seqs[1] + [0]
     with pytest.raises(ValueError, match="at least 2"):
         distill.distilled_corpus(seqs[:1], sep_id=0)
+    ten = [[i] for i in range(10)]  # validation: evenly spaced, the last included
+    corpus = distill.distilled_corpus(ten, sep_id=-1, val_share=0.2)
+    assert corpus.val.tolist() == [4, -1, 9, -1]
+    assert corpus.train.tolist() == [x for i in range(10) if i not in (4, 9) for x in (i, -1)]
 
 
 def test_train_draft_distill(tmp_path, monkeypatch, capsys):
