@@ -9,6 +9,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
+from npuspec._counters import counters
 from npuspec.cli_util import common
 from npuspec.cli_util.errors import UsageError
 from npuspec.engine import LLM, SamplingParams
@@ -142,11 +143,15 @@ def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_
             # copy the earlier passes' (identical, greedy) answers from its response cache
             if llm.proposer is not None:
                 llm.proposer.forget_responses()
+            before = counters.snapshot()
             res = llm.generate(inputs, sp)
+            # steps that ran uncaptured in this pass (the target's or a drafter's)
+            fallbacks = counters.delta(before).get("eager_fallbacks", 0)
             return {"token_ids": [cut_at_eos(r.outputs[0].token_ids, eos) for r in res],
                     "texts": [r.outputs[0].text for r in res],
                     "tokens": sum(len(r.outputs[0].token_ids) for r in res),
-                    "metrics": aggregate_metrics(res, llm.metrics)}
+                    "metrics": aggregate_metrics(res, llm.metrics),
+                    "eager_fallbacks": fallbacks}
         return run
     return setup
 

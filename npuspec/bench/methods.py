@@ -36,11 +36,12 @@ from npuspec.bench.plots import plot_methods, require_matplotlib
 from npuspec.bench.table import print_table
 from npuspec.cli_util import common
 from npuspec.cli_util.common import DEFAULT_SPEC, METHOD_SPECS, add_threads_flag, positive
+from npuspec.cli_util.flags import method_spec
 from npuspec.cli_util.errors import UsageError
 from npuspec.cli_util.prompts import load_prompts
 
 
-def _spec(method: str, k: int, overrides: dict) -> dict | None:
+def _spec(method: str, k: int, overrides: dict, mdir: str = "tiny") -> dict | None:
     if method == "none":
         return None
     if method in overrides:
@@ -48,7 +49,10 @@ def _spec(method: str, k: int, overrides: dict) -> dict | None:
     if method not in METHOD_SPECS:
         raise SystemExit(f"npuspec bench methods: --methods has {method!r}; choose from "
                          f"{', '.join(sorted(METHOD_SPECS))} or pass --spec {method}=JSON")
-    s = dict(METHOD_SPECS[method] or DEFAULT_SPEC)
+    try:  # the target's shipped head (tiny's, SmolLM2's)
+        s = method_spec(method, mdir) or dict(DEFAULT_SPEC)
+    except ValueError as e:
+        raise UsageError(f"{e}; or leave {method} out of --methods", "--methods") from None
     if method != "medusa":  # Medusa drafts exactly its number of heads
         s["num_speculative_tokens"] = k
     return s
@@ -69,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "code-edit,open-ended), are compared in one run, each method's engine "
                         "built once for all of them")
     p.add_argument("--repeats", type=positive, default=3)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the target's and the heads' weights and activations (default float32)")
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="tokens/s per method and prompt set, and acceptance by position "
@@ -104,20 +110,20 @@ def run(args) -> int:
     for n in [int(x) for x in args.max_num_seqs.split(",")]:
         engines: dict = {}
         runners = {(name, m): Runner(m, m, args.k, npuspec_runner(
-            mdir, _spec(m, args.k, overrides), ps, args.max_tokens, n, max_model_len=mml,
-            engines=engines)) for name, ps in sets.items() for m in methods}
+            mdir, _spec(m, args.k, overrides, mdir), ps, args.max_tokens, n, max_model_len=mml,
+            dtype=args.dtype, engines=engines)) for name, ps in sets.items() for m in methods}
         with common.Progress(f"npuspec bench methods (max_num_seqs={n})",
                              len(runners) * (args.repeats + 1)) as bar:
             run_interleaved(list(runners.values()), args.repeats, bar)
         for name, ps in sets.items():
             group = [runners[name, m] for m in methods]
-            rows_n, out_n = _rows(group, n, name, len(ps), args.k, overrides)
+            rows_n, out_n = _rows(group, n, name, len(ps), args.k, overrides, mdir)
             rows += rows_n
             out += out_n
         engines.clear()
     print_table(rows, title=f"npuspec bench methods: {mdir}, prompt sets "
                             f"{', '.join(f'{k} ({len(v)})' for k, v in sets.items())} x "
-                            f"{args.max_tokens} tokens, greedy, K={args.k}, {threads} threads, "
+                            f"{args.max_tokens} tokens, greedy, K={args.k}, {args.dtype}, {threads} threads, "
                             f"median of {args.repeats}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -129,7 +135,8 @@ def run(args) -> int:
     return 1 if bad else 0
 
 
-def _rows(runners, n: int, set_name: str, n_prompts: int, k: int, overrides: dict):
+def _rows(runners, n: int, set_name: str, n_prompts: int, k: int, overrides: dict,
+          mdir: str = "tiny"):
     """The table rows (and JSON rows) of one prompt set: ratios against its own none/ngram."""
     base = runners[0].result["token_ids"]
     tps = {r.system: r.result["tokens"] / r.seconds for r in runners}
@@ -147,10 +154,11 @@ def _rows(runners, n: int, set_name: str, n_prompts: int, k: int, overrides: dic
                "verified/step": per(mt["drafted"]), "accepted/step": per(mt["accepted"]),
                **_draft_share(mt, r.system),
                "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
+               "eager fallbacks": r.result.get("eager_fallbacks", 0),  # in the last timed pass
                "prompts": n_prompts, "warm-up s": r.warmup_seconds}
         rows.append(row)
         out.append(dict(row, acceptance_by_position=mt.get("acceptance_by_position"),
-                        spec=_spec(r.system, k, overrides)))
+                        spec=_spec(r.system, k, overrides, mdir)))
     return rows, out
 
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from npuspec._counters import counters
 from npuspec.bench import common as bench_common
 from npuspec.bench import methods
 
@@ -15,7 +16,15 @@ def test_two_prompt_sets_one_engine_per_method(tmp_path, monkeypatch, capsys):
 
     def make_llm(model, spec, *a, **kw):
         built.append(spec)
-        return real(model, spec, *a[:2], True, *a[3:], **kw)  # enforce_eager
+        llm = real(model, spec, *a[:2], True, *a[3:], **kw)  # enforce_eager
+        if spec and spec["method"] == "suffix":  # one step of each pass "fell back"
+            gen = llm.generate
+
+            def generate(*args, **kwargs):
+                counters.bump("eager_fallbacks")
+                return gen(*args, **kwargs)
+            llm.generate = generate
+        return llm
     monkeypatch.setattr(bench_common, "make_llm", make_llm)
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("def fib(n):\nimport os\n")
@@ -36,6 +45,7 @@ def test_two_prompt_sets_one_engine_per_method(tmp_path, monkeypatch, capsys):
         (str(b), "none"), (str(b), "ngram"), (str(b), "suffix")]
     for r in rows:
         assert r["same as none"] == r["prompts"] == (2 if r["prompt set"] == str(a) else 1)
+        assert r["eager fallbacks"] == (r["method"] == "suffix"), r  # per pass, per row
         if r["method"] == "none":
             assert r["× none"] == 1.0
             assert r["draft % round"] == "-"  # nothing drafts
