@@ -8,6 +8,7 @@ the acceptance by position of the speculative run. Exit status 1 if the outputs 
     npuspec demo
     npuspec demo --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
     npuspec demo --method eagle3        (eagle, eagle3, medusa, mtp: the embedded heads)
+    npuspec demo --model SmolLM2-135M-Instruct.Q4_1.gguf --method eagle3 --prompts open-ended
     npuspec demo --model ~/models/Qwen3-0.6B --prompts prompts.txt --max-tokens 64
     npuspec demo --model SmolLM2-135M-Instruct.Q4_1.gguf --prompts code-edit
 """
@@ -27,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"vllm serve --speculative-config schema, inline JSON or a .json file "
                         f"(default: {json.dumps(DEFAULT_SPEC)})")
     p.add_argument("--method", default=None, choices=sorted(METHOD_SPECS),
-                   help="run this method with its default settings on the embedded model "
-                        "(its draft heads ship with npuspec); --speculative-config overrides")
+                   help="run this method with its default settings: the heads npuspec ships for "
+                        "the embedded model, and EAGLE-3's for SmolLM2-135M-Instruct "
+                        "(smollm2-eagle3); --speculative-config overrides")
     p.add_argument("--max-tokens", type=positive, default=96, help="new tokens per prompt (default 96)")
     p.add_argument("--prompts", default=None, help="prompt file (.txt one per line, .json list, .jsonl), or "
                                                    "'code-edit' (6 built-in code-editing chat requests), "

@@ -9,7 +9,8 @@ import time
 from npuspec.bench.common import aggregate_metrics, make_llm
 from npuspec.bench.table import print_table
 from npuspec.cli_util import common
-from npuspec.cli_util.flags import DEFAULT_SPEC, METHOD_SPECS
+from npuspec.cli_util.errors import UsageError
+from npuspec.cli_util.flags import DEFAULT_SPEC, method_spec
 from npuspec.cli_util.prompts import load_prompts
 from npuspec.engine import SamplingParams
 
@@ -27,12 +28,21 @@ def _first_diff(a, b) -> int:
     return min(len(a), len(b))
 
 
+def _method_spec(method, mdir: str) -> dict:
+    """--method on this target: its shipped head (tiny's, SmolLM2's), or ngram without it."""
+    if method is None:
+        return dict(DEFAULT_SPEC)
+    try:
+        return method_spec(method, mdir) or dict(DEFAULT_SPEC)
+    except ValueError as e:
+        raise UsageError(str(e), "--method") from None
+
+
 def run(args) -> int:
     t_start = time.perf_counter()
-    spec = common.spec_dict(args.speculative_config) or dict(
-        METHOD_SPECS.get(args.method) or DEFAULT_SPEC)
-    cfg = common.spec_config(spec)
     mdir = common.model_dir(args.model)
+    spec = common.spec_dict(args.speculative_config) or _method_spec(args.method, mdir)
+    cfg = common.spec_config(spec)
     common.check_draft(mdir, cfg)
     prompts = load_prompts(args.prompts, model=mdir)
     threads = common.set_threads(args.threads, mdir)

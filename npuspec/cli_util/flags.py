@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 SPEC_FLAG = "--speculative-config"
 # The demo's default: HF prompt lookup's matching rule (longest n-gram of 3 down to 1) with
@@ -25,6 +26,36 @@ METHOD_SPECS = {
     "dflash": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 7},
     "dspark": {"method": "dspark", "model": "tiny-dspark", "num_speculative_tokens": 7},
 }
+
+
+# Heads shipped for real targets (npuspec/models/<target>_drafts, trained by `npuspec
+# train-draft`; each directory's train_recipe.json holds the command): (the target checkpoint's
+# file or directory name, lower-cased, starts with this) -> that target's spec per method.
+# K is the one the head's benchmark recommends (docs/train_draft.md).
+TARGET_METHOD_SPECS = {
+    "smollm2-135m-instruct": {
+        "eagle3": {"method": "eagle3", "model": "smollm2-eagle3", "num_speculative_tokens": 4},
+    },
+}
+MODEL_METHODS = ("eagle", "eagle3", "medusa", "dflash", "dspark")  # need a head's checkpoint
+
+
+def method_spec(method: str, model: str | None) -> dict | None:
+    """`--method M` for the target `model` (a path; None or 'tiny' = the embedded model): its
+    shipped head's spec where there is one, else METHOD_SPECS[M]. None means DEFAULT_SPEC.
+    A head method with no head shipped for a real target raises ValueError naming the fix."""
+    name = os.path.basename(os.path.normpath(model or "tiny")).lower()
+    if name != "tiny" and method in MODEL_METHODS:
+        for prefix, specs in TARGET_METHOD_SPECS.items():
+            if name.startswith(prefix) and method in specs:
+                return dict(specs[method])
+        raise ValueError(
+            f"--method {method}: npuspec ships no {method} head for {model!r} (only for the "
+            f"embedded model and {', '.join(sorted(TARGET_METHOD_SPECS))}); train one with "
+            f"`npuspec train-draft --target {model} --method {method} --out DIR` and pass "
+            f"--speculative-config '{{\"method\": \"{method}\", \"model\": \"DIR\"}}'")
+    spec = METHOD_SPECS[method]
+    return None if spec is None else dict(spec)
 
 
 def add_threads_flag(p) -> None:

@@ -19,7 +19,7 @@ from npuspec.methods import METHODS
 from npuspec.models.config import read_config_json
 from npuspec.models.decoder import slot_cache_rows
 from npuspec.models.loading import read_model_config
-from npuspec.spec_decode.heads import TINY_DRAFTS, head_path, resolve_draft
+from npuspec.spec_decode.heads import SHIPPED_DRAFTS, head_path, resolve_draft
 
 log = logging.getLogger("npuspec.engine")
 
@@ -211,7 +211,7 @@ def check_draft_path(cfg: SpeculativeConfig) -> None:
         return
     what = "a local HF checkpoint directory (config.json + *.safetensors) or a .gguf file" \
         if cfg.method == "draft_model" else \
-        f"the head's checkpoint directory, or a shipped head ({', '.join(TINY_DRAFTS)})"
+        f"the head's checkpoint directory, or a shipped head ({', '.join(SHIPPED_DRAFTS)})"
     raise FileNotFoundError(
         f"speculative_config.model={cfg.model!r}: the draft model path "
         f"{'does not exist' if not os.path.exists(path) else 'is not a directory'}; "

