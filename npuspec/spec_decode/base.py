@@ -109,6 +109,8 @@ class Proposer(metaclass=abc.ABCMeta):
     features: Optional[tuple[tuple, bool]] = None
     # the drafter's nn.Module when it has one (tensor parallelism binds it to the target)
     module: Optional[torch.nn.Module] = None
+    # on_verify(..., defer=True) keeps the step's rows for a later first pass (EAGLE family)
+    defers_first_pass: bool = False
 
     # -- per request (required) ---------------------------------------------------------------
     def start_request(self, req_id: str, prompt: Sequence[int]) -> None:

@@ -10,11 +10,13 @@ import torch
 from npuspec.spec_decode.base import BuildContext, Drafts
 from npuspec.spec_decode.draft_step import DraftFirstPass, DraftLoop
 from npuspec.spec_decode.heads import load_head
-from npuspec.spec_decode.hidden import HiddenStateProposer
+from npuspec.spec_decode.hidden import HiddenStateProposer, Pending
 
 
 class EagleProposer(HiddenStateProposer):
     """EAGLE, EAGLE-3 and MTP: `draft` is an `EagleDraft`, `Eagle3Draft` or `MTPDraft`."""
+
+    defers_first_pass = True
 
     def __init__(self, draft, num_blocks: int, block_size: int, *, padded: bool = True):
         super().__init__(draft, (tuple(draft.aux_layer_ids), bool(draft.final_feature)),
@@ -22,6 +24,75 @@ class EagleProposer(HiddenStateProposer):
         self.cache = draft.allocate_paged_cache(num_blocks, block_size)
         self.first = DraftFirstPass(draft, self.cache)
         self.loop = DraftLoop(draft, self.cache)
+        # deferred first passes (the hybrid drafter's suffix streaks): per request, the
+        # accepted rows of each verify step not yet passed, as (ids [m], positions [m],
+        # features [m, F]); `_catch_up` passes them before the head drafts again
+        self.lag: dict[str, list] = {}
+        self.caught_up = 0  # deferred rows passed so far (a count for tests and metrics)
+
+    def stop_request(self, req_id: str) -> None:
+        super().stop_request(req_id)
+        self.lag.pop(req_id, None)
+
+    def on_verify(self, reqs, k, drafts, res, inp, feats, defer: bool = False) -> None:
+        """`defer` (the hybrid drafter, when every request of the step will take a suffix
+        draft next): keep the step's accepted rows for later instead of the first pass."""
+        if not defer or not self.padded:
+            lagging = [r for r in reqs if r.req_id in self.lag and not r.finished]
+            self._catch_up(lagging)  # the K/V before this step's rows goes first
+            for r in reqs:
+                self.lag.pop(r.req_id, None)  # finished ones need no K/V any more
+            return super().on_verify(reqs, k, drafts, res, inp, feats)
+        pos = inp["positions"].cpu().numpy()
+        for b, r in enumerate(reqs):
+            self._req_objs[r.req_id] = r
+            if r.finished or r.req_id not in self.reqs:
+                continue
+            a = int(res[b, k + 1]) - 1                       # accepted drafts: rows 0..a
+            ids = np.append(np.maximum(drafts[b, :a], 0), res[b, a])  # row j: token n+j+1
+            self.lag.setdefault(r.req_id, []).append(
+                (ids.astype(np.int64), pos[b, :a + 1].astype(np.int64), feats[b, :a + 1].clone()))
+
+    @torch.inference_mode()
+    def _catch_up(self, rs) -> None:
+        """The first pass over the deferred rows of these requests, prefill-shaped (`chunk`
+        tokens per row, right-aligned, up to `max_prefill_rows` requests per call, a request's
+        chunks in order): their draft K/V, and each request's pending row."""
+        r = self.runner
+        todo = []
+        for q in rs:
+            parts = self.lag.pop(q.req_id, None)
+            if parts:
+                todo.append([q, np.concatenate([p[0] for p in parts]),
+                             np.concatenate([p[1] for p in parts]),
+                             torch.cat([p[2] for p in parts])])
+        C = r.chunk
+        while todo:
+            group, todo = todo[:r.max_prefill_rows], todo[r.max_prefill_rows:]
+            n = len(group)
+            ids = np.zeros((n, C), dtype=np.int64)
+            pos = np.zeros((n, C), dtype=np.int64)
+            slots = np.zeros((n, C), dtype=np.int64)  # padding writes the scratch block
+            lens = np.zeros(n, dtype=np.int32)
+            feats = self._features(n, C, group[0][3].shape[-1])
+            for i, (q, t, p, f) in enumerate(group):
+                m = min(C, len(t))
+                self.caught_up += m
+                ids[i, C - m:], pos[i, C - m:] = t[:m], p[:m]
+                slots[i, C - m:] = r.slots(q.blocks, p[:m])
+                lens[i] = p[m - 1] + 1
+                feats[i, C - m:] = f[:m]
+            pre = {"positions": self._t(pos), "slot_mapping": self._t(slots),
+                   "block_table": self._t(r.table([g[0] for g in group], n)),
+                   "seq_lens": self._t(lens)}
+            logits, hidden = self._first_pass(("prefill",), ids, feats, pre, np.full(n, C - 1),
+                                              self._prefill_opts())
+            for i, g in enumerate(group):
+                q, t, p, f = g
+                if len(t) > C:  # more to pass: back in the queue, in order
+                    todo.append([q, t[C:], p[C:], f[C:]])
+                else:
+                    self.reqs[q.req_id] = Pending(int(p[-1]), logits[i], hidden[i])
 
     def _opts(self) -> dict:
         return self.runner.backend_options
@@ -44,6 +115,7 @@ class EagleProposer(HiddenStateProposer):
             return d
         Vd = self.module.draft_vocab_size  # the loop samples in the draft's vocabulary
         rs = [reqs[b] for b in sel]
+        self._catch_up([q for q in rs if q.req_id in self.lag])
         pend = [self.reqs[r.req_id] for r in rs]
         for r, p in zip(rs, pend):
             assert p.t == len(r.tokens) - 2, (r.req_id, p.t, len(r.tokens))

@@ -12,8 +12,11 @@ The threshold is `suffix_min_score` when set; by default it is what the model he
 getting: the mean accepted drafts per step of the requests it drafted (an exponential average
 over request-steps, starting at `DEFAULT_MODEL_ACCEPTED`), and the head's loop must also pay
 for its measured cost (`_model_pays`). The model's draft loop runs only for the requests that
-take its drafts (none: no loop this step); its first pass after each verify step runs for every
-request, so its K/V and pending state stay those of the plain method.
+take its drafts (none: no loop this step). Its first pass after a verify step runs as in the
+plain method, except after a step where every request will take a suffix draft next (EAGLE,
+EAGLE-3, MTP): then the step's accepted rows wait, and the rows of all the steps waiting are
+passed in one prefill-shaped call when the head drafts for the request again, so a suffix
+streak costs the head nothing and its K/V ends up as the plain method's.
 
 Lossless: suffix rows go to the verify op as one-hot q (the suffix draft is a deterministic
 function of the context), model rows with the head's q; both are exact under rejection
@@ -184,7 +187,21 @@ class HybridProposer(Proposer):
         self.model.on_prefill(rows, pre)
 
     def on_verify(self, reqs, k, drafts, res, inp, feats) -> None:
-        self.model.on_verify(reqs, k, drafts, res, inp, feats)
+        if self.model.defers_first_pass and self._next_all_suffix(reqs, k):
+            self.model.on_verify(reqs, k, drafts, res, inp, feats, defer=True)
+        else:
+            self.model.on_verify(reqs, k, drafts, res, inp, feats)
+
+    def _next_all_suffix(self, reqs, k: int) -> bool:
+        """Will every live request of this step take a suffix draft at the next one (by the
+        score rule, on the tree as this step left it)? Then the head's first pass can wait:
+        its rows are passed when the head drafts again (EagleProposer._catch_up)."""
+        live = [r for r in reqs if not r.finished]
+        if not live or k == 0:
+            return bool(live)
+        caps = [min(k, max(r.max_new - 1, 0)) for r in live]
+        return bool(self._takes_suffix(
+            self.suffix.propose_batch_with_probs([r.req_id for r in live], caps))[1].all())
 
     def attach(self, runner) -> None:
         self.model.attach(runner)

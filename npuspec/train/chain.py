@@ -127,7 +127,7 @@ def _step_mtp(m, ids, hidden, positions, cos, sin, attend):
     layer = m.layers[0]
     e = _embed(m, ids, hidden.dtype, layer.embed_tokens)
     e = e.masked_fill((positions == 0)[..., None], 0.0)  # vLLM: nothing precedes position 0
-    h0 = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden)], dim=-1))
+    h0 = _linear(torch.cat([layer.enorm(e), layer.hnorm(hidden)], dim=-1), layer.eh_proj)
     h = layer(layer.input_layernorm(h0), h0, cos, sin, attend(0))
     out = layer.shared_head.norm(h)
     return out, out
