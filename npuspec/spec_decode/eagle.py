@@ -34,6 +34,11 @@ class EagleProposer(HiddenStateProposer):
         super().stop_request(req_id)
         self.lag.pop(req_id, None)
 
+    def on_prefill(self, rows, pre: dict) -> None:
+        for row in rows:  # a recompute after preemption passes those positions again
+            self.lag.pop(row.req.req_id, None)
+        super().on_prefill(rows, pre)
+
     def on_verify(self, reqs, k, drafts, res, inp, feats, defer: bool = False) -> None:
         """`defer` (the hybrid drafter, when every request of the step will take a suffix
         draft next): keep the step's accepted rows for later instead of the first pass."""
