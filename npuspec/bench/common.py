@@ -144,14 +144,17 @@ def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_
             if llm.proposer is not None:
                 llm.proposer.forget_responses()
             before = counters.snapshot()
+            picks0 = dict(getattr(llm.proposer, "picks", None) or {})  # the hybrid's choices
             res = llm.generate(inputs, sp)
             # steps that ran uncaptured in this pass (the target's or a drafter's)
             fallbacks = counters.delta(before).get("eager_fallbacks", 0)
+            picks = {k: v - picks0.get(k, 0)
+                     for k, v in (getattr(llm.proposer, "picks", None) or {}).items()}
             return {"token_ids": [cut_at_eos(r.outputs[0].token_ids, eos) for r in res],
                     "texts": [r.outputs[0].text for r in res],
                     "tokens": sum(len(r.outputs[0].token_ids) for r in res),
                     "metrics": aggregate_metrics(res, llm.metrics),
-                    "eager_fallbacks": fallbacks}
+                    "eager_fallbacks": fallbacks, "picks": picks}
         return run
     return setup
 

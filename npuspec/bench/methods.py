@@ -155,6 +155,9 @@ def _rows(runners, n: int, set_name: str, n_prompts: int, k: int, overrides: dic
                **_draft_share(mt, r.system),
                "same as none": sum(a == b for a, b in zip(r.result["token_ids"], base)),
                "eager fallbacks": r.result.get("eager_fallbacks", 0),  # in the last timed pass
+               # the hybrid's request-steps per drafter (suffix/model/none), last timed pass
+               "picks": "/".join(str(v) for v in r.result["picks"].values())
+               if r.result.get("picks") else "-",
                "prompts": n_prompts, "warm-up s": r.warmup_seconds}
         rows.append(row)
         out.append(dict(row, acceptance_by_position=mt.get("acceptance_by_position"),

@@ -30,22 +30,30 @@ def test_two_prompt_sets_one_engine_per_method(tmp_path, monkeypatch, capsys):
     a.write_text("def fib(n):\nimport os\n")
     b.write_text("The quick brown fox\n")
     js, png = tmp_path / "m.json", tmp_path / "m.png"
-    argv = ["--methods", "ngram,suffix", "--prompts", f"{a},{b}", "--max-tokens", "8",
-            "--repeats", "1", "--json", str(js), "--threads", "1"]
+    hybrid = {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3,
+              "enable_suffix_decoding": True, "suffix_min_score": 0.0}
+    argv = ["--methods", "ngram,suffix,hybrid", "--prompts", f"{a},{b}", "--max-tokens", "8",
+            "--repeats", "1", "--json", str(js), "--threads", "1",
+            "--spec", f"hybrid={json.dumps(hybrid)}"]
     try:
         import matplotlib  # noqa: F401
         argv += ["--plot", str(png)]
     except ImportError:
         png = None
     assert methods.main(argv) == 0
-    assert len(built) == 3  # none, ngram, suffix: each built once for both sets
+    assert len(built) == 4  # none, ngram, suffix, hybrid: each built once for both sets
     rows = json.loads(js.read_text())["rows"]
     assert [(r["prompt set"], r["method"]) for r in rows] == [
-        (str(a), "none"), (str(a), "ngram"), (str(a), "suffix"),
-        (str(b), "none"), (str(b), "ngram"), (str(b), "suffix")]
+        (str(a), m) for m in ("none", "ngram", "suffix", "hybrid")] + [
+        (str(b), m) for m in ("none", "ngram", "suffix", "hybrid")]
     for r in rows:
         assert r["same as none"] == r["prompts"] == (2 if r["prompt set"] == str(a) else 1)
         assert r["eager fallbacks"] == (r["method"] == "suffix"), r  # per pass, per row
+        if r["method"] == "hybrid":  # suffix / model / none request-steps of the pass
+            picks = [int(x) for x in r["picks"].split("/")]
+            assert len(picks) == 3 and sum(picks) > 0, r
+        else:
+            assert r["picks"] == "-", r
         if r["method"] == "none":
             assert r["× none"] == 1.0
             assert r["draft % round"] == "-"  # nothing drafts
