@@ -33,6 +33,21 @@ def test_demo_refuses_a_method_with_no_head_for_the_target(tiny_gguf, capsys):
     assert "--method eagle3" in err and "npuspec train-draft --target" in err, err
 
 
+def test_the_smollm2_head_ships_with_its_recipe():
+    d = resolve_draft("smollm2-eagle3")
+    assert d.endswith(TARGET_DRAFTS["smollm2-eagle3"][0])
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    rec = cfg["npuspec_target"]
+    assert rec["name"].lower().startswith("smollm2-135m-instruct"), rec
+    assert (rec["hidden_size"], rec["vocab_size"]) == (576, 49152) and rec["tokenizer_sha256"]
+    size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+    assert size <= 16 * 2 ** 20, size  # the cap on the shipped head
+    recipe = json.load(open(os.path.join(d, "train_recipe.json")))
+    assert recipe["command"].startswith("npuspec train-draft") and recipe["seed"] == 0
+    assert recipe["data"]["source"] == "self-distill"
+    assert not os.path.exists(os.path.join(d, "train_state"))  # the head only
+
+
 @pytest.mark.slow
 def test_smollm2_eagle3_greedy_equals_plain():
     gguf = pytest.importorskip("npuspec.models.gguf")
