@@ -34,7 +34,7 @@ METHOD_SPECS = {
 # K is the one the head's benchmark recommends (docs/train_draft.md).
 TARGET_METHOD_SPECS = {
     "smollm2-135m-instruct": {
-        "eagle3": {"method": "eagle3", "model": "smollm2-eagle3", "num_speculative_tokens": 4},
+        "eagle3": {"method": "eagle3", "model": "smollm2-eagle3", "num_speculative_tokens": 3},
     },
 }
 MODEL_METHODS = ("eagle", "eagle3", "medusa", "dflash", "dspark")  # need a head's checkpoint
