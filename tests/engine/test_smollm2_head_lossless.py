@@ -46,7 +46,7 @@ def test_smollm2_eagle3_sampling_is_the_targets():
     m = llm.metrics
     assert 0.05 < m.num_accepted / m.num_drafted < 0.95, (m.num_accepted, m.num_drafted)
 
-    target = load_model(path)  # unpacked, for its dense forward
+    _, target = load_model(path)  # unpacked, for its dense forward
 
     def exact(history):
         with torch.no_grad():
