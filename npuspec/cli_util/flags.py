@@ -8,6 +8,8 @@ import argparse
 import math
 import os
 
+from npuspec.methods import names
+
 SPEC_FLAG = "--speculative-config"
 # The demo's default: HF prompt lookup's matching rule (longest n-gram of 3 down to 1) with
 # K=4; on the embedded model this accepts ~1.3 drafts per step on the demo prompts.
@@ -37,7 +39,6 @@ TARGET_METHOD_SPECS = {
         "eagle3": {"method": "eagle3", "model": "smollm2-eagle3", "num_speculative_tokens": 3},
     },
 }
-MODEL_METHODS = ("eagle", "eagle3", "medusa", "dflash", "dspark")  # need a head's checkpoint
 
 
 def method_spec(method: str, model: str | None) -> dict | None:
@@ -45,7 +46,7 @@ def method_spec(method: str, model: str | None) -> dict | None:
     shipped head's spec where there is one, else METHOD_SPECS[M]. None means DEFAULT_SPEC.
     A head method with no head shipped for a real target raises ValueError naming the fix."""
     name = os.path.basename(os.path.normpath(model or "tiny")).lower()
-    if name != "tiny" and method in MODEL_METHODS:
+    if name != "tiny" and method in names(needs_model=True):  # a head's checkpoint
         for prefix, specs in TARGET_METHOD_SPECS.items():
             if name.startswith(prefix) and method in specs:
                 return dict(specs[method])

@@ -23,20 +23,18 @@ SHIPPED_DRAFTS = (*TINY_DRAFTS, *TARGET_DRAFTS)
 def resolve_draft(name: str) -> str:
     """speculative_config.model -> a checkpoint directory ("tiny-eagle3", "smollm2-eagle3"
     etc. -> the package's)."""
-    models = os.path.dirname(TINY_MODEL_DIR)
     if name in TINY_DRAFTS:
-        d, target, method = os.path.join(models, "tiny_drafts", TINY_DRAFTS[name]), "tiny", \
-            TINY_DRAFTS[name]
+        folder, target = f"tiny_drafts/{TINY_DRAFTS[name]}", "tiny"
     elif name in TARGET_DRAFTS:
         folder, target = TARGET_DRAFTS[name]
-        d, method = os.path.join(models, folder), folder.rsplit("/", 1)[1]
     else:
         return name
+    d = os.path.join(os.path.dirname(TINY_MODEL_DIR), folder)
     if not os.path.isfile(os.path.join(d, "config.json")):
         raise FileNotFoundError(f"speculative_config.model={name!r}: the shipped head is missing "
                                 f"from this install ({d}); reinstall npuspec, or train one with "
                                 f"`npuspec train-draft --target {target} --method "
-                                f"{method} --out DIR` and pass model=DIR")
+                                f"{os.path.basename(folder)} --out DIR` and pass model=DIR")
     return d
 
 

@@ -197,7 +197,7 @@ class HybridProposer(Proposer):
         score rule, on the tree as this step left it)? Then the head's first pass can wait:
         its rows are passed when the head drafts again (EagleProposer._catch_up)."""
         live = [r for r in reqs if not r.finished]
-        if not live or k == 0:
+        if not live or k == 0:  # K = 0 drafts nothing to predict from: wait until one drafts
             return bool(live)
         caps = [min(k, max(r.max_new - 1, 0)) for r in live]
         return bool(self._takes_suffix(

@@ -12,8 +12,7 @@ large batch (greedy, so one run reproduces them), and are mixed with offline Eng
 
 The prompts cover the held-out open-ended set's kinds (explanations, stories, advice,
 how-tos, recipes, comparisons), facts, letters and code, from our own subject lists
-(distill_subjects.py) and Python's topic and
-module names; any prompt equal to or containing a held-out one is dropped (the held-out set
+(distill_subjects.py) and Python's topic and module names; any prompt equal to or containing a held-out one is dropped (the held-out set
 is npuspec/bench/traces/open_ended.jsonl, measured by `npuspec bench methods --prompts
 open-ended`). `load_or_generate` keeps the answers in OUT/distill.jsonl, keyed by their
 settings, so a resumed or repeated run does not generate them again.
@@ -49,6 +48,8 @@ TEMPLATES = {
     "python": ["Explain the Python topic '{s}' with a small example.",
                "What does the Python standard library module {s} do? Show a short example."],
 }
+
+
 def _python_subjects() -> list[str]:
     import sys
 
@@ -151,8 +152,8 @@ def load_or_generate(path: str, settings: dict, make: Callable[[], list[list[int
 def distilled_corpus(seqs: list[list[int]], sep_id: int, extra: Optional[torch.Tensor] = None,
                      val_share: float = 0.02, info: Optional[dict] = None):
     """A data.Corpus from the sequences, each followed by `sep_id`: `val_share` of them (at
-    least one, evenly spaced, the last included) are its validation split; `extra` (token ids, e.g. the stdlib corpus's
-    training stream) is appended to the training split."""
+    least one, evenly spaced, the last included) are its validation split; `extra` (token
+    ids, e.g. the stdlib corpus's training stream) is appended to the training split."""
     if len(seqs) < 2:
         raise ValueError(f"self-distilled data: {len(seqs)} sequence(s); at least 2 are needed "
                          f"(one held out for validation)")
