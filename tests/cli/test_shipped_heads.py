@@ -48,6 +48,18 @@ def test_the_smollm2_head_ships_with_its_recipe():
     assert not os.path.exists(os.path.join(d, "train_state"))  # the head only
 
 
+def test_a_missing_shipped_head_names_itself_and_the_training_command(monkeypatch, tmp_path):
+    from npuspec.spec_decode import heads
+    monkeypatch.setattr(heads, "TINY_MODEL_DIR", str(tmp_path / "tiny"))  # an install without it
+    with pytest.raises(FileNotFoundError, match=r"model='smollm2-eagle3': the shipped head is "
+                                                r"missing .*npuspec train-draft --target "
+                                                r"<SmolLM2-135M-Instruct \.gguf> --method eagle3"):
+        resolve_draft("smollm2-eagle3")
+    with pytest.raises(FileNotFoundError, match=r"--target tiny --method dspark"):
+        resolve_draft("tiny-dspark")
+    assert resolve_draft("/my/head") == "/my/head"  # a path is passed through
+
+
 @pytest.mark.slow
 def test_smollm2_eagle3_greedy_equals_plain():
     gguf = pytest.importorskip("npuspec.models.gguf")
