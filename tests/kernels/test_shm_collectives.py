@@ -42,6 +42,7 @@ def _rank(rank, world, d, out_dir):
     torch.save({"sent": sent, "got": got, "fell": fell, "shm": collectives.COMM["shm"],
                 "fallbacks": counters.delta(before).get("tp_shm_fallbacks", 0)},
                os.path.join(out_dir, f"{rank}.pt"))
+    assert collectives.drain_gloo(timeout_s=30)  # the fallbacks went through gloo's thread
     collectives.set_group(None)
     shm.close()
     dist.destroy_process_group()

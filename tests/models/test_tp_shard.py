@@ -29,6 +29,10 @@ def _rank(rank, world, init, out_dir):
     collectives.set_group(dist.group.WORLD)
     for name, (cfg, pack) in CASES.items():  # one pair of processes for every case
         torch.save(_case(rank, world, cfg, pack), os.path.join(out_dir, f"{name}.{rank}.pt"))
+    # gloo's thread frees the last collective's tensors after wait() returns; a free while
+    # the interpreter finalizes aborts the rank (SIGABRT, seen in CI): drain as TP shutdown does
+    assert collectives.drain_gloo(timeout_s=30)
+    collectives.set_group(None)
     dist.destroy_process_group()
 
 
