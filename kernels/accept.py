@@ -31,7 +31,9 @@ from torch import Tensor
 from npuspec.kernels.verify_probs import ACCEPT_MODES
 
 NORMALIZE = ("none", "row", "all")  # residual normalisation: none, r / r.sum(-1, keepdim), r / r.sum()
-SAMPLERS = ("race", "gumbel")  # argmax(r / E) ; argmax(log(r) + G)
+# argmax(r / E) ; argmax(log(r) + G) ; argmax(r * W) with W = 1 / E drawn by the user (LMDeploy
+# multiplies by E.reciprocal(), which rounds differently from dividing by E)
+SAMPLERS = ("race", "gumbel", "race_mul")
 # how max(d, 0) is written, d = p - q: torch.clamp(d, min=0) keeps a NaN (and -0.0);
 # torch.where(d > 0, d, 0.0) makes both +0.0 (gpt-fast, romsto, feifeibear write it so)
 NONNEG = ("clamp", "where")
@@ -181,16 +183,20 @@ def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clam
 def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
                     nonneg: str = "clamp") -> Tensor:
     """One token per row from the residual max(p - q, 0) using the caller's draws:
-    sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "gumbel": argmax(log(r) + G) with
-    G ~ Gumbel(0, 1) [..., V]; nonneg: how max(., 0) is spelled (NONNEG). -> int64 [...]"""
+    sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "race_mul": argmax(r * W) with
+    W = 1 / E; "gumbel": argmax(log(r) + G) with G ~ Gumbel(0, 1) [..., V]; nonneg: how
+    max(., 0) is spelled (NONNEG). -> int64 [...]"""
     if sampler not in SAMPLERS:
         raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
     r = _residual(p, q, normalize, nonneg)  # [..., V]
     if r.shape != torch.broadcast_shapes(r.shape, noise.shape) or r.dtype != torch.promote_types(
             r.dtype, noise.dtype):
-        score = r / noise if sampler == "race" else torch.log(r) + noise
+        score = {"race": lambda: r / noise, "race_mul": lambda: r * noise,
+                 "gumbel": lambda: torch.log(r) + noise}[sampler]()
     elif sampler == "race":
         score = r.div_(noise)
+    elif sampler == "race_mul":
+        score = r.mul_(noise)
     else:
         score = r.log_().add_(noise)
     return score.argmax(-1)
@@ -207,6 +213,8 @@ def residual_sample_ref(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sam
     r = residual_probs_ref(p, q, normalize, nonneg)
     if sampler == "race":
         return torch.argmax(r / noise, dim=-1)
+    if sampler == "race_mul":
+        return torch.argmax(r * noise, dim=-1)
     return torch.argmax(r.log() + noise, dim=-1)
 
 

@@ -26,9 +26,11 @@ in the graph and in the traced patterns); `rewrites.normalize` applies the exact
 of passes/rewrites/ (one rule per file; `counters["canonical_rewrites.<rule>"]` counts the
 sites of a graph in which a family then matched); `picks.canonical_picks` puts every spelling of
 "p at the drafted ids" into the gather form; `prefix.prove_prefix_counts` proves every
-accepted-prefix count and rewrites it into the cumprod form. The families then run in three
-rounds: on the graph with repeated views merged, again with them split (`canonical.split_views`),
-and, for counts still unfused whose mask or pick the user's other code also reads, once more
+accepted-prefix count and rewrites it into the cumprod form. The families then run in up to
+four rounds: on the graph with repeated views merged; again with them split
+(`canonical.split_views`); for accept masks `ok.cumprod(1)` that nothing counts, with a count
+written for each and the mask rebuilt from it (`passes/bare_masks.py`; masks no match took are
+put back); and, for counts still unfused whose mask or pick the user's other code also reads,
 with private copies of what they are computed from (`passes/shared.py`; copies no match took
 merge back). `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
@@ -53,7 +55,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import canonical, picks, prefix, rewrites, rowlocal, shared, unmatched
+from npuspec.passes import (bare_masks, canonical, picks, prefix, rewrites, rowlocal, shared,
+                            unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 
@@ -219,6 +222,7 @@ class PassManager:
             if views == "split":  # a merged view shared with outside code then blocks nothing
                 canonical.split_views(graph)
             self._apply_families(graph, flavor, found)
+        self._bare_mask_round(graph, flavor, found)
         self._shared_round(graph, flavor, found)
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
@@ -238,6 +242,15 @@ class PassManager:
             if n:
                 found[p.name] = found.get(p.name, 0) + n
 
+    def _bare_mask_round(self, graph: torch.fx.Graph, flavor: str, found: dict) -> None:
+        """A round for accept masks the user never counts (vLLM v1's greedy `forward_native`):
+        each gets a count and is rebuilt from it, the families run once more, and the masks
+        whose count no family took are put back as written (passes/bare_masks.py)."""
+        made = bare_masks.add_counts(graph, flavor)
+        if made:
+            self._apply_families(graph, flavor, found)
+            bare_masks.undo_unmatched(graph, made)
+
     def _shared_round(self, graph: torch.fx.Graph, flavor: str, found: dict) -> None:
         """A third round for the counts still unfused whose mask or pick the user's other code
         also reads: each gets private copies of what it is computed from, the families run
@@ -253,7 +266,7 @@ class PassManager:
 
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
-                                       rowlocal, unmatched, rewrites, shared,
+                                       rowlocal, unmatched, rewrites, shared, bare_masks,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

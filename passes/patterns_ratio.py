@@ -230,7 +230,7 @@ class RatioAccept(VerifyPattern):
 class ResidualConfig:
     enabled: bool = True
     normalize: tuple = ("none", "row", "all")
-    samplers: tuple = ("race", "gumbel", "multinomial")
+    samplers: tuple = ("race", "race_mul", "gumbel", "multinomial", "probs")
     # max(d, 0) as written: torch.clamp(d, min=0), d.clamp_min(0), torch.where(d > 0, d, 0.0).
     # passes/rewrites/nonneg.py puts relu, maximum and the other where spellings into these
     clamps: tuple = ("clamp", "clamp_min", "where")
@@ -259,12 +259,18 @@ class Residual(VerifyPattern):
         r = r / r.sum(-1, keepdim=True)         # optional ("row"), or r / r.sum() ("all")
         tok = (r / E).argmax(-1)                # exponential race, E ~ Exp(1) drawn by the user
                                                 # (also argmax(-1, keepdim=True), as gpt-fast)
+        tok = (r * W).argmax(-1)                # the race against W = 1 / E (LMDeploy)
         tok = (r.log() + G).argmax(-1)          # Gumbel-max, G drawn by the user
         tok = torch.multinomial(r, 1)           # multinomial (the user's op is kept)
+        r                                       # normalised, whoever reads it ("probs")
 
     Race and Gumbel become `npuspec::residual_sample(p, q, noise, normalize, sampler)`;
     multinomial becomes `torch.multinomial(npuspec::residual_probs(p, q, normalize), 1)`, so
-    the multinomial draws the same numbers from the same generator. The where spelling maps
+    the multinomial draws the same numbers from the same generator. A normalised residual read
+    by anything else (feifeibear's max_fn returned across a graph break to its sampler) becomes
+    `npuspec::residual_probs(p, q, normalize)`: the op is its idiom's arithmetic, so any reader
+    sees the same bits; an unnormalised one is a single elementwise op, left to the lowering.
+    The where spelling maps
     a NaN of p - q to 0 where clamp keeps it: it becomes the ops' nonneg="where", which
     evaluates that where. p, q, noise must share one float dtype; p and q one shape."""
 
@@ -278,6 +284,19 @@ class Residual(VerifyPattern):
         for norm, sampler, clamp in itertools.product(self.config.normalize, self.config.samplers,
                                                       self.config.clamps):
             mode = ("where",) if clamp == "where" else ()  # the op's nonneg, default "clamp"
+            if sampler == "probs":
+                if norm == "none":
+                    continue
+
+                def s(p, q, norm, clamp):
+                    return _resid(p, q, norm, clamp)
+
+                def r(p, q, norm, mode):
+                    return npuspec_ops.residual_probs(p, q, norm, *mode)
+
+                out.append(Spelling(f"{sampler}_{norm}_{clamp}", _bind(s, norm=norm, clamp=clamp),
+                                    _bind(r, norm=norm, mode=mode), ex2))
+                continue
             if sampler == "multinomial":
                 def s(p, q, norm, clamp):
                     return torch.multinomial(_resid(p, q, norm, clamp), 1)
@@ -291,7 +310,8 @@ class Residual(VerifyPattern):
 
             def s(p, q, noise, norm, sampler, clamp, keep):
                 res = _resid(p, q, norm, clamp)
-                score = res / noise if sampler == "race" else res.log() + noise
+                score = {"race": lambda: res / noise, "race_mul": lambda: res * noise,
+                         "gumbel": lambda: res.log() + noise}[sampler]()
                 return score.argmax(dim=-1, keepdim=True) if keep else score.argmax(dim=-1)
 
             def r(p, q, noise, norm, sampler, mode, keep):
@@ -316,7 +336,8 @@ class Residual(VerifyPattern):
             return False
         if noise is not None and (noise.dtype != p.dtype or not _noise_fits(noise.shape, p.shape)):
             return False
-        if "noise" not in match.kwargs and p.dim() not in (1, 2):  # multinomial takes 1-D/2-D
+        if p.dim() not in (1, 2) and any(n.target is torch.ops.aten.multinomial.default
+                                         for n in match.nodes):  # multinomial takes 1-D/2-D
             return False
         return True
 

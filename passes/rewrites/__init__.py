@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from npuspec.passes.rewrites import gather_rows, k_one, keepdim, nonneg
+from npuspec.passes.rewrites import columns, gather_rows, k_one, keepdim, nonneg
 
-RULES: tuple = (gather_rows, nonneg, keepdim, k_one)  # rule modules, in the order they run
+RULES: tuple = (gather_rows, nonneg, keepdim, k_one, columns)  # rule modules, in the order they run
 
 
 def normalize(graph: Graph, flavor: str) -> dict:

@@ -87,6 +87,8 @@ def test_residual_sample_matches_reference(normalize, sampler, shape):
     q = torch.softmax(torch.randn(shape, generator=g), -1)
     if sampler == "race":
         noise = torch.empty(shape).exponential_(generator=g)
+    elif sampler == "race_mul":  # LMDeploy's 1 / E
+        noise = torch.empty(shape).exponential_(generator=g).reciprocal()
     else:
         noise = -torch.log(-torch.log(torch.rand(shape, generator=g)))
     got = torch.ops.npuspec.residual_sample(p, q, noise, normalize, sampler)

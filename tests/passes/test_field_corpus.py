@@ -48,6 +48,11 @@ FUSED_NOW = {
     "romsto_max_fn_residual",         # residual_probs (nonneg where mode)
     "medusa_typical_posterior",       # ratio_accept (shared intermediates round)
     "lmdeploy_torch_greedy",          # greedy_accept (shared intermediates round)
+    "vllm_v1_native_greedy",          # greedy_accept (bare-mask round), the graph before the break
+    "mlx_lm_speculative_greedy",      # greedy_accept (columns rule: the unrolled loop's compares)
+    "lmdeploy_recovered_tokens",      # residual_sample, race_mul sampler (* E.reciprocal())
+    "lmdeploy_rejection_sample",      # residual_sample (race_mul), the graph after `.item()`
+    "feifeibear_max_fn_sample",       # residual_probs (probs spelling), the graph before `.item()`
 }
 
 # run under the inductor lowering in the quick suite; the rest are marked slow

@@ -122,12 +122,28 @@ def res_multinomial(p, q, ids):
     return torch.multinomial(r / r.sum(dim=-1, keepdim=True), 1)
 
 
+def res_race_mul(p, q, ids):
+    # LMDeploy: one Exp(1) row per request, its reciprocal broadcast over the K rows
+    w = torch.empty_like(p[:, 0]).exponential_().reciprocal()
+    return (torch.maximum(p - q, torch.tensor(0.0)) * w[:, None, :]).argmax(dim=-1)
+
+
+def res_probs(p, q, ids):
+    # feifeibear's max_fn, returned as it is (its sampler is across a graph break)
+    d = p - q
+    r = torch.where(d > 0, d, torch.zeros_like(d))
+    return r / torch.sum(r, dim=2, keepdim=True)
+
+
 @pytest.mark.parametrize("fn,op,draw", [(res_race, "npuspec.residual_sample", "aten.exponential"),
+                                        (res_race_mul, "npuspec.residual_sample", "aten.reciprocal"),
                                         (res_gumbel_row, "npuspec.residual_sample", "aten.rand"),
-                                        (res_multinomial, "npuspec.residual_probs", "aten.multinomial")])
+                                        (res_multinomial, "npuspec.residual_probs", "aten.multinomial"),
+                                        (res_probs, "npuspec.residual_probs", "")])
 def test_residual(fn, op, draw):
     out, graphs = three_way(fn, _probs(2), family="residual", appear=[op, draw],
-                            gone=["aten.clamp", "aten.sub"])   # the user's draw stays theirs
+                            gone=["aten.clamp", "aten.sub", "aten.maximum", "aten.where"])
+    # the user's draw stays theirs
 
 
 # --- the same families through Inductor (a few: Inductor compiles are slow) ---------------
