@@ -5,6 +5,7 @@ Codebases read p(x) at the drafted ids in several ways that move the same data:
     p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)             # the form the families match
     p[batch_idx, pos_idx, ids]    # vLLM v0, vllm-ascend: arange(B)[:, None], arange(K), int32 too
                                   # (on p [B, K+1, V] it reads p[:, :K]: a slice is put first)
+    p.view(-1, V)[torch.arange(B * K), ids.view(-1)].view(B, K)   # flat rows, one id per row
     p.gather(-1, ids3).reshape(B, K)                         # lucidrains: ids3 [B, K, 1], einops
     p.gather(-1, ids3)[..., 0]                               # also p.gather(-1, ids[..., None])[..., 0]
 
@@ -54,10 +55,11 @@ def _const_value(n: Node) -> Optional[torch.Tensor]:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _is_arange(n, size: int, shape: tuple) -> bool:
+def _is_arange(n, size: int, shapes: tuple) -> bool:
+    """n evaluates to arange(size), int32 or int64, in one of `shapes`."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     v = _const_value(n) if isinstance(n, Node) else None
-    if v is None or v.dtype not in (torch.int32, torch.int64) or tuple(v.shape) != shape:
+    if v is None or v.dtype not in (torch.int32, torch.int64) or tuple(v.shape) not in shapes:
         return False
     with unset_fake_temporarily():  # v is a real tensor; the pass may run inside a fake trace
         return bool((v.reshape(-1).cpu() == torch.arange(size)).all())
@@ -91,9 +93,9 @@ def _gather_pick(graph: Graph, p: Node, ids: Node, like: Node, flavor: str) -> N
 
 
 def _index_pick(n: Node) -> Optional[tuple]:
-    """(p, ids) when n is p[arange(B)[:, None], arange(K), ids] with ids [B, K] on p
-    [B, K, V], or on p [B, rows, V] with rows > K (the target's K+1 rows: the first K are
-    picked, as from p[:, :K])."""
+    """(p, ids) when n is p[arange(B)[:, None], arange(K), ids] (or arange(K)[None, :]) with
+    ids [B, K] on p [B, K, V], or on p [B, rows, V] with rows > K (the target's K+1 rows: the
+    first K are picked, as from p[:, :K])."""
     if n.target is not aten.index.Tensor or len(n.args) != 2 or len(n.args[1]) != 3:
         return None
     p, (i0, i1, ids) = n.args[0], n.args[1]
@@ -105,9 +107,38 @@ def _index_pick(n: Node) -> Optional[tuple]:
     B, K = iv.shape
     if (iv.dtype not in (torch.int32, torch.int64) or pv.shape[0] != B or pv.shape[1] < K):
         return None
-    if not (_is_arange(i0, B, (B, 1)) and _is_arange(i1, K, (K,))):
+    # the columns broadcast alike as arange(K) or arange(K)[None, :]
+    if not (_is_arange(i0, B, ((B, 1),)) and _is_arange(i1, K, ((K,), (1, K)))):
         return None
     return p, ids
+
+
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _flat_pick(n: Node) -> Optional[tuple]:
+    """(p, ids) when n is p.view(-1, V)[arange(B * K), ids.view(-1)].view(B, K) with p
+    [B, K, V] and ids [B, K]: row b * K + k of the flat view is p[b, k], and ids.view(-1) holds
+    ids[b, k] at that row, so it reads what the gather reads."""
+    if n.target not in _VIEWS or not isinstance(n.args[0], Node):
+        return None
+    ix, out = n.args[0], _val(n)
+    if ix.target is not aten.index.Tensor or len(ix.args) != 2 or len(ix.args[1]) != 2:
+        return None
+    flat, (rows, fids) = ix.args[0], ix.args[1]
+    if not (isinstance(flat, Node) and flat.target in _VIEWS and isinstance(fids, Node)
+            and fids.target in _VIEWS):
+        return None
+    p, ids = flat.args[0], fids.args[0]
+    pv, iv, fv = _val(p), _val(ids), _val(flat)
+    if (out is None or pv is None or iv is None or fv is None or pv.dim() != 3 or iv.dim() != 2
+            or out.dim() != 2 or not all(map(_static, (pv.shape, iv.shape, out.shape, fv.shape)))):
+        return None
+    B, K, V = pv.shape
+    if (tuple(iv.shape) != (B, K) or tuple(out.shape) != (B, K) or tuple(fv.shape) != (B * K, V)
+            or tuple(_val(fids).shape) != (B * K,) or iv.dtype not in (torch.int32, torch.int64)):
+        return None
+    return (p, ids) if _is_arange(rows, B * K, ((B * K,),)) else None
 
 
 def _trailing_one_view(n: Node) -> bool:
@@ -239,7 +270,7 @@ def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
             graph.erase_node(n)  # a random op is impure: dead code elimination could keep it
             done += 1
             continue
-        pick = _index_pick(n)
+        pick = _index_pick(n) or _flat_pick(n)
         if pick is not None:
             p, ids = pick
             K = _val(ids).shape[1]

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from npuspec.passes.rewrites import columns, gather_rows, k_one, keepdim, nonneg
+from npuspec.passes.rewrites import columns, gather_rows, k_one, keepdim, nonneg, take_along
 
-RULES: tuple = (gather_rows, nonneg, keepdim, k_one, columns)  # rule modules, in the order they run
+# rule modules, in the order they run (take_along first: gather_rows reads its gathers)
+RULES: tuple = (take_along, gather_rows, nonneg, keepdim, k_one, columns)
 
 
 def normalize(graph: Graph, flavor: str) -> dict:
