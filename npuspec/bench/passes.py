@@ -12,8 +12,8 @@ equal eager's from the same RNG state, and how many verify patterns the npuspec 
 
 Compile time: `compile_s` is each backend's first call less its median call (Dynamo, AOT and
 the lowering), `passes_s` the time the npuspec pass manager took on that graph
-(`passes.manager.TOTALS`: the dry run on a copy, the exact rewrites and the replacements), and
-`passes_share` that time over the like-for-like Inductor's `compile_s` for the same function.
+(`passes.manager.TOTALS`: the copy it rewrites, the exact rewrites, the replacements and the
+copy back), and `passes_share` that time over the like-for-like Inductor's `compile_s` for the same function.
 The patterns' one-off registration (tracing every spelling, once per process and flavour) is
 paid before the timed compiles and printed on its own.
 

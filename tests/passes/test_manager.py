@@ -101,6 +101,26 @@ def test_no_verify_graph_compiles_and_runs_unchanged(no_fx_cache):
         assert [h[1] for h in manager.HISTORY] == [{}]  # the passes ran, matched nothing
 
 
+@pytest.mark.parametrize("flavor", ["aten", "inductor"])
+def test_a_matched_graph_is_rewritten_once_on_a_copy_and_taken_over_in_place(flavor, monkeypatch):
+    """The families run once per graph (on a copy); a match replaces the graph's nodes with the
+    copy's in place: same Graph object, same placeholder nodes, one fused op, eager's values."""
+    calls = []
+    real = PassManager._rewrite
+    monkeypatch.setattr(PassManager, "_rewrite",
+                        lambda self, g, fl: calls.append(g) or real(self, g, fl))
+    args = _args(1)
+    gm = aten_graph(step, *args)
+    graph, placeholders = gm.graph, gm.graph.find_nodes(op="placeholder")
+    found = PassManager().run(gm, flavor=flavor)
+    assert found == {"greedy_verify": 1}
+    assert len(calls) == 1 and calls[0] is not graph  # once, and on the copy
+    assert gm.graph is graph and graph.find_nodes(op="placeholder") == placeholders
+    graph.lint()
+    assert "npuspec.rejection_sample" in compact(gm)
+    assert all(torch.equal(a, b) for a, b in zip(gm(*args), step(*args)))
+
+
 def test_bad_flavor_names_the_value():
     with pytest.raises(ValueError, match="flavor='torchair'"):
         PassManager().run(aten_graph(count, *_args()), flavor="torchair")

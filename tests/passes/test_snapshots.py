@@ -58,8 +58,8 @@ return (_to_copy_default, sub_tensor)""")
         self.assertExpectedInline(_run(hf_count, torch.randint(0, 9, (1, 4)), torch.randint(0, 9, (1, 3))), """\
 selected_1 = input
 cand_1 = input
-slice_1 = aten.slice(selected_1, 1, 0, 3)
-greedy_accept_default = npuspec.greedy_accept(cand_1, slice_1)
+slice_2 = aten.slice(selected_1, 1, 0, 3)
+greedy_accept_default = npuspec.greedy_accept(cand_1, slice_2)
 sum_default = aten.sum(greedy_accept_default)
 return sum_default""")
 
@@ -73,9 +73,9 @@ ids_1 = input
 u_1 = input
 e_1 = input
 ratio_accept_default = npuspec.ratio_accept(p_1, q_1, ids_1, u_1)
-select = aten.select(p_1, 1, 0)
-select_1 = aten.select(q_1, 1, 0)
-residual_sample_default = npuspec.residual_sample(select, select_1, e_1, row, race)
+select_2 = aten.select(p_1, 1, 0)
+select_3 = aten.select(q_1, 1, 0)
+residual_sample_default = npuspec.residual_sample(select_2, select_3, e_1, row, race)
 return (ratio_accept_default, residual_sample_default)""")
 
     def test_sampling_step(self):
