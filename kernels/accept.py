@@ -6,8 +6,8 @@ of these ops instead of the whole `npuspec::rejection_sample`:
 
     greedy_accept(draft_ids, target_ids)            -> int64 [...]   accepted-prefix length
     ratio_accept(p, q, draft_ids, uniforms, mode)   -> int64 [...]   standard test, prefix length
-    residual_probs(p, q, normalize, nonneg)         -> float [..., V] clamp(p - q, 0) (normalised)
-    residual_sample(p, q, noise, normalize, sampler, nonneg)
+    residual_probs(p, q, normalize, nonneg, floor)  -> float [..., V] clamp(p - q, floor) (normalised)
+    residual_sample(p, q, noise, normalize, sampler, nonneg, floor)
                                                     -> int64 [...]   exponential race / Gumbel-max
 
 Every op is a pure function of its tensor inputs (random draws come in as tensors, so the user's
@@ -136,17 +136,22 @@ def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms
 # ---------------------------------------------------------------------------------------------
 # residual distribution and residual sampling
 # ---------------------------------------------------------------------------------------------
-def _residual(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Tensor:
-    """max(p - q, 0) [normalised], computed in one buffer: the in-place ops give the same
+def _residual(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp",
+              floor: float = 0.0) -> Tensor:
+    """max(p - q, floor) [normalised], computed in one buffer: the in-place ops give the same
     values as the out-of-place idiom, without two extra [..., V] allocations. nonneg="where"
-    writes +0.0 wherever d > 0 fails (NaN too), as where(d > 0, d, 0.0) does."""
+    writes +0.0 wherever d > 0 fails (NaN too), as where(d > 0, d, 0.0) does; floor is
+    clamp's min (vLLM v1's forward_native clamps the residual at 1e-5), "clamp" only."""
     if normalize not in NORMALIZE:
         raise ValueError(f"npuspec.kernels.residual: normalize={normalize!r} must be one of {NORMALIZE}")
     if nonneg not in NONNEG:
         raise ValueError(f"npuspec.kernels.residual: nonneg={nonneg!r} must be one of {NONNEG}")
+    if nonneg == "where" and floor != 0:
+        raise ValueError(f"npuspec.kernels.residual: floor={floor!r} needs nonneg='clamp' (the "
+                         "where form writes 0.0); pass floor=0.0 or nonneg='clamp'")
     r = torch.sub(p, q)  # [..., V]
     if nonneg == "clamp":
-        r.clamp_min_(0)
+        r.clamp_min_(floor)
     else:
         r.masked_fill_(r.gt(0).logical_not_(), 0.0)
     if normalize == "row":
@@ -157,21 +162,23 @@ def _residual(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Te
 
 
 @torch.library.custom_op("npuspec::residual_probs", mutates_args=())
-def residual_probs(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Tensor:
-    """max(p - q, 0), then divided by its row sum ("row"), by its total ("all") or not ("none").
-    Feeds the user's own `torch.multinomial`, so the user's RNG stream is consumed unchanged.
-    nonneg: how max(., 0) is spelled (NONNEG), which decides where NaN goes."""
-    return _residual(p, q, normalize, nonneg)
+def residual_probs(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp",
+                   floor: float = 0.0) -> Tensor:
+    """max(p - q, floor), then divided by its row sum ("row"), by its total ("all") or not
+    ("none"). Feeds the user's own `torch.multinomial`, so the user's RNG stream is consumed
+    unchanged. nonneg: how max(., 0) is spelled (NONNEG), which decides where NaN goes."""
+    return _residual(p, q, normalize, nonneg, floor)
 
 
 @residual_probs.register_fake
-def _(p, q, normalize, nonneg="clamp"):
+def _(p, q, normalize, nonneg="clamp", floor=0.0):
     return torch.empty_like(torch.broadcast_tensors(p, q)[0], dtype=torch.promote_types(p.dtype, q.dtype))
 
 
-def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp") -> Tensor:
+def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp",
+                       floor: float = 0.0) -> Tensor:
     d = p - q
-    r = d.clamp(min=0) if nonneg == "clamp" else torch.where(d > 0, d, torch.zeros_like(d))
+    r = d.clamp(min=floor) if nonneg == "clamp" else torch.where(d > 0, d, torch.zeros_like(d))
     if normalize == "row":
         r = r / r.sum(dim=-1, keepdim=True)
     elif normalize == "all":
@@ -181,14 +188,14 @@ def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clam
 
 @torch.library.custom_op("npuspec::residual_sample", mutates_args=())
 def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
-                    nonneg: str = "clamp") -> Tensor:
+                    nonneg: str = "clamp", floor: float = 0.0) -> Tensor:
     """One token per row from the residual max(p - q, 0) using the caller's draws:
     sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "race_mul": argmax(r * W) with
     W = 1 / E; "gumbel": argmax(log(r) + G) with G ~ Gumbel(0, 1) [..., V]; nonneg: how
-    max(., 0) is spelled (NONNEG). -> int64 [...]"""
+    max(., 0) is spelled (NONNEG); floor: clamp's min. -> int64 [...]"""
     if sampler not in SAMPLERS:
         raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
-    r = _residual(p, q, normalize, nonneg)  # [..., V]
+    r = _residual(p, q, normalize, nonneg, floor)  # [..., V]
     if r.shape != torch.broadcast_shapes(r.shape, noise.shape) or r.dtype != torch.promote_types(
             r.dtype, noise.dtype):
         score = {"race": lambda: r / noise, "race_mul": lambda: r * noise,
@@ -203,14 +210,14 @@ def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler
 
 
 @residual_sample.register_fake
-def _(p, q, noise, normalize, sampler, nonneg="clamp"):
+def _(p, q, noise, normalize, sampler, nonneg="clamp", floor=0.0):
     shape = torch.broadcast_shapes(p.shape, q.shape, noise.shape)
     return p.new_empty(shape[:-1], dtype=torch.int64)
 
 
 def residual_sample_ref(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
-                        nonneg: str = "clamp") -> Tensor:
-    r = residual_probs_ref(p, q, normalize, nonneg)
+                        nonneg: str = "clamp", floor: float = 0.0) -> Tensor:
+    r = residual_probs_ref(p, q, normalize, nonneg, floor)
     if sampler == "race":
         return torch.argmax(r / noise, dim=-1)
     if sampler == "race_mul":

@@ -100,7 +100,8 @@ class _Compiled:
                 sp.search, sp.replace, sp.example(),
                 trace_fn=trace_canonical, pass_dicts=self.pass_,
                 extra_check=pattern.extra_check, skip_duplicates=True,
-                get_decomp_fn=lambda: table, pattern_name=f"{pattern.name}.{sp.name}")
+                get_decomp_fn=lambda: table, pattern_name=f"{pattern.name}.{sp.name}",
+                scalar_workaround=sp.scalars or None)
             if ok:
                 self.names.append(sp.name)
 

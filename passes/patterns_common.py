@@ -36,6 +36,9 @@ class Spelling:
     search: Callable
     replace: Callable
     example: Callable[[], list]  # () -> example inputs (fresh tensors)
+    # scalar parameters of search/replace matched as any literal (Inductor's scalar_workaround):
+    # {name: the value they are traced with}; they follow the tensor inputs
+    scalars: dict = dataclasses.field(default_factory=dict)
 
 
 def _val(n):

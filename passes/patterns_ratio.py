@@ -233,15 +233,21 @@ class ResidualConfig:
     samplers: tuple = ("race", "race_mul", "gumbel", "multinomial", "probs")
     # max(d, 0) as written: torch.clamp(d, min=0), d.clamp_min(0), torch.where(d > 0, d, 0.0).
     # passes/rewrites/nonneg.py puts relu, maximum and the other where spellings into these
-    clamps: tuple = ("clamp", "clamp_min", "where")
+    # "floor": clamp(d, min=c) for any literal c (vLLM v1's forward_native: 1e-5)
+    clamps: tuple = ("clamp", "clamp_min", "where", "floor")
     # samplers whose argmax is also matched with keepdim=True (gpt-fast's race)
     keepdim: tuple = ("race",)
 
 
-def _resid(p, q, normalize, clamp):
+FLOOR_EXAMPLE = 0.3125  # the literal a "floor" spelling is traced with; it matches any
+
+
+def _resid(p, q, normalize, clamp, floor=0.0):
     d = p - q
     if clamp == "where":  # NaN -> +0.0: the ops' nonneg="where"
         r = torch.where(d > 0, d, 0.0)
+    elif clamp == "floor":  # clamp(d, min=c) for any literal c (vLLM v1: 1e-5)
+        r = d.clamp_min(floor)
     else:
         r = torch.clamp(d, min=0) if clamp == "clamp" else d.clamp_min(0)
     if normalize == "row":
@@ -249,6 +255,11 @@ def _resid(p, q, normalize, clamp):
     elif normalize == "all":
         r = r / r.sum()
     return r
+
+
+def _op_tail(clamp, floor) -> tuple:
+    """The ops' trailing (nonneg, floor) arguments for a clamp kind (defaults left out)."""
+    return ("where",) if clamp == "where" else ("clamp", floor) if clamp == "floor" else ()
 
 
 class Residual(VerifyPattern):
@@ -281,53 +292,61 @@ class Residual(VerifyPattern):
         out = []
         ex = lambda: [torch.rand(2, 9), torch.rand(2, 9), torch.rand(2, 9) + 0.1]  # noqa: E731
         ex2 = lambda: [torch.rand(2, 9), torch.rand(2, 9)]  # noqa: E731
+
+        def add(name, s, r, example, clamp, **fixed):
+            # a floor kind keeps `floor` as a matched scalar; the others fix it at 0
+            floor = {} if clamp == "floor" else {"floor": 0.0}
+            out.append(Spelling(name, _bind(s, clamp=clamp, **fixed, **floor),
+                                _bind(r, clamp=clamp, **fixed, **floor), example,
+                                {"floor": FLOOR_EXAMPLE} if clamp == "floor" else {}))
+
         for norm, sampler, clamp in itertools.product(self.config.normalize, self.config.samplers,
                                                       self.config.clamps):
-            mode = ("where",) if clamp == "where" else ()  # the op's nonneg, default "clamp"
+            name = f"{sampler}_{norm}_{clamp}"
             if sampler == "probs":
                 if norm == "none":
                     continue
 
-                def s(p, q, norm, clamp):
-                    return _resid(p, q, norm, clamp)
+                def s(p, q, floor, norm, clamp):
+                    return _resid(p, q, norm, clamp, floor)
 
-                def r(p, q, norm, mode):
-                    return npuspec_ops.residual_probs(p, q, norm, *mode)
+                def r(p, q, floor, norm, clamp):
+                    return npuspec_ops.residual_probs(p, q, norm, *_op_tail(clamp, floor))
 
-                out.append(Spelling(f"{sampler}_{norm}_{clamp}", _bind(s, norm=norm, clamp=clamp),
-                                    _bind(r, norm=norm, mode=mode), ex2))
+                add(name, s, r, ex2, clamp, norm=norm)
                 continue
             if sampler == "multinomial":
-                def s(p, q, norm, clamp):
-                    return torch.multinomial(_resid(p, q, norm, clamp), 1)
+                def s(p, q, floor, norm, clamp):
+                    return torch.multinomial(_resid(p, q, norm, clamp, floor), 1)
 
-                def r(p, q, norm, mode):
-                    return torch.multinomial(npuspec_ops.residual_probs(p, q, norm, *mode), 1)
+                def r(p, q, floor, norm, clamp):
+                    return torch.multinomial(
+                        npuspec_ops.residual_probs(p, q, norm, *_op_tail(clamp, floor)), 1)
 
-                out.append(Spelling(f"{sampler}_{norm}_{clamp}", _bind(s, norm=norm, clamp=clamp),
-                                    _bind(r, norm=norm, mode=mode), ex2))
+                add(name, s, r, ex2, clamp, norm=norm)
                 continue
 
-            def s(p, q, noise, norm, sampler, clamp, keep):
-                res = _resid(p, q, norm, clamp)
+            def s(p, q, noise, floor, norm, sampler, clamp, keep):
+                res = _resid(p, q, norm, clamp, floor)
                 score = {"race": lambda: res / noise, "race_mul": lambda: res * noise,
                          "gumbel": lambda: res.log() + noise}[sampler]()
                 return score.argmax(dim=-1, keepdim=True) if keep else score.argmax(dim=-1)
 
-            def r(p, q, noise, norm, sampler, mode, keep):
-                tok = npuspec_ops.residual_sample(p, q, noise, norm, sampler, *mode)
+            def r(p, q, noise, floor, norm, sampler, clamp, keep):
+                tok = npuspec_ops.residual_sample(p, q, noise, norm, sampler,
+                                                  *_op_tail(clamp, floor))
                 return tok.unsqueeze(-1) if keep else tok  # the same indices, the dim kept
 
             for keep in (False, True) if sampler in self.config.keepdim else (False,):
-                out.append(Spelling(f"{sampler}_{norm}_{clamp}" + ("_keepdim" if keep else ""),
-                                    _bind(s, norm=norm, sampler=sampler, clamp=clamp, keep=keep),
-                                    _bind(r, norm=norm, sampler=sampler, mode=mode, keep=keep),
-                                    ex))
+                add(name + ("_keepdim" if keep else ""), s, r, ex, clamp, norm=norm,
+                    sampler=sampler, keep=keep)
         return out
 
     def extra_check(self, match) -> bool:
         if not self.config.enabled:
             return False
+        if "floor" in match.kwargs and type(match.kwargs["floor"]) not in (int, float):
+            return False  # a literal only (not a SymFloat): the op takes it as a constant
         p, q = _val(match.kwargs["p"]), _val(match.kwargs["q"])
         noise = _val(match.kwargs["noise"]) if "noise" in match.kwargs else None
         if p is None or q is None or ("noise" in match.kwargs and noise is None):

@@ -15,7 +15,8 @@ default), and `zeros_like(x)` (or ones/empty/rand/randn) of a contiguous x, rema
 shape, so a draw `zeros_like(q).uniform_()` or `rand_like(ratio)` no longer counts as a second
 user of q or of the ratio. A fill written over the picks afterwards (vLLM v1's `draft_px[pad] =
 inf`, a bool [B, K] mask) moves before the pick, onto the rows of q, and the
-`squeeze(unsqueeze(x, d), d)` that functionalizing that write leaves is x. Each rewrite is pure
+`squeeze(unsqueeze(x, d), d)` that functionalizing that write leaves is x (or, for a pick
+spelled `[..., 0]`, the `select(select_scatter(base, x, d, i), d, i)` it leaves). Each rewrite is pure
 data movement with the same values: advanced indexing with `arange` rows and columns reads p[b,
 k, ids[b, k]], which is what gather reads; int32 ids are widened to int64 (gather's index type),
 which changes no id; a reshape that drops a trailing 1, or `[..., 0]` on it, is that squeeze.
@@ -243,6 +244,24 @@ def _fill_before_pick(graph: Graph, n: Node) -> Optional[Node]:
     return _new(graph, aten.squeeze.dim, (g, 2), n)
 
 
+def _read_back(n: Node) -> bool:
+    """select(select_scatter(base, x, d, i), d, i): x itself (what functionalizing a write into
+    a `[..., 0]` view leaves behind: vLLM v1's `draft_px[pad] = inf` on a pick spelled
+    `gather(...)[..., 0]`); reading back the scattered slice gives x's values exactly."""
+    if n.target is not aten.select.int or len(n.args) != 3 or n.kwargs:
+        return False
+    ss = n.args[0]
+    if not (isinstance(ss, Node) and ss.target is aten.select_scatter.default
+            and len(ss.args) == 4 and not ss.kwargs):
+        return False
+    sv, xv = _val(ss), _val(ss.args[1])
+    if sv is None or xv is None or not isinstance(n.args[1], int) or not isinstance(ss.args[2], int):
+        return False
+    same_dim = n.args[1] % sv.dim() == ss.args[2] % sv.dim()
+    return same_dim and n.args[2] == ss.args[3] and xv.dtype == sv.dtype and all(
+        m.op != "output" for m in n.users)
+
+
 def _undone_unsqueeze(n: Node) -> bool:
     """squeeze(unsqueeze(x, d), d): x itself (what functionalizing a write into a squeezed view
     leaves behind); not when it is a graph output, which must not become x."""
@@ -286,6 +305,8 @@ def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
             new = _new(graph, aten.squeeze.dim, (n.args[0], 2), n)
         elif _undone_unsqueeze(n):
             new = n.args[0].args[0]
+        elif _read_back(n):
+            new = n.args[0].args[1]
         elif (new := _fill_before_pick(graph, n)) is None:
             continue
         n.replace_all_uses_with(new)

@@ -97,12 +97,29 @@ def test_residual_sample_matches_reference(normalize, sampler, shape):
     assert torch.equal(probs, accept.residual_probs_ref(p, q, normalize))
 
 
+@pytest.mark.parametrize("floor", [1e-5, 0.25, 0])
+def test_residual_floor_is_clamps_min(floor):
+    g = torch.Generator().manual_seed(5)
+    p, q = torch.rand(3, 11, generator=g), torch.rand(3, 11, generator=g)
+    e = torch.empty(3, 11).exponential_(generator=g)
+    for normalize in accept.NORMALIZE:
+        got = torch.ops.npuspec.residual_probs(p, q, normalize, "clamp", floor)
+        assert torch.equal(got, accept.residual_probs_ref(p, q, normalize, "clamp", floor))
+        want = (p - q).clamp(min=floor)
+        if normalize == "none":
+            assert torch.equal(got, want)
+        tok = torch.ops.npuspec.residual_sample(p, q, e, normalize, "race", "clamp", floor)
+        assert torch.equal(tok, accept.residual_sample_ref(p, q, e, normalize, "race", "clamp", floor))
+
+
 def test_residual_bad_mode_names_the_value():
     p = torch.rand(2, 3)
     with pytest.raises(ValueError, match="normalize='sum'"):
         accept.residual_probs(p, p, "sum")
     with pytest.raises(ValueError, match="sampler='topk'"):
         accept.residual_sample(p, p, p, "none", "topk")
+    with pytest.raises(ValueError, match=r"floor=1e-05 needs nonneg='clamp'"):
+        accept.residual_probs(p, p, "none", "where", 1e-5)
 
 
 def test_opcheck_fake_impls():

@@ -39,8 +39,9 @@ FUSED_NOW = {
     "medusa_greedy_posterior",        # greedy_accept, in the graph before `if accept_length == 0`
     "eagle_greedy_posterior",         # greedy_accept, likewise
     # issue 37's rewrites and rounds:
-    "vllm_v1_native_random",          # ratio_accept (gather_rows, the pad fill moved to q)
-    "vllm_v1_native_ngram",           # ratio_accept, likewise
+    "vllm_v1_native_random",          # ratio_accept (gather_rows, the pad fill moved to q) and
+                                      # residual_sample (its clamp(min=1e-5) as the op's floor)
+    "vllm_v1_native_ngram",           # likewise
     "vllm_ascend_greedy_spec_len_1",  # greedy_accept (k_one)
     "sglang_tree_greedy_chain",       # greedy_accept (k_one)
     "gpt_fast_speculative_decode",    # residual_sample (nonneg where mode), one graph of three

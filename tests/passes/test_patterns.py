@@ -128,6 +128,15 @@ def res_race_mul(p, q, ids):
     return (torch.maximum(p - q, torch.tensor(0.0)) * w[:, None, :]).argmax(dim=-1)
 
 
+def res_floor(p, q, ids):
+    # vLLM v1's forward_native: the residual clamped at 1e-5, normalised, raced in place
+    r = torch.clamp(p - q, min=1e-5)
+    r = r / r.sum(dim=-1, keepdim=True)
+    e = torch.empty_like(r)
+    e.exponential_()
+    return r.div_(e).argmax(dim=-1)
+
+
 def res_probs(p, q, ids):
     # feifeibear's max_fn, returned as it is (its sampler is across a graph break)
     d = p - q
@@ -137,6 +146,7 @@ def res_probs(p, q, ids):
 
 @pytest.mark.parametrize("fn,op,draw", [(res_race, "npuspec.residual_sample", "aten.exponential"),
                                         (res_race_mul, "npuspec.residual_sample", "aten.reciprocal"),
+                                        (res_floor, "npuspec.residual_sample", "aten.exponential"),
                                         (res_gumbel_row, "npuspec.residual_sample", "aten.rand"),
                                         (res_multinomial, "npuspec.residual_probs", "aten.multinomial"),
                                         (res_probs, "npuspec.residual_probs", "")])
@@ -144,6 +154,8 @@ def test_residual(fn, op, draw):
     out, graphs = three_way(fn, _probs(2), family="residual", appear=[op, draw],
                             gone=["aten.clamp", "aten.sub", "aten.maximum", "aten.where"])
     # the user's draw stays theirs
+    if fn is res_floor:  # the floor is the user's literal, passed to the op
+        assert "1e-05" in graphs, graphs
 
 
 # --- the same families through Inductor (a few: Inductor compiles are slow) ---------------

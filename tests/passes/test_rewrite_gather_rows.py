@@ -135,6 +135,19 @@ def v1_accept(ids, draft_probs, target_probs):
     return kept, first_zero
 
 
+def v1_accept_index0(ids, draft_probs, target_probs):
+    # the same with the draft pick spelled `[..., 0]`: the write into that view functionalizes
+    # to select(select_scatter(gather, filled, 2, 0), 2, 0), read back as `filled`
+    ids = ids.clone()
+    pad = ids == PAD
+    ids[pad] = 0
+    draft_px = draft_probs.gather(dim=-1, index=ids.unsqueeze(-1))[..., 0]
+    target_px = target_probs.gather(dim=-1, index=ids.unsqueeze(-1)).squeeze(-1)
+    draft_px[pad] = float("inf")
+    u = torch.rand(ids.shape)
+    return (u <= target_px / draft_px).cumprod(dim=1).sum(dim=1)
+
+
 def _v1_inputs(seed):
     g, p, q, ids = _probs(seed)
     ids[0, 3:] = PAD
@@ -151,6 +164,12 @@ def test_v1_accept_test_fuses(lowering, no_fx_cache):
         # the user's chain (ratio, compare, cumprod) is gone: the kept mask reads the count
         three_way(v1_accept, _v1_inputs(seed), lowering=lowering, family="ratio_accept",
                   appear=["npuspec.ratio_accept"], gone=["cumprod", "aten.div"], seed=seed)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_v1_accept_with_an_index0_pick_fuses(lowering, no_fx_cache):
+    three_way(v1_accept_index0, _v1_inputs(4), lowering=lowering, family="ratio_accept",
+              appear=["npuspec.ratio_accept"], gone=["cumprod", "select_scatter"], seed=4)
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
@@ -174,13 +193,16 @@ def test_v1_accept_test_fuses_under_a_dynamic_batch(lowering, no_fx_cache):
     assert delta.get("canonical_rewrites.gather_rows", 0) == 2, delta
 
 
-def test_pad_fill_moves_before_the_pick_bit_exact():
+@pytest.mark.parametrize("spelling", ["squeeze", "index0"])
+def test_pad_fill_moves_before_the_pick_bit_exact(spelling):
     """index_put(q.gather(...).squeeze(2), [pad], c) == index_put(q, [pad], c).gather(...):
-    every c, every q (NaN, -0.0), every mask."""
+    every c, every q (NaN, -0.0), every mask; the pick spelled `.squeeze(2)` or `[..., 0]` (its
+    write functionalizes into a select_scatter that is read back)."""
     def fill_after(q, ids, pad, c):
-        x = q.gather(2, ids.unsqueeze(2)).squeeze(2)
+        g = q.gather(2, ids.unsqueeze(2))
+        x = g.squeeze(2) if spelling == "squeeze" else g[..., 0]
         x[pad] = c
-        return x
+        return x.clone()  # read by an op, as in a verify step (a returned view stays as it is)
 
     g, _, q, ids = _probs(7)
     pad = torch.rand(B, K, generator=g) < 0.5

@@ -271,12 +271,23 @@ def test_a_rewritten_site_no_family_takes_still_returns_eagers_tokens(lowering, 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
 @pytest.mark.parametrize("nn", [
-    lambda d: torch.clamp(d, min=1e-5), lambda d: torch.maximum(d, torch.tensor(0.5)),
-    lambda d: torch.where(d > 0, d, 1.0)], ids=["clamp_1e-5", "maximum_half", "where_1"])
+    lambda d: torch.maximum(d, torch.tensor(0.5)),
+    lambda d: torch.where(d > 0, d, 1.0)], ids=["maximum_half", "where_1"])
 def test_look_alikes_stay_unfused_and_eager_equal(nn, lowering, no_fx_cache):
     fn = lambda p, q, e: SAMPLERS["race"](nn(p - q), e)  # noqa: E731
     three_way(fn, _pq(), lowering=lowering, matched=0, gone=("npuspec.residual",))
     assert three_way.last_delta.get("canonical_rewrites.nonneg", 0) == 0
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_clamp_at_another_floor_is_not_rewritten_but_fuses_with_its_floor(lowering, no_fx_cache):
+    """clamp(d, min=1e-5) is not max(d, 0): nonneg leaves it, and the residual family takes it
+    as written, passing its literal to the op's floor (vLLM v1's forward_native)."""
+    fn = lambda p, q, e: SAMPLERS["race"](torch.clamp(p - q, min=1e-5), e)  # noqa: E731
+    _, graphs = three_way(fn, _pq(), lowering=lowering, family="residual",
+                          appear=("npuspec.residual_sample",))
+    assert three_way.last_delta.get("canonical_rewrites.nonneg", 0) == 0
+    assert "1e-05" in graphs
 
 
 def _gpt_fast_residual(draft, target):
