@@ -3,7 +3,8 @@
 Codebases spell "the positive part of x = p - q" as
 
     clamp class   relu(x), clamp(x, min=0), clamp_min(x, 0.0), maximum(x, Z), maximum(Z, x)
-    where class   where(x > 0, x, Z)           (x > 0 also as gt(x, Z); Z below)
+    where class   where(x > 0, x, Z)           (x > 0 also as gt(x, Z), or p > q when x = p - q;
+                                                Z below)
 
 with Z a tensor of +0.0s: zeros_like / zeros / new_zeros, full(.., 0), scalar_tensor(0), or a
 constant such as lmdeploy's `torch.tensor(0.0)`. Measured on NaN and -0.0 (float32, CPU;
@@ -222,13 +223,31 @@ def _token_chain(site: Node) -> bool:
 # --------------------------------------------------------------------------------------------
 # the where class -> where(gt(x, 0), x, scalar_tensor(0.0)), anywhere (bit-equal)
 # --------------------------------------------------------------------------------------------
+def _compared_operands(c: Node, x: Node) -> bool:
+    """c = gt(p, q) and x = sub(p, q) of the same two float tensors of one dtype: p > q holds
+    exactly where p - q > 0 in IEEE arithmetic (a positive difference of finite floats never
+    rounds to 0 with subnormals, inf - inf and NaN compare False on both sides), so
+    where(p > q, p - q, Z) is where(x > 0, x, Z)."""
+    if c.target is not aten.gt.Tensor or x.target is not aten.sub.Tensor or c.kwargs or x.kwargs:
+        return False
+    if len(c.args) != 2 or tuple(c.args) != tuple(x.args):
+        return False
+    vals = [_val(a) for a in c.args]
+    return (all(v is not None and v.is_floating_point() for v in vals)
+            and vals[0].dtype == vals[1].dtype and _same_shape(_val(c), _val(x)))
+
+
 def _where_input(graph: Graph, n: Node) -> Optional[Node]:
-    """x when n is where(x > 0, x, Z) not already in the canonical spelling."""
+    """x when n is where(x > 0, x, Z) (or where(p > q, x, Z), x = p - q) not already in the
+    canonical spelling."""
     if n.target is not aten.where.self or len(n.args) != 3 or n.kwargs:
         return None
     c, x, z = n.args
-    if not (isinstance(c, Node) and isinstance(x, Node) and c.args and c.args[0] is x
-            and _is_zero(graph, z)):
+    if not (isinstance(c, Node) and isinstance(x, Node) and c.args and _is_zero(graph, z)):
+        return None
+    if _compared_operands(c, x):
+        return _float_site(n, x)
+    if c.args[0] is not x:
         return None
     gt0 = ((c.target is aten.gt.Scalar and _zero_literal(c.args[1], positive=False))
            or (c.target is aten.gt.Tensor and _is_zero(graph, c.args[1])

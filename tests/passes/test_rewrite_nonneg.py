@@ -306,3 +306,44 @@ def test_gpt_fast_residual_fuses_in_where_mode(lowering, no_fx_cache):
     _, graphs = three_way(_gpt_fast_residual, (q, p), lowering=lowering, family="residual",
                           appear=("npuspec.residual_sample",), gone=("aten.where", "aten.argmax"))
     assert "race, where)" in graphs
+
+
+# --------------------------------------------------------------------------------------------
+# where(p > q, p - q, 0): the compare written on the operands
+# --------------------------------------------------------------------------------------------
+def where_p_gt_q(p, q):
+    return torch.where(p > q, p - q, torch.zeros_like(p))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_operand_compare_is_bit_equal_to_the_canonical_where(lowering, dtype, no_fx_cache):
+    """Every pair of the adversarial values (NaN payloads, +-0.0, +-inf, subnormals): p > q
+    decides exactly as p - q > 0."""
+    x = _adversarial(dtype)
+    p, q = x[:, None].expand(-1, x.numel()), x[None, :].expand(x.numel(), -1)
+    canon = lambda p, q: WHERE_CLASS["where_scalar"](p - q)  # noqa: E731
+    got = _lowered(lambda t: where_p_gt_q(t[0], t[1]), torch.stack([p, q]), lowering)
+    want = _lowered(lambda t: canon(t[0], t[1]), torch.stack([p, q]), lowering)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_operand_compare_is_rewritten_and_look_alikes_are_not():
+    p, q, e = _pq()
+    gm = aten_graph(lambda p, q, e: (where_p_gt_q(p, q) / e).argmax(-1), p, q, e)
+    assert nonneg.apply(gm.graph, "aten") == 1
+    gm.recompile()
+    assert torch.equal(gm(p, q, e), (where_p_gt_q(p, q) / e).argmax(-1))
+    for fn in (lambda p, q: torch.where(p >= q, p - q, torch.zeros_like(p)),   # >=: -0.0 kept
+               lambda p, q: torch.where(q > p, p - q, torch.zeros_like(p)),    # the other way
+               lambda p, q: torch.where(p > q, q - p, torch.zeros_like(p))):   # the other sub
+        gm = aten_graph(lambda p, q, e: (fn(p, q) / e).argmax(-1), p, q, e)
+        assert nonneg.apply(gm.graph, "aten") == 0
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_operand_compare_residual_fuses_in_where_mode(lowering, no_fx_cache):
+    fn = lambda p, q, e: (where_p_gt_q(p, q) / e).argmax(-1)  # noqa: E731
+    three_way(fn, _pq(), lowering=lowering, family="residual",
+              appear=("npuspec.residual_sample",), gone=("aten.gt",))
+    assert three_way.last_delta.get("canonical_rewrites.nonneg", 0) == 1
