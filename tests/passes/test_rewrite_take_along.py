@@ -123,9 +123,19 @@ def greedy_argmax_after_temperature(logits, ids):
     return ((logits / 0.7).argmax(-1) == ids).cumprod(1).sum(1)
 
 
+def ratio_rows_picked_before_softmax(logits, ids):
+    # the rows taken before the elementwise work (softmax(l[:, :K])), where the other tests
+    # take them after it (softmax(l)[:, :K]): p is an input of the family either way
+    full = torch.cat([logits, logits[:, :1] * 2], 1)  # K + 1 target rows
+    p = torch.softmax(full[:, :ids.shape[1]] / 0.7, -1)
+    u = torch.rand(ids.shape)
+    return (u <= p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)).cumprod(1).sum(1)
+
+
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
 @pytest.mark.parametrize("fn,family", [(ratio_softmax_as_exp_sum, "ratio_accept"),
-                                       (greedy_argmax_after_temperature, "greedy_accept")])
+                                       (greedy_argmax_after_temperature, "greedy_accept"),
+                                       (ratio_rows_picked_before_softmax, "ratio_accept")])
 def test_spellings_that_match_as_written(fn, family, lowering, no_fx_cache):
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(B, K, V, generator=g)
