@@ -74,3 +74,15 @@ def test_unmatched_masks_are_put_back(fn, args, flavor):
     for w, g in zip(want if isinstance(want, tuple) else (want,),
                     got if isinstance(got, tuple) else (got,)):
         assert torch.equal(w, g)
+
+
+def test_a_dynamic_batch_fuses_too():
+    """The recompile with a symbolic batch (the third size reuses it) fuses the count again."""
+    from npuspec import counters
+    f = compile_npuspec(v1_style)
+    before = counters.snapshot()
+    for b in (6, 4, 3):
+        args = tuple(x[:b] for x in _inputs(b))
+        want, got = v1_style(*args), f(*args)
+        assert all(torch.equal(w, g) for w, g in zip(want, got)), b
+    assert counters.delta(before).get("verify_patterns_matched.greedy_accept", 0) == 2

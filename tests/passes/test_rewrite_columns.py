@@ -99,3 +99,15 @@ def test_incomplete_or_unlike_sets_are_left_alone(name):
     n, gm = _rewrite(fns[name], a, c)
     assert n == 0
     assert torch.equal(gm(a, c), fns[name](a, c))
+
+
+def test_a_dynamic_batch_fuses_too():
+    from npuspec import counters
+    f = compile_npuspec(unrolled_ne)
+    before = counters.snapshot()
+    for b in (5, 4, 3):
+        args = tuple(x[:b] for x in _inputs(b))
+        assert torch.equal(f(*args), unrolled_ne(*args)), b
+    delta = counters.delta(before)
+    assert delta.get("verify_patterns_matched.greedy_accept", 0) == 2, delta  # both compiles
+    assert delta.get("canonical_rewrites.columns", 0) == 2, delta
