@@ -84,10 +84,6 @@ class SpeculativeConfig:
         f.update(_parse_ngram(d, method))
         f.update(_parse_hybrid(d, method))
         f.update(_parse_k_controller(d, method, tensor_parallel_size))
-        if f.get("enable_suffix_decoding") and tensor_parallel_size > 1:
-            raise _err("enable_suffix_decoding", True,
-                       f"is not supported with tensor_parallel_size={tensor_parallel_size} yet; "
-                       f"remove it, or run the hybrid drafter with tensor_parallel_size=1")
         f.update(_parse_suffix(d, method))
         f.update(_parse_rejection(d, k))
         if d.get("enforce_eager") is not None:

@@ -26,7 +26,7 @@ reproducible); the default reads timings too.
 from __future__ import annotations
 
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -64,6 +64,10 @@ class HybridProposer(Proposer):
         self._last: Optional[float] = None
         self._last_loop = 0.0
         self._asked = 0
+        # tensor parallelism with the head sharded: every rank drafts, and the one decision made
+        # from wall-clock times (does the head's loop pay this step?) must be rank 0's on every
+        # rank, or their collectives part ways; the engine sets this to TP.broadcast_object
+        self.agree: Callable[[bool], bool] = lambda pays: pays
 
     # -- per request --------------------------------------------------------------------------
     def start_request(self, req_id: str, prompt: Sequence[int]) -> None:
@@ -140,7 +144,7 @@ class HybridProposer(Proposer):
         self._tick()
         s = self.suffix.propose_batch_with_probs(batch.req_ids, batch.caps)
         scores, use = self._takes_suffix(s)  # [B] each
-        if not use.all() and not self._model_pays(scores, ~use):
+        if not use.all() and not self.agree(self._model_pays(scores, ~use)):
             use = np.array([bool(t) for t, _ in s], dtype=bool)  # any suffix draft, no loop
             rest = np.zeros(0, dtype=np.int64)
         else:

@@ -26,6 +26,10 @@ SPECS = {
     # model drafters are sharded with the target by default (vLLM's default: N)
     "eagle3-tp2": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3},
     "eagle-tp2": {"method": "eagle", "model": "tiny-eagle", "num_speculative_tokens": 3},
+    # the hybrid with its head sharded: every rank drafts, rank 0's timed "does the head pay"
+    # decision is broadcast (HybridProposer.agree), or the ranks' collectives would part ways
+    "hybrid-tp2": {"method": "eagle3", "model": "tiny-eagle3", "num_speculative_tokens": 3,
+                   "enable_suffix_decoding": True},
     "mtp-tp2": {"method": "mtp", "num_speculative_tokens": 1},
     "dflash-tp2": {"method": "dflash", "model": "tiny-dflash", "num_speculative_tokens": 3},
     "medusa-tp2": {"method": "medusa", "model": "tiny-medusa", "num_speculative_tokens": 4},
@@ -55,7 +59,7 @@ def _workers_gone(llm):
 
 # CI runs the issue's cases (none, ngram, EAGLE-3 with the head on rank 0 and sharded); the other
 # drafters' TP runs take 30-60 s each on two cores and run under -m slow
-IN_CI = ("ngram", "eagle3", "eagle3-tp2")  # and "none": the first engine of
+IN_CI = ("ngram", "eagle3", "eagle3-tp2", "hybrid-tp2")  # and "none": the first engine of
 # test_a_second_tp_llm_after_shutdown_and_gloo_collectives_agree
 
 

@@ -159,6 +159,25 @@ def test_the_head_runs_only_when_its_tokens_pay_for_its_measured_cost():
     assert h.model_accepted == before
 
 
+def test_the_timed_decision_is_the_agreed_one():
+    """Under tensor parallelism with the head sharded the engine sets `agree` to rank 0's
+    broadcast: the step follows the agreed decision, not this rank's own clock."""
+    h = _hybrid(SCRIPT)
+    h.model_accepted, h.t_round, h.t_loop = 0.2, 1.0, 0.05  # this rank: the head pays
+    asked = []
+    h.agree = lambda pays: asked.append(pays) or False        # rank 0 decided it does not
+    d = h.draft_batch(DraftBatch(_reqs("b", "c"), 3, [3, 3], None))
+    assert asked == [True] and h.model.batches == []
+    assert d.tokens.tolist() == [[2, -1, -1], [-1, -1, -1]]
+    h.agree = lambda pays: asked.append(pays) or True         # and the other way round
+    h.t_loop = 10.0                                           # this rank: it does not pay
+    d = h.draft_batch(DraftBatch(_reqs("b", "c"), 3, [3, 3], None))
+    assert asked[-1] is False and [r.req_id for r in h.model.batches[0].reqs] == ["c"]
+    h.agree = lambda pays: asked.append(pays) or pays
+    h.draft_batch(DraftBatch(_reqs("b"), 3, [3], None))       # every row takes the suffix:
+    assert len(asked) == 2                                    # nothing to decide, no exchange
+
+
 def test_a_declined_head_still_runs_every_explore_every_steps():
     h = _hybrid(SCRIPT)
     h.model_accepted, h.t_round, h.t_loop = 0.0, 1.0, 10.0
@@ -228,8 +247,6 @@ def test_config_keys_round_trip():
     ({"suffix_decoding_max_tree_depth": 8}, 1,
      r"suffix_decoding_max_tree_depth=8: applies only to method 'suffix' or with "
      r"enable_suffix_decoding"),
-    ({"enable_suffix_decoding": True}, 2, r"enable_suffix_decoding=True: is not supported with "
-                                          r"tensor_parallel_size=2"),
 ])
 def test_bad_hybrid_keys_name_the_key_and_the_fix(extra, tp, match):
     d = {k: v for k, v in dict(BASE, **extra).items() if v is not None}
