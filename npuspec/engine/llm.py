@@ -156,9 +156,8 @@ class LLM:
         # every rank drafting: a head rebinds the pieces it shares to the target's shards
         bound = (self.proposer is not None and not tp.drafts_from_rank0
                  and self.proposer.bind_target(self.model))
-        if self.proposer is not None and not tp.drafts_from_rank0 and hasattr(
-                self.proposer, "agree"):  # the hybrid's timed decision: rank 0's everywhere
-            self.proposer.agree = tp.broadcast_object
+        if self.proposer is not None and not tp.drafts_from_rank0:
+            self.proposer.agree_with(tp.broadcast_object)  # timed decisions: rank 0's
         if not bound and self.proposer is not None and METHODS[self.spec.method].hidden_states:
             # otherwise a head shares the target's embedding, norm and LM head whole (the
             # sharded ones need every rank); the whole model's layers go

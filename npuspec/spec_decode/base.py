@@ -159,6 +159,11 @@ class Proposer(metaclass=abc.ABCMeta):
         sharing the whole target's."""
         return False
 
+    def agree_with(self, agree: Callable[[Any], Any]) -> None:
+        """Tensor parallelism, every rank drafting: `agree(x)` returns rank 0's x on every rank.
+        A drafter that decides anything from wall-clock time (the hybrid's "does the head pay")
+        must pass that decision through it, or the ranks' collectives part ways."""
+
     # -- per request's end and per generate() call ---------------------------------------------
     def take_path(self, req_id: str) -> Optional[str]:
         """A file the finished request's output points to (extract_hidden_states), or None."""

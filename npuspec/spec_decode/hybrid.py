@@ -66,7 +66,7 @@ class HybridProposer(Proposer):
         self._asked = 0
         # tensor parallelism with the head sharded: every rank drafts, and the one decision made
         # from wall-clock times (does the head's loop pay this step?) must be rank 0's on every
-        # rank, or their collectives part ways; the engine sets this to TP.broadcast_object
+        # rank (agree_with: the engine passes TP.broadcast_object)
         self.agree: Callable[[bool], bool] = lambda pays: pays
 
     # -- per request --------------------------------------------------------------------------
@@ -185,6 +185,9 @@ class HybridProposer(Proposer):
             rows, pos = (torch.as_tensor(hot[:, i], device=dev) for i in (0, 1))
             q[rows, pos, torch.as_tensor(tokens[hot[:, 0], hot[:, 1]], device=dev)] = 1.0
         return q
+
+    def agree_with(self, agree) -> None:
+        self.agree = agree
 
     # -- the model drafter's hooks ------------------------------------------------------------
     def on_prefill(self, rows: list, pre: dict) -> None:
