@@ -63,7 +63,8 @@ def undo_unmatched(graph: Graph, made: list) -> int:
     -> how many masks a fused count now feeds."""
     fused = 0
     for c, s, mask in made:
-        if getattr(s, "_erased", False) or s.args[0] is not c:
+        # taken: the count (or the mask itself, by a pattern that read it) went into a match
+        if any(getattr(x, "_erased", False) for x in (s, mask)) or s.args[0] is not c:
             fused += 1
             continue
         mask.replace_all_uses_with(c)

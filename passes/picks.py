@@ -16,8 +16,8 @@ shape, so a draw `zeros_like(q).uniform_()` or `rand_like(ratio)` no longer coun
 user of q or of the ratio. A fill written over the picks afterwards (vLLM v1's `draft_px[pad] =
 inf`, a bool [B, K] mask) moves before the pick, onto the rows of q, and the
 `squeeze(unsqueeze(x, d), d)` that functionalizing that write leaves is x (or, for a pick
-spelled `[..., 0]`, the `select(select_scatter(base, x, d, i), d, i)` it leaves). Each rewrite is pure
-data movement with the same values: advanced indexing with `arange` rows and columns reads p[b,
+spelled `[..., 0]`, the `select(select_scatter(base, x, d, i), d, i)` it leaves). Each rewrite
+is pure data movement with the same values: advanced indexing with `arange` rows and columns reads p[b,
 k, ids[b, k]], which is what gather reads; int32 ids are widened to int64 (gather's index type),
 which changes no id; a reshape that drops a trailing 1, or `[..., 0]` on it, is that squeeze.
 The arange operands are checked by evaluating them (they are computed from constants only), so
@@ -255,7 +255,8 @@ def _read_back(n: Node) -> bool:
             and len(ss.args) == 4 and not ss.kwargs):
         return False
     sv, xv = _val(ss), _val(ss.args[1])
-    if sv is None or xv is None or not isinstance(n.args[1], int) or not isinstance(ss.args[2], int):
+    if (sv is None or xv is None or not isinstance(n.args[1], int)
+            or not isinstance(ss.args[2], int)):
         return False
     same_dim = n.args[1] % sv.dim() == ss.args[2] % sv.dim()
     return same_dim and n.args[2] == ss.args[3] and xv.dtype == sv.dtype and all(

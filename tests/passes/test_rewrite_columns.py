@@ -1,6 +1,7 @@
 """Per-column compares as one compare (passes/rewrites/columns.py): an accept loop unrolled
 over draft positions becomes a [B, K] mask whose count is proven and fused
-(`npuspec::greedy_accept`, or the whole greedy step as `npuspec::rejection_sample`); partial sets of columns and broadcast compares are left alone.
+(`npuspec::greedy_accept`, or the whole greedy step as `npuspec::rejection_sample`); partial
+sets of columns and broadcast compares are left alone.
 
 Three ways: compiled equals eager (torch.equal), the op appears and the compares are gone, the
 counters moved (`verify_patterns_matched.<family>`, `canonical_rewrites.columns`)."""
