@@ -57,24 +57,16 @@ def add_counts(graph: Graph, flavor: str) -> list:
     return made
 
 
-def undo_unmatched(graph: Graph, made: list) -> int:
+def undo_unmatched(graph: Graph, made: list) -> None:
     """Put back every mask whose count no family fused (the count still reads the user's
-    cumprod): its users read the cumprod again and the count and the mask made from it go.
-    -> how many masks a fused count now feeds."""
-    fused = 0
+    cumprod): its users read the cumprod again, and the count and the mask made from it, dead
+    then, are dropped (so no later round takes the dead count for an anchor)."""
+    restored = False
     for c, s, mask in made:
         # taken: the count (or the mask itself, by a pattern that read it) went into a match
         if any(getattr(x, "_erased", False) for x in (s, mask)) or s.args[0] is not c:
-            fused += 1
             continue
         mask.replace_all_uses_with(c)
-        chain, n = [], mask  # mask <- lt <- (iota|arange, unsqueeze(s)) <- s
-        while n is not s:
-            chain.append(n)
-            n = n.args[0] if n.target is not aten.lt.Tensor else n.args[1]
-        pos = mask.args[0].args[0] if mask.args else None
-        for n in chain + [s]:
-            graph.erase_node(n)
-        if isinstance(pos, Node) and not pos.users:
-            graph.erase_node(pos)
-    return fused
+        restored = True
+    if restored:
+        graph.eliminate_dead_code()

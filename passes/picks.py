@@ -39,6 +39,7 @@ log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
 
 MAX_CONST_NODES = 12  # an index operand built from more nodes than this is not an arange
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
 def _const_value(n: Node) -> Optional[torch.Tensor]:
@@ -114,9 +115,6 @@ def _index_pick(n: Node) -> Optional[tuple]:
     return p, ids
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-
-
 def _flat_pick(n: Node) -> Optional[tuple]:
     """(p, ids) when n is p.view(-1, V)[arange(B * K), ids.view(-1)].view(B, K) with p
     [B, K, V] and ids [B, K]: row b * K + k of the flat view is p[b, k], and ids.view(-1) holds
@@ -146,8 +144,7 @@ def _trailing_one_view(n: Node) -> bool:
     """A view/reshape of a [B, K, 1] gather to [B, K], or its `[..., 0]` (select of index 0
     on the last dim): the squeeze of its last dim."""
     select0 = n.target is aten.select.int and len(n.args) == 3 and n.args[1:] in ((2, 0), (-1, 0))
-    if not select0 and n.target not in (aten.view.default, aten.reshape.default,
-                                        aten._unsafe_view.default):
+    if not select0 and n.target not in _VIEWS:
         return False
     x, out = n.args[0], _val(n)
     xv = _val(x)

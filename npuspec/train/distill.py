@@ -12,10 +12,11 @@ large batch (greedy, so one run reproduces them), and are mixed with offline Eng
 
 The prompts cover the held-out open-ended set's kinds (explanations, stories, advice,
 how-tos, recipes, comparisons), facts, letters and code, from our own subject lists
-(distill_subjects.py) and Python's topic and module names; any prompt equal to or containing a held-out one is dropped (the held-out set
-is npuspec/bench/traces/open_ended.jsonl, measured by `npuspec bench methods --prompts
-open-ended`). `load_or_generate` keeps the answers in OUT/distill.jsonl, keyed by their
-settings, so a resumed or repeated run does not generate them again.
+(distill_subjects.py) and Python's topic and module names; any prompt equal to or containing a
+held-out one is dropped (the held-out set is npuspec/bench/traces/open_ended.jsonl, measured
+by `npuspec bench methods --prompts open-ended`). `load_or_generate` keeps the answers in
+OUT/distill.jsonl, keyed by their settings, so a resumed or repeated run does not generate them
+again.
 """
 from __future__ import annotations
 

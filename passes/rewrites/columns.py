@@ -24,7 +24,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from npuspec.passes.rewrites.nodes import _fake_meta, _val
+from npuspec.passes.rewrites.nodes import _fake_meta, _same_shape, _val
 
 NAME = "columns"
 aten = torch.ops.aten
@@ -62,11 +62,6 @@ def _narrow(graph: Graph, x: Node, d: int, m: int, before: Node) -> Node:
         return x
     with graph.inserting_before(before):
         return _fake_meta(graph.call_function(aten.slice.Tensor, (x, d, 0, m)))
-
-
-def _same_shape(a, b) -> bool:
-    return (a is not None and b is not None and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
 
 
 def apply(graph: Graph, flavor: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
@@ -14,6 +15,12 @@ def _val(n):
     """The fake tensor a node computes, or None (no meta, or not a tensor)."""
     v = n.meta.get("val") if isinstance(n, Node) else None
     return v if isinstance(v, torch.Tensor) else None
+
+
+def _same_shape(a, b) -> bool:
+    """Two fake values of the same shape (sizes equal without adding a guard)."""
+    return (a is not None and b is not None and a.dim() == b.dim()
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
 
 
 def _static(shape) -> bool:

@@ -60,9 +60,8 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from npuspec.passes.rewrites.nodes import _fake_meta, _val
+from npuspec.passes.rewrites.nodes import _fake_meta, _same_shape, _val
 
 NAME = "nonneg"
 aten = torch.ops.aten
@@ -109,11 +108,6 @@ def _is_zero(graph: Graph, n) -> bool:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():  # a real constant; the pass may run inside a fake trace
         return bool((t == 0).all()) and not bool(t.signbit().any())
-
-
-def _same_shape(a, b) -> bool:
-    return (a is not None and b is not None and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
 
 
 def _same_meta(a, b) -> bool:

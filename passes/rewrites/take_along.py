@@ -22,15 +22,10 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from npuspec.passes.rewrites.nodes import _fake_meta, _val
+from npuspec.passes.rewrites.nodes import _fake_meta, _same_shape, _val
 
 NAME = "take_along"
 aten = torch.ops.aten
-
-
-def _same_shape(a, b) -> bool:
-    return (a is not None and b is not None and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
 
 
 def _no_op_expand(n) -> Node:
