@@ -83,7 +83,7 @@ class SpeculativeConfig:
         f.update(_parse_parallel(d, method, tensor_parallel_size))
         f.update(_parse_ngram(d, method))
         f.update(_parse_hybrid(d, method))
-        f.update(_parse_k_controller(d, method, tensor_parallel_size))
+        f.update(_parse_k_controller(d, method))
         f.update(_parse_suffix(d, method))
         f.update(_parse_rejection(d, k))
         if d.get("enforce_eager") is not None:
@@ -131,9 +131,9 @@ class SpeculativeConfig:
     def k_values(self) -> tuple[int, ...]:
         """Every K a step can use (one graph set each), ascending."""
         table = self.num_speculative_tokens_per_batch_size
-        if self.online_k:
-            return candidate_ks(self.num_speculative_tokens)
         ks = {r[2] for r in table} if table else {self.num_speculative_tokens}
+        if self.online_k:  # a table's K (the controller's prior) are captured too
+            ks |= set(candidate_ks(self.num_speculative_tokens))
         return tuple(sorted(ks))
 
     @property

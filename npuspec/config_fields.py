@@ -10,7 +10,7 @@ import logging
 import math
 from typing import Any, Optional
 
-from npuspec import methods
+from npuspec import envs, methods
 from npuspec.platform import NPU_MAX_TOKENS_PER_REQUEST, Platform, current_platform
 
 log = logging.getLogger("npuspec.config")
@@ -237,7 +237,7 @@ def _parse_k(d: dict, method: str, dmc: Optional[dict]) -> int:
 
 
 AUTO_K = 4  # num_speculative_tokens "auto": the online controller, K up to the guide's 4
-K_CONTROLLERS = ("online", "fixed")
+K_CONTROLLERS = envs.K_CONTROLLERS
 
 
 def candidate_ks(k_max: int) -> tuple[int, ...]:
@@ -250,38 +250,43 @@ def candidate_ks(k_max: int) -> tuple[int, ...]:
     return tuple(sorted(ks))
 
 
-def _parse_k_controller(d: dict, method: str, tensor_parallel_size: int) -> dict:
-    """k_controller: "online" (K chosen each step, up to num_speculative_tokens; also what
-    num_speculative_tokens "auto" means) or "fixed" (the default)."""
+def _parse_k_controller(d: dict, method: str) -> dict:
+    """k_controller: "online" (K chosen each step, up to num_speculative_tokens) or "fixed".
+    Unset, it is NPUSPEC_K_CONTROLLER's value, "online" by default, wherever K can vary: not
+    with synthetic acceptance (defined for a fixed K) nor extract_hidden_states (K is 1), where
+    the default is "fixed" and an explicit "online" is refused. num_speculative_tokens "auto"
+    means online with K up to AUTO_K. A batch-size table with online K is the controller's
+    prior (docs/engine.md, "The online K controller")."""
     v = d.get("k_controller")
     auto = d.get("num_speculative_tokens") == "auto"
-    if v is None:
-        v = "online" if auto else "fixed"
-    if v not in K_CONTROLLERS:
+    if v is not None and v not in K_CONTROLLERS:
         raise _err("k_controller", v, "must be 'online' (K picked each step from measured step "
                                       "times and acceptance, up to num_speculative_tokens) or "
                                       "'fixed'")
-    if v == "fixed":
-        if auto:
-            raise _err("k_controller", v, "conflicts with num_speculative_tokens 'auto' (which "
-                                          "is the online controller); give a number of tokens "
-                                          "instead, or remove k_controller")
-        return {}
-    for key, why in (("num_speculative_tokens_per_batch_size", "the controller picks K itself; "
-                      "remove the table or set k_controller 'fixed'"),
-                     ("synthetic_acceptance_rates", "synthetic acceptance is defined for a "
-                      "fixed K; remove it or set k_controller 'fixed'"),
-                     ("synthetic_acceptance_length", "synthetic acceptance is defined for a "
-                      "fixed K; remove it or set k_controller 'fixed'")):
-        if d.get(key) is not None:
-            raise _err(key, d[key], f"does not combine with k_controller 'online': {why}")
+    if v == "fixed" and auto:
+        raise _err("k_controller", v, "conflicts with num_speculative_tokens 'auto' (which "
+                                      "is the online controller); give a number of tokens "
+                                      "instead, or remove k_controller")
+    explicit = v is not None or auto
+    fixed_only = [(key, "synthetic acceptance is defined for a fixed K; remove it or set "
+                        "k_controller 'fixed'")
+                  for key in ("synthetic_acceptance_rates", "synthetic_acceptance_length")
+                  if d.get(key) is not None]
     if method == "extract_hidden_states":
-        raise _err("k_controller", v, "does not apply to method 'extract_hidden_states' (K is "
-                                      "1); remove it")
-    if tensor_parallel_size > 1:
-        raise _err("k_controller", v, f"is not supported with tensor_parallel_size="
-                                      f"{tensor_parallel_size} yet; remove it, or run with "
-                                      f"tensor_parallel_size=1")
+        fixed_only.append(("k_controller", "does not apply to method 'extract_hidden_states' "
+                                           "(K is 1); remove it"))
+    if v is None:
+        v = "online" if auto else envs.k_controller()
+    # written out either way: to_dict() then means the same under another environment
+    if v == "fixed":
+        return {"k_controller": "fixed"}
+    if fixed_only:
+        if not explicit:  # the default applies where K can vary
+            return {"k_controller": "fixed"}
+        key, why = fixed_only[0]
+        if key == "k_controller":
+            raise _err(key, v, why)
+        raise _err(key, d[key], f"does not combine with k_controller 'online': {why}")
     return {"k_controller": "online"}
 
 

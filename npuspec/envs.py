@@ -213,6 +213,24 @@ def set_tp_cpu_comm(v: str) -> None:
     os.environ["NPUSPEC_TP_CPU_COMM"] = _parse_comm("NPUSPEC_TP_CPU_COMM", v)
 
 
+K_CONTROLLERS = ("online", "fixed")
+
+
+def _parse_k_controller(name: str, v: str) -> str:
+    if v not in K_CONTROLLERS:
+        raise EnvError(f"{name}={v!r}: use 'online' (K chosen each step up to "
+                       f"num_speculative_tokens, the default) or 'fixed' (K is "
+                       f"num_speculative_tokens every step); or unset it")
+    return v
+
+
+def k_controller() -> str:
+    """NPUSPEC_K_CONTROLLER: how K is chosen when speculative_config does not say
+    (k_controller): 'online' (the default) or 'fixed'."""
+    v = _once("NPUSPEC_K_CONTROLLER", _parse_k_controller)
+    return "online" if v is None else v
+
+
 def _parse_bool(name: str, v: str) -> bool:
     s = v.strip().lower()
     if s in ("1", "true", "yes", "on"):
@@ -275,6 +293,7 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_DEBUG": debug,
     "NPUSPEC_TP_TIMEOUT": tp_timeout,
     "NPUSPEC_TP_CPU_COMM": tp_cpu_comm,
+    "NPUSPEC_K_CONTROLLER": k_controller,
 }
 
 

@@ -87,7 +87,8 @@ def sweep(model, method, k_max, batches, prompts, max_tokens, repeats, max_model
     ks = candidate_ks(k_max)
     settings = {"none": None}
     for k in ks[1:]:
-        settings[f"K={k}"] = {"method": method, "num_speculative_tokens": k}
+        settings[f"K={k}"] = {"method": method, "num_speculative_tokens": k,
+                              "k_controller": "fixed"}
     settings["online"] = {"method": method, "num_speculative_tokens": k_max,
                           "k_controller": "online"}
     engines = {name: _engine(model, spec, max(batches), max_model_len)

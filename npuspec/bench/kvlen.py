@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
-    spec = {"method": "ngram", "num_speculative_tokens": a.k,
+    spec = {"method": "ngram", "num_speculative_tokens": a.k, "k_controller": "fixed",
             "num_speculative_tokens_per_batch_size": [[1, 1, a.k]]}
     engines = {}
     for m in a.max_model_len:

@@ -100,7 +100,8 @@ _PAD = {"draft_ids": -1, "top_p": 1.0, "uniforms": 1.0, "exponentials": 1.0}
 
 
 def compiled_step(step, k: int, max_num_seqs: int, small_m: bool):
-    spec = (SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k})
+    spec = (SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k,
+                                         "k_controller": "fixed"})
             if k else None)
     fn = torch.compile(fresh_step_fn(step), backend="npuspec", dynamic=None,
                        options={"speculative_config": spec, "max_num_seqs": max_num_seqs,

@@ -217,7 +217,7 @@ def measure_latency(model: str, batches: Sequence[int], k_max: int, max_model_le
     mask spans the whole static cache row, whatever the positions). Also returns the capture
     plan per K (None without capture), so the tuner costs each batch at its padded size."""
     table = [[k + 1, k + 1, k] for k in range(k_max + 1)]  # declares K = 0..k_max
-    spec = {"method": "ngram", "num_speculative_tokens": max(k_max, 1),
+    spec = {"method": "ngram", "num_speculative_tokens": max(k_max, 1), "k_controller": "fixed",
             "num_speculative_tokens_per_batch_size": table}
     llm = make_llm(model, spec if k_max else None, max(batches), max_model_len, enforce_eager)
     by_tokens: dict[int, list[float]] = {}
@@ -275,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         mdir = common.model_dir(args.model)
         common.check_draft(mdir, cfg)
-        spec = dict(base, num_speculative_tokens=k_max)
+        spec = dict(base, num_speculative_tokens=k_max, k_controller="fixed")
         spec.pop("num_speculative_tokens_per_batch_size", None)
         measured = measure_acceptance(mdir, spec, load_prompts(args.prompts), args.max_tokens,
                                       args.enforce_eager)
@@ -308,16 +308,19 @@ def run(args: argparse.Namespace) -> int:
     print_table(rows, title="expected tokens/s by concurrency")
     cfg_out = tuned_config(base, table)
     common.spec_config(cfg_out, "tuned table")  # the table must be one SpeculativeConfig accepts
-    print(f"tuned in {time.perf_counter() - t0:.1f}s; paste into --speculative-config:")
+    print(f"tuned in {time.perf_counter() - t0:.1f}s; paste into --speculative-config (with the "
+          f"online K controller, the default, the table is its prior for the first steps; add "
+          f"\"k_controller\": \"fixed\" to follow the table throughout):")
     print(json.dumps(cfg_out))
     measured_tps = {}
     if args.validate:
         mdir = common.model_dir(args.model)
         prompts = load_prompts(args.prompts)
         max_len = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
-        spec_k = dict(base, num_speculative_tokens=k_max)
+        spec_k = dict(base, num_speculative_tokens=k_max, k_controller="fixed")
         spec_k.pop("num_speculative_tokens_per_batch_size", None)
-        for name, spec_v in (("K=0", None), (f"K={k_max}", spec_k), ("tuned table", cfg_out)):
+        table_fixed = dict(cfg_out, k_controller="fixed")  # the table itself, not as a prior
+        for name, spec_v in (("K=0", None), (f"K={k_max}", spec_k), ("tuned table", table_fixed)):
             if name == "tuned table" and len(table) == 1 and f"K={table[0][2]}" in measured_tps:
                 measured_tps[name] = measured_tps[f"K={table[0][2]}"]  # one K throughout: measured
                 continue

@@ -47,7 +47,8 @@ def run(args) -> int:
     prompts = load_prompts(args.prompts, model=mdir)
     threads = common.set_threads(args.threads, mdir)
     max_len = common.fit_max_model_len(mdir, prompts, args.max_tokens)
-    label = f"{cfg.method} K={cfg.num_speculative_tokens}"
+    label = (f"{cfg.method} K<={cfg.num_speculative_tokens} (online K)" if cfg.online_k
+             else f"{cfg.method} K={cfg.num_speculative_tokens}")
 
     runs = {}
     with common.Progress("npuspec demo", 4) as bar:

@@ -2,12 +2,19 @@
 
 Per step: choose the K to draft for, draft, choose the K to verify from the drafts in hand and
 cut them to it; after the verify step, feed back each request's drafted and accepted tokens and
-the step's time. A time measured across a compile, a capture, a cache load or an eager fallback
-is dropped (`k_controller.disturbances`).
+the step's times. A time measured across a compile, a capture, a cache load or an eager
+fallback is dropped (`k_controller.disturbances`).
+
+Tensor parallelism: every rank runs its own controller on the same observations (rank 0's
+drafts and results are every rank's), so they choose the same K as long as they are fed the
+same times. `agree_with` makes every rank record rank 0's: its warm-up table once, and its
+three times per step (drafting, the verify step, the host's bookkeeping; NaN where dropped).
 """
 from __future__ import annotations
 
+import math
 import time
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -16,18 +23,29 @@ from npuspec.spec_decode.k_controller import KController, cut, disturbances, len
 
 
 class OnlineK:
-    def __init__(self, ks, rows_for, cheap_drafter: bool):
+    def __init__(self, ks, rows_for, cheap_drafter: bool, prior=None):
         """`cheap_drafter`: drafting costs next to nothing whatever K (ngram, suffix), so a
-        step that speculates at all drafts at K_max and lets the drafts decide."""
-        self.ctl = KController(ks, rows_for, availability=not cheap_drafter)
+        step that speculates at all drafts at K_max and lets the drafts decide. `prior`:
+        K by batch size for the first steps (KController)."""
+        self.ctl = KController(ks, rows_for, availability=not cheap_drafter, prior=prior)
         self.cheap = cheap_drafter
         self._slots = np.zeros(0, dtype=np.int64)
         self._lengths = np.zeros(0, dtype=np.int64)
         self._k_draft = 0
+        self._t_draft = math.nan
         self._snap: tuple = ()
+        self._share: Optional[Callable[[list], list]] = None
+        self._share_obj: Optional[Callable] = None
+
+    def agree_with(self, share_floats: Callable[[list], list], share_obj: Callable) -> None:
+        """Tensor parallelism: `share_floats(xs)` / `share_obj(x)` return rank 0's on every
+        rank."""
+        self._share, self._share_obj = share_floats, share_obj
 
     def seed_times(self, times: dict) -> None:
         """Warm-up's step times {(rows, K): seconds}."""
+        if self._share_obj is not None:
+            times = self._share_obj(times)
         for (rows, k), t in times.items():
             self.ctl.record_verify(rows, k, t)
 
@@ -41,10 +59,9 @@ class OnlineK:
         snap = disturbances(counters)
         t0 = time.perf_counter()
         drafts, probs = draft_fn(batch, choice.k_draft)             # [B, Kd], [B, Kd, V]
-        dt = time.perf_counter() - t0
+        t_draft = time.perf_counter() - t0
         self._snap = disturbances(counters)
-        if choice.k_draft > 0 and snap == self._snap:
-            ctl.record_draft(choice.k_draft, len(batch), dt)
+        self._t_draft = t_draft if choice.k_draft > 0 and snap == self._snap else math.nan
         lengths = lengths_of(drafts)                                # [B]
         k = ctl.choose_after(choice, slots, lengths)
         if k < choice.k_draft:
@@ -58,7 +75,15 @@ class OnlineK:
         B = len(self._slots)
         accepted = np.minimum(res[:B, k + 1] - 1, np.minimum(self._lengths, k))  # [B]
         self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
-        if self._snap == disturbances(counters):
+        times = [self._t_draft, t_run, book_s]
+        if self._snap != disturbances(counters):
+            times[1:] = [math.nan, math.nan]
+        if self._share is not None:
+            times = self._share(times)
+        t_draft, t_run, book_s = times
+        if t_draft == t_draft:
+            self.ctl.record_draft(self._k_draft, B, t_draft)
+        if t_run == t_run:
             self.ctl.record_verify(rows, k, t_run)
             self.ctl.record_book(k, B, book_s)
 

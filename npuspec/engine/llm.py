@@ -121,9 +121,13 @@ class LLM:
         self._live: dict[str, Request] = {}  # request id -> added and not finished
         self.online: Optional[OnlineK] = None
         if self.spec is not None and self.spec.online_k:
+            table = self.spec.num_speculative_tokens_per_batch_size
             self.online = OnlineK(self.k_values, self.runner.rows_for,
                                   cheap_drafter=not (METHODS[self.spec.method].needs_model
-                                                     or self.spec.enable_suffix_decoding))
+                                                     or self.spec.enable_suffix_decoding),
+                                  prior=self.spec.k_for_batch_size if table else None)
+            if self.tp is not None:  # every rank's controller is fed rank 0's times
+                self.online.agree_with(self.tp.broadcast_floats, self.tp.broadcast_object)
         if self.capture:
             self.runner.warm_up()
             if self.proposer is not None:

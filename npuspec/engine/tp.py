@@ -135,6 +135,12 @@ class TP:
         torch.distributed.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def broadcast_floats(self, xs: list) -> list:
+        """rank 0's floats on every rank (the online K controller's step times)."""
+        t = torch.tensor(xs, dtype=torch.float64)
+        self._broadcast(t)
+        return t.tolist()
+
     def _broadcast(self, t: torch.Tensor) -> None:
         collectives.gloo_call(
             lambda: torch.distributed.broadcast(t, src=0, group=self.cpu_group), t)

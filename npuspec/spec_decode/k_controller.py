@@ -47,6 +47,7 @@ ALPHA_TIME = 0.2       # step times: a few steps settle a changed load
 PRIOR_P = 1.0          # before anything is measured: drafts are there ...
 PRIOR_C = 0.6          # ... and accepted often enough that speculating is tried
 EXPLORE_EVERY = 16     # one step in this many at K_max while a smaller K is chosen
+PRIOR_STEPS = 32       # steps that follow a prior policy (a tuned batch-size table), if given
 # a token drafter is skipped only when drafting costs more than this share of the rate: on a
 # model whose step dwarfs the drafter, steps without drafts cost it ~0.05 %, and skipping
 # then would only miss the drafts that come later
@@ -68,10 +69,12 @@ class KController:
     Python floats: there are at most a handful of K)."""
 
     def __init__(self, ks: Sequence[int], rows_for, explore_every: int = EXPLORE_EVERY,
-                 availability: bool = True):
+                 availability: bool = True, prior=None):
         """`ks`: the captured K values (ascending, 0 first); `rows_for(batch, k)`: the rows a
         step of `batch` requests runs at K (padded to a captured size); `availability`:
-        learn p (only `choose_before` reads it; a token drafter's steps never call it)."""
+        learn p (only `choose_before` reads it; a token drafter's steps never call it);
+        `prior(batch)`: a K of `ks` per batch size (`npuspec tune`'s table), followed for the
+        first PRIOR_STEPS steps while the acceptance estimates are still the generic prior."""
         assert list(ks) == sorted(set(ks)) and ks[0] == 0, ks
         self.ks = tuple(int(k) for k in ks)
         self.k_max = self.ks[-1]
@@ -95,10 +98,12 @@ class KController:
         self._rows: dict[int, tuple[int, ...]] = {}         # batch -> rows at each K
         self._w: dict[int, np.ndarray] = {}
         self._observed = 0
+        self._steps = 0
         self.draft_value = 1.0   # see choose_before_cheap
         self.last_k = self.k_max
         self.availability = availability
         self.since_explore = 0
+        self.prior = prior
 
     # -- requests ------------------------------------------------------------------------------
     def slots(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -185,6 +190,9 @@ class KController:
     def choose_before(self, slots: np.ndarray) -> Choice:
         """The K to draft for, from the expected acceptance and the full round's cost."""
         B = len(slots)
+        if self._prior_on():
+            k = self.prior(B)
+            return Choice(k, k)
         # P(at least i accepted) = p[i] c[i], non-increasing in i whatever the noise
         u = np.minimum.accumulate(self.p[slots] * self.c[slots], axis=1).sum(0)  # [K_max]
         n = len(self.ks)
@@ -221,6 +229,7 @@ class KController:
 
     def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
         """The K to verify, <= the K drafted, given each request's drafted length [B]."""
+        self._steps += 1
         if choice.k_draft == 0:
             self.last_k = 0
             return 0
@@ -229,6 +238,9 @@ class KController:
         # K past the smallest one that holds the longest draft verifies padding only
         longest = min(choice.k_draft, int(lengths.max(initial=0)))
         n = bisect.bisect_left(self.ks, longest) + 1
+        if self._prior_on():  # the table's K, no more than the drafts need
+            self.last_k = min(self.prior(len(slots)), self.ks[n - 1])
+            return self.last_k
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
         per_pos = (self.c[slots] * self._upto[lengths]).sum(0)               # [K_max]
         gain, cost = self._gains(B, per_pos, n), self._cost(B, n, draft=False)
@@ -237,6 +249,9 @@ class KController:
             self._value_of_drafting(B, gain, cost, best)
         self.last_k = self.ks[n - 1] if choice.explore else self.ks[best]
         return self.last_k
+
+    def _prior_on(self) -> bool:
+        return self.prior is not None and self._steps < PRIOR_STEPS
 
     # -- observations --------------------------------------------------------------------------
     def observe(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,

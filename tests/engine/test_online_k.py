@@ -90,10 +90,10 @@ def test_a_step_disturbed_by_a_fallback_or_compile_is_not_timed():
         return fn
     drafts, _, k = online.draft(batch, drafting(None))
     assert k == 2 and drafts.shape == (2, 2)  # nothing measured yet: the largest K first
-    assert online.ctl.draft_s  # the drafter's time was kept
     res = np.array([[7, 7, 1, 3], [7, 1, -1, 2]])
     online.verified(2, k, res, 0.5, 0.01)
     assert online.ctl.verify_s == {(2, 2): 0.5} and online.ctl.book_s
+    assert online.ctl.draft_s  # the drafter's time was kept (recorded with the step's)
     # acceptance learnt: request a took both drafts, b one
     s = online.ctl.slots(["a", "b"])
     assert online.ctl.c[s[0], 1] > online.ctl.c[s[1], 1]
@@ -101,9 +101,48 @@ def test_a_step_disturbed_by_a_fallback_or_compile_is_not_timed():
         # across the drafting: the drafter's time is dropped
         online.ctl.draft_s.clear()
         drafts, _, k = online.draft(batch, drafting(bump))
-        assert not online.ctl.draft_s, bump
         # across the verify step: its time is dropped
         counters.bump(bump)
         old = dict(online.ctl.verify_s)
         online.verified(2, k, np.array([[7] * (k + 1) + [1]] * 2), 9.0, 0.01)
         assert online.ctl.verify_s == old, bump
+        assert not online.ctl.draft_s, bump
+
+
+def test_ranks_fed_rank_0s_times_choose_the_same_k():
+    """Tensor parallelism: each rank's controller sees the same drafts and results but times
+    its own steps. Fed rank 0's times (`agree_with`), a rank that measured the opposite costs
+    makes rank 0's choices, step for step; without it, it parts ways."""
+    rng = np.random.default_rng(0)
+    ks = (0, 1, 2, 4)
+
+    def run(shared: bool):
+        r0 = OnlineK(ks, lambda b, k: b, cheap_drafter=False)
+        r1 = OnlineK(ks, lambda b, k: b, cheap_drafter=False)
+        sent = {}
+        if shared:  # what TP.broadcast_floats / broadcast_object do between processes
+            r0.agree_with(lambda xs: sent.setdefault("x", list(xs)),
+                          lambda o: sent.setdefault("o", o))
+            r1.agree_with(lambda xs: sent.pop("x"), lambda o: sent.pop("o"))
+        r0.seed_times({(2, k): 0.1 + 0.1 * k for k in ks})      # K cheap on rank 0 ...
+        r1.seed_times({(2, k): 1.0 - 0.2 * k for k in ks})      # ... dear on rank 1
+        sent.pop("o", None)
+        batch = [_Req("a"), _Req("b")]
+        same = []
+        for _ in range(40):
+            L = rng.integers(0, 5, 2)
+            ks_step = []
+            for rank, t_run in ((r0, 0.1), (r1, 0.9)):
+                def fn(reqs, k):
+                    return np.where(np.arange(k)[None, :] < L[:, None], 7, -1), None
+                drafts, _, k = rank.draft(batch, fn)
+                res = np.full((2, k + 2), 7)
+                res[:, k + 1] = 1 + np.minimum(L, k) // 2
+                rank.verified(2, k, res, t_run * (1 + k), 0.001)
+                ks_step.append(k)
+            sent.clear()
+            same.append(ks_step[0] == ks_step[1])
+        return same
+
+    assert all(run(shared=True))
+    assert not all(run(shared=False))

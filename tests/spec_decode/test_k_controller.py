@@ -234,19 +234,73 @@ def test_config_auto_and_errors():
     on = SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": 8,
                                       "k_controller": "online"})
     assert on.k_values() == (0, 1, 2, 4, 8)
-    off = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
-    assert not off.online_k and off.k_values() == (4,)
+    # a tuned table is the online controller's prior: its K are captured as well
+    prior = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4,
+                                         "k_controller": "online",
+                                         "num_speculative_tokens_per_batch_size": [[1, 8, 3]]})
+    assert prior.online_k and prior.k_values() == (0, 1, 2, 3, 4)
+    # tensor parallelism: the ranks are fed rank 0's times (tests/engine/test_tp.py)
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"},
+                                       tensor_parallel_size=2).online_k
     bad = [({"k_controller": "sometimes"}, "k_controller"),
            ({"num_speculative_tokens": "auto", "k_controller": "fixed"}, "k_controller"),
-           ({"k_controller": "online",
-             "num_speculative_tokens_per_batch_size": [[1, 8, 2]]},
-            "num_speculative_tokens_per_batch_size"),
            ({"num_speculative_tokens": "auto", "rejection_sample_method": "synthetic",
-             "synthetic_acceptance_length": 2.0}, "synthetic_acceptance_length")]
+             "synthetic_acceptance_length": 2.0}, "synthetic_acceptance_length"),
+           ({"k_controller": "online", "rejection_sample_method": "synthetic",
+             "synthetic_acceptance_rates": [0.5]}, "synthetic_acceptance_rates")]
     for extra, key in bad:
         d = {"method": "ngram", "num_speculative_tokens": 4, **extra}
         with pytest.raises(ValueError, match=key):
             SpeculativeConfig.from_dict(d)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": "auto"},
-                                    tensor_parallel_size=2)
+
+
+def test_online_is_the_default_where_k_can_vary(monkeypatch):
+    """Unset (the suite pins NPUSPEC_K_CONTROLLER=fixed in tests/conftest.py), an integer K is
+    the online controller's upper bound; "fixed" keeps vLLM's meaning; to_dict() says which,
+    so another process (a TP rank, another environment) reads the same config back."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}
+    monkeypatch.delenv("NPUSPEC_K_CONTROLLER", raising=False)
+    cfg = SpeculativeConfig.from_dict(ngram)
+    assert cfg.online_k and cfg.k_values() == KS
+    assert cfg.to_dict()["k_controller"] == "online"
+    # where K cannot vary the default is fixed; asking for online there is refused
+    synth = dict(ngram, rejection_sample_method="synthetic", synthetic_acceptance_length=2.0)
+    assert not SpeculativeConfig.from_dict(synth).online_k
+    ehs = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+           "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 18]}}}
+    assert not SpeculativeConfig.from_dict(ehs).online_k
+    with pytest.raises(ValueError, match="k_controller"):
+        SpeculativeConfig.from_dict(dict(ehs, k_controller="online"))
+    monkeypatch.setenv("NPUSPEC_K_CONTROLLER", "fixed")
+    fixed = SpeculativeConfig.from_dict(ngram)
+    assert not fixed.online_k and fixed.k_values() == (4,)
+    assert fixed.to_dict()["k_controller"] == "fixed"
+    monkeypatch.delenv("NPUSPEC_K_CONTROLLER")
+    assert SpeculativeConfig.from_dict(fixed.to_dict()) == fixed  # explicit beats the default
+    monkeypatch.setenv("NPUSPEC_K_CONTROLLER", "sometimes")
+    with pytest.raises(ValueError, match="NPUSPEC_K_CONTROLLER='sometimes'.*'online'.*'fixed'"):
+        SpeculativeConfig.from_dict(ngram)
+
+
+def test_a_prior_table_is_followed_for_the_first_steps_then_the_controller_takes_over():
+    """With a tuned table as prior: its K per batch size for PRIOR_STEPS steps (never more than
+    the drafts need), then the choice from costs and acceptance."""
+    ctl = kc.KController(KS, rows_exact, explore_every=10**9, prior=lambda b: 1 if b < 4 else 0)
+    for k in KS:
+        ctl.record_verify(2, k, 1.0)  # K is free: with drafts accepted, K_max wins
+    slots = ctl.slots(["a", "b"])
+    full = np.array([4, 4])
+    seen = []
+    for _ in range(kc.PRIOR_STEPS):
+        ch = ctl.choose_before(slots)
+        k = ctl.choose_after(ch, slots, full)
+        seen.append(k)
+        ctl.observe(slots, ch.k_draft, np.minimum(full, ch.k_draft), k, np.array([k, k]))
+    assert seen == [1] * kc.PRIOR_STEPS
+    teach(ctl, slots, c=0.95)
+    ch = ctl.choose_before(slots)
+    assert ctl.choose_after(ch, slots, full) == 4
+    # during the prior, a draft shorter than the table's K is verified at the K that holds it
+    early = kc.KController(KS, rows_exact, prior=lambda b: 4)
+    s = early.slots(["x"])
+    assert early.choose_after(kc.Choice(4, 4), s, np.array([2])) == 2
