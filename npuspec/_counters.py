@@ -21,16 +21,26 @@ KNOWN = (
 )
 
 
+# Events after which a wall-clock time is not a graph's time: a compile, a capture, a cache load
+# or an eager fallback (the online K controller drops a step time measured across one).
+DISTURBANCES = frozenset(("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits",
+                          "graph_breaks"))
+
+
 class Counters(collections.Counter):
-    """A thread-safe Counter with `clear()` and `snapshot()` for delta assertions."""
+    """A thread-safe Counter with `clear()` and `snapshot()` for delta assertions.
+    `disturbed` counts DISTURBANCES events (one int to compare around a timed region)."""
 
     def __init__(self):
         super().__init__()
         self._lock = threading.Lock()
+        self.disturbed = 0
 
     def bump(self, name: str, n: int = 1) -> None:
         with self._lock:
             self[name] += n
+            if name in DISTURBANCES:
+                self.disturbed += 1
 
     def snapshot(self) -> dict:
         with self._lock:

@@ -3,7 +3,7 @@
 Per step: choose the K to draft for, draft, choose the K to verify from the drafts in hand and
 cut them to it; after the verify step, feed back each request's drafted and accepted tokens and
 the step's times. A time measured across a compile, a capture, a cache load or an eager
-fallback is dropped (`k_controller.disturbances`).
+fallback is dropped (`counters.disturbed` moved).
 
 Tensor parallelism: every rank runs its own controller on the same observations (rank 0's
 drafts and results are every rank's), so they choose the same K as long as they are fed the
@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from npuspec._counters import counters
-from npuspec.spec_decode.k_controller import KController, cut, disturbances, lengths_of
+from npuspec.spec_decode.k_controller import KController, cut, lengths_of
 
 
 class OnlineK:
@@ -33,7 +33,7 @@ class OnlineK:
         self._lengths = np.zeros(0, dtype=np.int64)
         self._k_draft = 0
         self._t_draft = math.nan
-        self._snap: tuple = ()
+        self._snap = 0
         self._share: Optional[Callable[[list], list]] = None
         self._share_obj: Optional[Callable] = None
 
@@ -56,11 +56,11 @@ class OnlineK:
         slots = ctl.slots([r.req_id for r in batch])
         # a cheap drafter drafts at K_max and the drafts in hand decide
         choice = ctl.choose_before_cheap() if self.cheap else ctl.choose_before(slots)
-        snap = disturbances(counters)
+        snap = counters.disturbed
         t0 = time.perf_counter()
         drafts, probs = draft_fn(batch, choice.k_draft)             # [B, Kd], [B, Kd, V]
         t_draft = time.perf_counter() - t0
-        self._snap = disturbances(counters)
+        self._snap = counters.disturbed
         self._t_draft = t_draft if choice.k_draft > 0 and snap == self._snap else math.nan
         lengths = lengths_of(drafts)                                # [B]
         k = ctl.choose_after(choice, slots, lengths)
@@ -73,10 +73,10 @@ class OnlineK:
         """After the step and its bookkeeping: res [rows, K+2] (num_emitted last), t_run the
         step's seconds, book_s the host's around it."""
         B = len(self._slots)
-        accepted = np.minimum(res[:B, k + 1] - 1, np.minimum(self._lengths, k))  # [B]
+        accepted = res[:B, k + 1] - 1                               # [B] (observe clamps)
         self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
         times = [self._t_draft, t_run, book_s]
-        if self._snap != disturbances(counters):
+        if self._snap != counters.disturbed:
             times[1:] = [math.nan, math.nan]
         if self._share is not None:
             times = self._share(times)

@@ -35,10 +35,10 @@ from typing import Sequence
 
 import numpy as np
 
+from npuspec._counters import DISTURBANCES
 from npuspec.config_fields import candidate_ks
 
-__all__ = ["KController", "Choice", "candidate_ks", "undisturbed", "disturbances",
-           "lengths_of", "cut"]
+__all__ = ["KController", "Choice", "candidate_ks", "undisturbed", "lengths_of", "cut"]
 
 ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
 ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
@@ -88,8 +88,14 @@ class KController:
         self._gain = ALPHA_REQUEST * self._upto
         self.pool_p = np.full(km, PRIOR_P)
         self.pool_c = np.full(km, PRIOR_C)
-        self.p = np.zeros((0, km))
-        self.c = np.zeros((0, km))
+        self._p = np.zeros((0, km))   # [slots, K_max], every request's row ...
+        self._c = np.zeros((0, km))
+        # ... and the rows of the batch last seen, kept apart while it stays the same (the
+        # common case: a step's state updates then skip a gather and a scatter)
+        self._ids: list = []
+        self._bslots = np.zeros(0, dtype=np.int64)
+        self._bp = self._p[:0]
+        self._bc = self._c[:0]
         self.slot: dict[str, int] = {}
         self.free: list[int] = []
         self.verify_s: dict[tuple[int, int], float] = {}   # (rows, K) -> seconds
@@ -107,30 +113,75 @@ class KController:
 
     # -- requests ------------------------------------------------------------------------------
     def slots(self, req_ids: Sequence[str]) -> np.ndarray:
-        """Each request's row of the state; a new one starts from the pooled estimate."""
+        """Each request's row of the state; a new one starts from the pooled estimate. The
+        same batch as last time gets the same array back, and the methods given that array
+        work on the batch's rows in place."""
+        if req_ids == self._ids:
+            return self._bslots
+        self._flush()
         out = np.empty(len(req_ids), dtype=np.int64)
         for i, rid in enumerate(req_ids):
             s = self.slot.get(rid)
             if s is None:
                 s = self._new_slot()
                 self.slot[rid] = s
-                self.p[s], self.c[s] = self.pool_p, self.pool_c
+                self._p[s], self._c[s] = self.pool_p, self.pool_c
             out[i] = s
+        self._ids = list(req_ids)
+        self._bslots, self._bp, self._bc = out, self._p[out], self._c[out]
         return out
+
+    def _flush(self) -> None:
+        """The bound batch's rows back into the table."""
+        if len(self._bslots):
+            self._p[self._bslots], self._c[self._bslots] = self._bp, self._bc
+
+    def _rows_of(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(p, c) rows [B, K_max] of these slots: the bound batch's own arrays (updated in
+        place), or a gather of others (written back by `_store`)."""
+        if slots is self._bslots:
+            return self._bp, self._bc
+        self._flush()
+        return self._p[slots], self._c[slots]
+
+    def _store(self, slots: np.ndarray, p: np.ndarray, c: np.ndarray) -> None:
+        if slots is self._bslots:
+            self._bp, self._bc = p, c
+        else:
+            self._p[slots], self._c[slots] = p, c
+            self._unbind()
+
+    def _unbind(self) -> None:
+        self._ids, self._bslots = [], np.zeros(0, dtype=np.int64)
+
+    @property
+    def p(self) -> np.ndarray:
+        """[slots, K_max] P(at least i drafted) per request row (read-only use)."""
+        self._flush()
+        return self._p
+
+    @property
+    def c(self) -> np.ndarray:
+        """[slots, K_max] P(the first i accepted | at least i drafted) per request row."""
+        self._flush()
+        return self._c
 
     def _new_slot(self) -> int:
         if self.free:
             return self.free.pop()
-        n = len(self.p)
+        n = len(self._p)
         grow = max(n, 8)
-        self.p = np.concatenate([self.p, np.zeros((grow, self.p.shape[1]))])
-        self.c = np.concatenate([self.c, np.zeros((grow, self.c.shape[1]))])
+        self._p = np.concatenate([self._p, np.zeros((grow, self._p.shape[1]))])
+        self._c = np.concatenate([self._c, np.zeros((grow, self._c.shape[1]))])
         self.free.extend(range(n + grow - 1, n, -1))
         return n
 
     def forget(self, req_id: str) -> None:
         s = self.slot.pop(req_id, None)
         if s is not None:
+            if req_id in self._ids:  # its row must not be written back over a new owner's
+                self._flush()
+                self._unbind()
             self.free.append(s)
 
     # -- costs ---------------------------------------------------------------------------------
@@ -194,7 +245,8 @@ class KController:
             k = self.prior(B)
             return Choice(k, k)
         # P(at least i accepted) = p[i] c[i], non-increasing in i whatever the noise
-        u = np.minimum.accumulate(self.p[slots] * self.c[slots], axis=1).sum(0)  # [K_max]
+        p, c = self._rows_of(slots)
+        u = np.minimum.accumulate(p * c, axis=1).sum(0)                        # [K_max]
         n = len(self.ks)
         k = self.ks[self._best(self._gains(B, u, n), self._cost(B, n, draft=True))]
         if k < self.k_max:
@@ -242,7 +294,7 @@ class KController:
             self.last_k = min(self.prior(len(slots)), self.ks[n - 1])
             return self.last_k
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
-        per_pos = (self.c[slots] * self._upto[lengths]).sum(0)               # [K_max]
+        per_pos = (self._rows_of(slots)[1] * self._upto[lengths]).sum(0)     # [K_max]
         gain, cost = self._gains(B, per_pos, n), self._cost(B, n, draft=False)
         best = self._best(gain, cost)
         if choice.k_draft == self.k_max:
@@ -257,24 +309,26 @@ class KController:
     def observe(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,
                 accepted: np.ndarray) -> None:
         """One step: drafted for K_draft, each request's drafted length [B] (before any cut),
-        verified at K <= K_draft, accepted drafts [B]. Availability learns from the drafts
+        verified at K <= K_draft, accepted drafts [B] (clamped to min(drafted, K)). Availability learns from the drafts
         before the cut (a step cut to K = 0 for lack of drafts still says so); acceptance from
         the positions verified."""
         if k_draft == 0 or len(slots) == 0:
             return
         L = np.asarray(drafted, dtype=np.int64)                             # [B]
+        p, c = self._rows_of(slots)
         if self.availability:
-            p = self.p[slots]
-            self.p[slots] = p + self._weights(k_draft) * (self._upto[L] - p)  # <= K_draft
+            p = p + self._weights(k_draft) * (self._upto[L] - p)              # <= K_draft
         # c <- c + a (acc - c) at the verified positions (i <= min(L, K)); an accepted
         # position is verified, so that is c (1 - a [verified]) + a [accepted]: two lookups
-        self.c[slots] = (self.c[slots] * self._decay[np.minimum(L, k)]
-                         + self._gain[np.asarray(accepted, dtype=np.int64)])
+        verified = np.minimum(L, k)
+        c = (c * self._decay[verified]
+             + self._gain[np.minimum(np.asarray(accepted, dtype=np.int64), verified)])
+        self._store(slots, p, c)
         self._observed += 1
         if self._observed % POOL_EVERY == 0:  # the pool follows the live requests' estimates
             if self.availability:
-                self.pool_p += ALPHA_POOL * (self.p[slots].mean(0) - self.pool_p)
-            self.pool_c += ALPHA_POOL * (self.c[slots].mean(0) - self.pool_c)
+                self.pool_p += ALPHA_POOL * (p.mean(0) - self.pool_p)
+            self.pool_c += ALPHA_POOL * (c.mean(0) - self.pool_c)
 
     def _weights(self, k: int) -> np.ndarray:
         """ALPHA_REQUEST at positions 1..K, 0 past them."""
@@ -285,19 +339,11 @@ class KController:
 
 
 
-DISTURBANCES = ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits",
-                "graph_breaks")
-
-
 def undisturbed(before: dict, after: dict) -> bool:
     """No compile, capture, cache load or eager fallback happened between two counter
-    snapshots: a step time measured across one is not the graph's time."""
+    snapshots (`counters.snapshot()`): a time measured across one is not the graph's time.
+    Per step, the engine compares `counters.disturbed` instead (one int)."""
     return all(before.get(k, 0) == after.get(k, 0) for k in DISTURBANCES)
-
-
-def disturbances(counters) -> tuple:
-    """The counters `undisturbed` compares, read without copying the rest (per step)."""
-    return tuple(counters.get(k, 0) for k in DISTURBANCES)
 
 
 def lengths_of(drafts: np.ndarray) -> np.ndarray:

@@ -205,6 +205,12 @@ def test_observe_learns_availability_and_acceptance_separately():
 
 
 def test_undisturbed_names_compiles_captures_and_fallbacks():
+    from npuspec._counters import Counters
+    c = Counters()
+    c.bump("graph_replays")
+    assert c.disturbed == 0
+    c.bump("eager_fallbacks")
+    assert c.disturbed == 1
     assert kc.undisturbed({"graph_replays": 1}, {"graph_replays": 9})
     for key in ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits"):
         assert not kc.undisturbed({}, {key: 1}), key
