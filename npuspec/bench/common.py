@@ -110,7 +110,17 @@ def aggregate_metrics(results, engine=None) -> dict:
             "draft_s": src.draft_s if src else sum(r.metrics.draft_s for r in results),
             "step_s": src.step_s if src else sum(r.metrics.step_s for r in results),
             "bookkeeping_s": src.bookkeeping_s if src else sum(r.metrics.bookkeeping_s for r in results),
-            "engine_steps": src.num_engine_steps if src else None}
+            "engine_steps": src.num_engine_steps if src else None,
+            "k_over_time": k_over_time(src) if src else []}
+
+
+def k_over_time(m) -> list[list]:
+    """[[seconds since the call's first verify step, batch, K, tokens emitted], ...] per verify
+    step of an EngineMetrics (bounded like its k_trace)."""
+    if not m.step_trace:
+        return []
+    t0 = m.step_trace[0][0]
+    return [[t - t0, b, k, n] for (b, k), (t, n) in zip(m.k_trace, m.step_trace)]
 
 
 def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,

@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enforce-eager", action="store_true", help="npuspec without torch.compile")
     p.add_argument("--json", default=None, metavar="PATH", help="write results as JSON")
     add_threads_flag(p)
-    p.add_argument("--plot", default=None, metavar="PATH.png", help="bar chart of tokens/s (needs matplotlib)")
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="tokens/s per row, acceptance by position, and K and tokens/s over the "
+                        "timed pass of each speculative npuspec row (needs matplotlib)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     return p
 
@@ -253,7 +255,8 @@ def run(args) -> int:
                      "identical": _identical(res["token_ids"], ref) == len(ref),
                      "identical_to_own_greedy": _identical(res["token_ids"], own_greedy[r.system]) == len(ref),
                      "mean_acceptance_length": m.get("mean_acceptance_length"),
-                     "acceptance_by_position": m.get("acceptance_by_position")})
+                     "acceptance_by_position": m.get("acceptance_by_position"),
+                     "k_over_time": m.get("k_over_time") or []})
     for row in rows:
         row["vs_bound"] = row["tokens_per_s"] / bound["tokens_per_s"]
     ratios = _ratios(base_tps, ngram["method"])
@@ -284,6 +287,10 @@ def run(args) -> int:
     if _k_label(ngram_cfg):
         print(f"npuspec {ngram_cfg.method} K per batch size: {_k_label(ngram_cfg)} "
               f"(max_num_seqs {args.max_num_seqs})")
+    if ngram_cfg.online_k:
+        print(f"npuspec {ngram_cfg.method}: K column = the largest K; the online K controller "
+              f"(the default) picks each step's K, 0 included (\"k_controller\": \"fixed\" in "
+              f"--speculative-config pins it)")
     if suffix_spec:
         print(f"npuspec suffix: up to K={args.k} drafts per step (suffix picks the length), "
               f"max tree depth {common.spec_config(suffix_spec).suffix_decoding_max_tree_depth}")

@@ -68,13 +68,37 @@ def plot_tune(path: str, batches: Sequence[int], fixed_k: Mapping[int, Sequence[
     _save(fig, path)
 
 
+def k_over_time_axes(ax, timelines: Mapping[str, Sequence[Sequence[float]]],
+                     window: int = 16) -> None:
+    """K per verify step against time (steps), and tokens/s over the last `window` steps
+    (dotted, right axis), one colour per row; rows of [t, batch, K, tokens]."""
+    ax2 = ax.twinx()
+    for i, (name, tl) in enumerate(timelines.items()):
+        t = [x[0] for x in tl]
+        ax.step(t, [x[2] for x in tl], where="post", color=f"C{i}", lw=1, label=f"{name}: K")
+        rate = []
+        for j in range(1, len(tl)):
+            a = max(0, j - window)
+            dt = t[j] - t[a]
+            rate.append(sum(x[3] for x in tl[a + 1:j + 1]) / dt if dt > 0 else float("nan"))
+        ax2.plot(t[1:], rate, ":", color=f"C{i}", lw=0.8)
+    ax.set(xlabel="seconds (the timed pass)", ylabel="K verified")
+    ax2.set_ylabel(f"tokens/s over {window} steps (dotted)")
+    ax.set_title("K chosen and throughput over time")
+    ax.legend(fontsize=7, loc="upper left")
+
+
 def plot_e2e(path: str, rows: Sequence[Mapping], acceptance: Mapping[str, Sequence[float]] | None = None) -> None:
     """Tokens/s per system and method (bars, identical outputs marked), and acceptance by position
     for the speculative rows."""
     plt = require_matplotlib()
     acceptance = {k: v for k, v in (acceptance or {}).items() if v}
-    ncols = 2 if acceptance else 1
+    timelines = {f"{r['system']} {r['method']}": r["k_over_time"] for r in rows
+                 if r.get("k_over_time") and any(k for _, _, k, _ in r["k_over_time"])}
+    ncols = 1 + bool(acceptance) + bool(timelines)
     fig, axes = plt.subplots(1, ncols, figsize=(5.5 * ncols + 1, 4.2), squeeze=False)
+    if timelines:
+        k_over_time_axes(axes[0][ncols - 1], timelines)
     ax = axes[0][0]
     labels = [f"{r['system']}\n{r['method']}" for r in rows]
     colors = ["tab:blue" if r["system"] == "npuspec" else "tab:gray" for r in rows]
@@ -102,10 +126,24 @@ def plot_e2e(path: str, rows: Sequence[Mapping], acceptance: Mapping[str, Sequen
 
 def plot_serve(path: str, rows: Sequence[Mapping], offline: Sequence[Mapping] | None = None) -> None:
     """`bench serve`: TTFT and TPOT (mean, median, p90, p99 in ms; grouped bars per method) and
-    output tokens/s per method; with `offline` rows also server (concurrency 1) vs offline tok/s."""
+    output tokens/s per method; with `offline` rows also server (concurrency 1) vs offline tok/s;
+    for speculative rows, mean K and tokens/s per /metrics interval over the run."""
     plt = require_matplotlib()
-    ncols = 4 if offline else 3
+    timed = [r for r in rows if any(p["mean_k"] for p in r.get("timeline") or ())]
+    ncols = 3 + bool(offline) + bool(timed)
     fig, axes = plt.subplots(1, ncols, figsize=(4.4 * ncols, 4.2), squeeze=False)
+    if timed:
+        ax = axes[0][ncols - 1]
+        ax2 = ax.twinx()
+        for i, r in enumerate(timed):
+            tl = r["timeline"]
+            ax.plot([p["t"] for p in tl], [p["mean_k"] for p in tl], "-", color=f"C{i}",
+                    label=f"{r['method']}: mean K")
+            ax2.plot([p["t"] for p in tl], [p["tokens_per_s"] for p in tl], ":", color=f"C{i}")
+        ax.set(xlabel="seconds", ylabel="mean K verified per interval")
+        ax2.set_ylabel("output tokens/s (dotted)")
+        ax.set_title("K and throughput over time")
+        ax.legend(fontsize=8)
     methods = [r["method"] for r in rows]
     stats = ("mean", "median", "p90", "p99")
     width = 0.8 / len(stats)

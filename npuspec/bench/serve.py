@@ -105,10 +105,15 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+POLL_S = 0.5  # /metrics reads during the timed requests: one small GET each, off the hot path
+
+
 async def run_load(base: str, model: str, prompts: Sequence[str], num_requests: int, max_tokens: int,
-                   rate: float, max_concurrency: int, seed: int, progress=None) -> dict:
+                   rate: float, max_concurrency: int, seed: int, progress=None,
+                   poll_s: float = POLL_S) -> dict:
     """Warm-up (the first distinct prompts at once, up to max_concurrency: compiles anything
-    the server compiles lazily), /metrics, the timed requests, /metrics again."""
+    the server compiles lazily), /metrics, the timed requests, /metrics again; during them,
+    /metrics every `poll_s` seconds (K and throughput over time)."""
     offsets = arrival_offsets(num_requests, rate, seed)
     sem = asyncio.Semaphore(max_concurrency)
     async with http_client(max_concurrency) as client:
@@ -119,6 +124,9 @@ async def run_load(base: str, model: str, prompts: Sequence[str], num_requests: 
                 raise RuntimeError(f"a warm-up request to {base} failed: {warm['error']}")
         before = await read_metrics(client, base)
         start = time.perf_counter()
+        samples: list = [(0.0, before)]
+        stop = asyncio.Event()
+        poller = asyncio.create_task(poll_metrics(client, base, start, poll_s, samples, stop))
 
         async def one(i: int) -> dict:
             delay = start + offsets[i] - time.perf_counter()
@@ -133,9 +141,41 @@ async def run_load(base: str, model: str, prompts: Sequence[str], num_requests: 
 
         records = await asyncio.gather(*(one(i) for i in range(num_requests)))
         duration = time.perf_counter() - start
+        stop.set()
+        await poller
         after = await read_metrics(client, base)
+        samples.append((duration, after))
     return {"records": list(records), "duration_s": duration, "metrics_before": before,
-            "metrics_after": after}
+            "metrics_after": after, "samples": samples}
+
+
+
+async def poll_metrics(client, base: str, start: float, every: float, out: list,
+                       stop: asyncio.Event) -> None:
+    """Append (seconds since start, /metrics) every `every` seconds until `stop` is set."""
+    while True:
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+            return
+        except asyncio.TimeoutError:
+            pass
+        out.append((time.perf_counter() - start, await read_metrics(client, base)))
+
+
+def timeline(samples: Sequence[tuple[float, dict]]) -> list[dict]:
+    """Per interval between two /metrics reads: its midpoint (s), output tokens/s, and the
+    mean K of the verify steps run in it (None when none ran)."""
+    steps = "npuspec:spec_decode_num_steps_by_k_total{k="
+    out = []
+    for (t0, a), (t1, b) in zip(samples, samples[1:]):
+        if t1 <= t0:
+            continue
+        gen = b.get("npuspec:generation_tokens_total", 0.0) - a.get("npuspec:generation_tokens_total", 0.0)
+        by_k = {int(key[len(steps):-1]): b[key] - a.get(key, 0.0) for key in b if key.startswith(steps)}
+        n = sum(by_k.values())
+        out.append({"t": (t0 + t1) / 2, "tokens_per_s": gen / (t1 - t0),
+                    "mean_k": sum(k * v for k, v in by_k.items()) / n if n else None})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,6 +271,7 @@ def summarize(method: str, spec: Optional[dict], load: dict, max_tokens: int) ->
     row["itl_ms"] = dist_ms([x for r in ok for x in r["itl"]])
     row["e2e_ms"] = dist_ms([r["e2e"] for r in ok])
     row["spec"] = spec_metrics(load["metrics_before"], load["metrics_after"])
+    row["timeline"] = timeline(load.get("samples", ()))
     return row
 
 

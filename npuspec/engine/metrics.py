@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -71,6 +72,10 @@ class EngineMetrics(RequestMetrics):
     # choices; bounded, since a server's running totals live as long as it does)
     k_trace: collections.deque = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=K_TRACE_MAX))
+    # beside it, step for step: (time.perf_counter() at the step's end, tokens it emitted), for
+    # K and throughput over time (`npuspec bench e2e --plot`)
+    step_trace: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=K_TRACE_MAX))
 
 
 def record_prefill(m: EngineMetrics, new: list[Request], dt: float) -> None:
@@ -112,6 +117,7 @@ def record_step(m: EngineMetrics, reqs: list[Request], k: int, res: np.ndarray,
     m.padded_rows += rows - B
     m.steps_by_k[k] = m.steps_by_k.get(k, 0) + 1
     m.k_trace.append((B, k))
+    m.step_trace.append((time.perf_counter(), int(res[:B, k + 1].sum())))
     if k:
         m._grow(k)
         nd = drafted.sum(0)

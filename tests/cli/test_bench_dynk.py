@@ -26,3 +26,32 @@ def test_batches_flag():
 
 def test_host_time_runs():
     assert 0 < dynk.host_time_us(batch=8, steps=50) < 1e6
+
+
+def test_engine_host_time_is_measured_inside_an_online_engine():
+    from npuspec.engine import LLM
+    llm = LLM("tiny", speculative_config={"method": "ngram", "num_speculative_tokens": "auto"},
+              enforce_eager=True, max_model_len=128, max_num_seqs=4)
+    us, n = dynk.engine_host_us(llm, ["def f(x):", "import os\n"], batch=4, max_tokens=12)
+    assert n >= 5 and 0 < us < 1e6, (us, n)
+    assert "draft" not in vars(llm.online)  # the wrappers are gone again
+
+
+def test_k_over_time_pairs_each_step_with_its_time_and_tokens():
+    from npuspec.bench.common import k_over_time
+    from npuspec.engine.metrics import EngineMetrics
+    m = EngineMetrics()
+    m.k_trace.extend([(2, 4), (2, 0), (1, 2)])
+    m.step_trace.extend([(10.0, 5), (10.5, 2), (11.25, 3)])
+    assert k_over_time(m) == [[0.0, 2, 4, 5], [0.5, 2, 0, 2], [1.25, 1, 2, 3]]
+    assert k_over_time(EngineMetrics()) == []
+
+
+def test_k_over_time_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from npuspec.bench.plots import plot_e2e
+    rows = [{"system": "npuspec", "method": "ngram", "tokens_per_s": 10.0, "identical": True,
+             "k_over_time": [[0.1 * i, 1, (0, 2, 4)[i % 3], 1 + i % 3] for i in range(40)]},
+            {"system": "hf", "method": "greedy", "tokens_per_s": 5.0, "identical": True}]
+    plot_e2e(str(tmp_path / "e2e.png"), rows, {"npuspec ngram": [0.5, 0.3]})
+    assert (tmp_path / "e2e.png").stat().st_size > 1000

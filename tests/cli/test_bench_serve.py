@@ -157,6 +157,11 @@ def test_stub_server_run(stub, prompts, tmp_path, capsys):
     assert ngram["spec"]["mean_acceptance_length"] == pytest.approx(2.0)
     assert ngram["spec"]["acceptance_rate"] == pytest.approx(0.25)
     assert ngram["spec"]["generation_tokens"] == 42
+    # /metrics read through the run: its intervals' tokens add up to the run's
+    for row in doc["rows"]:
+        tl = row["timeline"]
+        assert tl and all(p["mean_k"] is None for p in tl)  # the stub reports no K per step
+        assert [p["t"] for p in tl] == sorted(p["t"] for p in tl)
     assert doc["identity"]["ngram"] == {"compared": 7, "identical": 7, "mismatches": 0,
                                         "first_mismatch": None}
     reqs = doc["requests"]
@@ -316,3 +321,19 @@ def test_offline_regime_three_sides(tiny_available, tmp_path, capsys):
     assert o["same_text"] == 2 and o["engine_process_same_text"] == 2
     assert o["server_texts"] == o["offline_texts"] and all(o["offline_texts"])
     assert o["server_over_offline"] > 0 and o["engine_process_over_offline"] > 0
+
+
+def test_timeline_from_metrics_samples():
+    """Tokens/s and the mean K per interval between /metrics reads (the per-K step counter)."""
+    k = "npuspec:spec_decode_num_steps_by_k_total{k=%d}"
+    gen = "npuspec:generation_tokens_total"
+    samples = [(0.0, {gen: 0.0}),
+               (0.5, {gen: 50.0, k % 4: 10.0, k % 1: 0.0}),
+               (1.0, {gen: 70.0, k % 4: 10.0, k % 1: 10.0}),
+               (1.0, {gen: 70.0, k % 4: 10.0, k % 1: 10.0}),   # zero-length: skipped
+               (2.0, {gen: 80.0, k % 4: 10.0, k % 1: 10.0})]
+    tl = serve.timeline(samples)
+    assert [p["t"] for p in tl] == [0.25, 0.75, 1.5]
+    assert [p["tokens_per_s"] for p in tl] == [100.0, 40.0, 10.0]
+    assert [p["mean_k"] for p in tl] == [4.0, 1.0, None]
+    assert serve.timeline(samples[:1]) == []
