@@ -92,20 +92,23 @@ def record_step(m: EngineMetrics, reqs: list[Request], k: int, res: np.ndarray,
     `res` is the step's [rows, K+2] result (num_emitted in the last column), `drafts` the
     [B, K] drafts it verified (-1 = none), `rows` the rows it ran after padding."""
     B = len(reqs)
-    drafted = drafts >= 0                                    # [B, K]
+    if k:  # per request: drafts verified and accepted (a prefix), as Python ints
+        nd = (drafts >= 0).sum(1)                                        # [B]
+        acc = np.minimum(res[:B, k + 1] - 1, nd)                         # [B]
+        nds, accs = nd.tolist(), acc.tolist()
     for b, r in enumerate(reqs):
         st = r.stats
         st.num_steps += 1
         if k:
             st._grow(k)
-            nd = int(drafted[b].sum())
-            acc = min(int(res[b, k + 1]) - 1, nd)
-            st.num_drafted += nd
-            st.num_accepted += acc
-            for i in range(nd):
-                st.drafted_by_position[i] += 1
-            for i in range(acc):
-                st.accepted_by_position[i] += 1
+            n, a = nds[b], accs[b]
+            st.num_drafted += n
+            st.num_accepted += a
+            dp, ap = st.drafted_by_position, st.accepted_by_position
+            for i in range(n):
+                dp[i] += 1
+            for i in range(a):
+                ap[i] += 1
         st.draft_s += draft_s
         st.step_s += step_s
         st.bookkeeping_s += book_s
@@ -120,10 +123,11 @@ def record_step(m: EngineMetrics, reqs: list[Request], k: int, res: np.ndarray,
     m.step_trace.append((time.perf_counter(), int(res[:B, k + 1].sum())))
     if k:
         m._grow(k)
-        nd = drafted.sum(0)
-        m.num_drafted += int(nd.sum())
-        acc = np.array([min(int(res[b, k + 1]) - 1, int(drafted[b].sum())) for b in range(B)])
-        m.num_accepted += int(acc.sum())
+        m.num_drafted += sum(nds)
+        m.num_accepted += sum(accs)
+        # requests with >= i+1 drafted / accepted, from the counts per length
+        dh = np.bincount(nd, minlength=k + 1)[::-1].cumsum()[::-1].tolist()   # [K+1]
+        ah = np.bincount(acc, minlength=k + 1)[::-1].cumsum()[::-1].tolist()
         for i in range(k):
-            m.drafted_by_position[i] += int(nd[i])
-            m.accepted_by_position[i] += int((acc > i).sum())
+            m.drafted_by_position[i] += dh[i + 1]
+            m.accepted_by_position[i] += ah[i + 1]
