@@ -317,11 +317,15 @@ class LLM:
     def _schedule(self, m: EngineMetrics) -> tuple[list[Request], int]:
         """Admit waiting requests, prefill chunks within the token budget, and reserve the
         verify step's blocks. -> (the requests that verify this step, its K). The prefill's
-        token budget leaves K_max + 1 tokens to each running request; K is then chosen once,
-        from the batch that verifies (requests whose prompt completed this step included)."""
+        token budget leaves K + 1 tokens to each running request, K the one its verify step
+        is expected to run (the online controller's last, else the config's for this many
+        requests); K is then chosen once, from the batch that verifies (requests whose prompt
+        completed this step included)."""
         sched = self._sched
         sched.admit()
-        self._prefill(sched, len(sched.running) * (self.k_max + 1), m)
+        k_next = (self.online.ctl.last_k if self.online is not None
+                  else dynamic_k.k_for_step(self.spec, len(sched.running)))
+        self._prefill(sched, len(sched.running) * (k_next + 1), m)
         if not sched.running:
             return [], 0
         sched.reserve(self.k_max)
