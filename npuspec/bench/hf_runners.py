@@ -41,14 +41,14 @@ def hf_from_pretrained(cls, path: str, **kw):
     return cls.from_pretrained(path, **kw)
 
 
-def load_hf(model_dir: str):
+def load_hf(model_dir: str, dtype: str = "float32"):
     import transformers
     from transformers import AutoModelForCausalLM
 
     transformers.logging.set_verbosity_error()  # no deprecation chatter inside the table
     transformers.logging.disable_progress_bar()
 
-    model = hf_from_pretrained(AutoModelForCausalLM, model_dir, dtype=torch.float32)
+    model = hf_from_pretrained(AutoModelForCausalLM, model_dir, dtype=getattr(torch, dtype))
     return model.eval()
 
 

@@ -88,6 +88,36 @@ def k_over_time_axes(ax, timelines: Mapping[str, Sequence[Sequence[float]]],
     ax.legend(fontsize=7, loc="upper left")
 
 
+def plot_peers(path: str, rows: Sequence[Mapping]) -> None:
+    """`bench peers`: tokens/s per row, grouped by precision (bars coloured by system), with
+    each precision's weights-read bound as a short line over its group."""
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(rows) + 2), 4.5))
+    precs = list(dict.fromkeys(r["system"].split()[-1] for r in rows))
+    colors = {"llama.cpp": "tab:orange", "npuspec": "tab:blue", "hf": "tab:gray"}
+    x, ticks, labels = 0.0, [], []
+    for prec in precs:
+        group = [r for r in rows if r["system"].split()[-1] == prec]
+        start = x
+        for r in group:
+            ax.bar(x, r["tok/s"], color=colors.get(r["system"].split()[0], "tab:green"))
+            ax.annotate(f"{r['tok/s']:.0f}", (x, r["tok/s"]), ha="center", va="bottom", fontsize=7)
+            ticks.append(x)
+            labels.append(f"{r['system'].split()[0]}\n{r['method']}")
+            x += 1
+        ax.hlines(group[0]["bound tok/s"], start - 0.4, x - 0.6, colors="k", linestyles="--", lw=0.8)
+        ax.annotate(f"{prec} (-- bound)", ((start + x - 1) / 2, 0), xytext=(0, -34),
+                    textcoords="offset points", ha="center", fontsize=8, annotation_clip=False)
+        x += 0.8
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(labels, fontsize=6)
+    ax.set_ylabel("tokens/s (batch 1, prefill included)")
+    ax.set_title("npuspec vs llama.cpp vs HF transformers, by precision")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def plot_e2e(path: str, rows: Sequence[Mapping], acceptance: Mapping[str, Sequence[float]] | None = None) -> None:
     """Tokens/s per system and method (bars, identical outputs marked), and acceptance by position
     for the speculative rows."""

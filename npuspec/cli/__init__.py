@@ -40,6 +40,7 @@ BENCHES = {
     "serve": "npuspec serve under N streaming clients: TTFT/TPOT/ITL percentiles, tok/s with and without speculation",
     "dynk": "the online K controller vs no speculation and every fixed K, by batch size",
     "tp": "tensor parallelism on one host: tok/s at TP=1 vs N, collectives per step vs the step's time",
+    "peers": "npuspec vs llama.cpp and HF transformers on a GGUF file at each precision, batch 1",
 }
 
 COMMANDS = {
