@@ -152,23 +152,41 @@ def load_change(llm, prompts, burst, max_tokens):
             phase = 2
         if phase == 2 and len(trace) > change[-1] + 40:
             llm.abort_request("long")
-    return trace, change, settle(trace, change)
+    return trace, change, settle(trace, change), follow(trace, change)
+
+
+def _settled_after(ks: list) -> int:
+    """Steps until K equals the most common K of `ks` and stays there for the rest at least
+    80% of the time (len(ks) if never)."""
+    if not ks:
+        return 0
+    mode = max(set(ks), key=ks.count)
+    return next((i for i in range(len(ks))
+                 if ks[i] == mode and ks[i:].count(mode) >= 0.8 * len(ks[i:])), len(ks))
 
 
 def settle(trace, change) -> list[int]:
-    """Per phase after a change: steps until K equals the phase's most common K and stays
-    there for the rest of the phase at least 80% of the time."""
+    """Per phase after a change: steps until K settles (`_settled_after`) over the phase."""
+    bounds = change + [len(trace)]
+    return [_settled_after([k for _, k in trace[a:b]]) for a, b in zip(bounds, bounds[1:])]
+
+
+def follow(trace, change) -> list[int]:
+    """Per phase: steps until K settles once the load has arrived: counted from the first
+    step whose batch is at least 90% of the phase's largest, over the steps that stay there
+    (a burst is admitted over many steps, a prompt budget at a time, and then drains; K
+    chosen for the batch in hand follows that ramp, which `settle` counts as not settled)."""
     out = []
     bounds = change + [len(trace)]
     for a, b in zip(bounds, bounds[1:]):
-        ks = [k for _, k in trace[a:b]]
-        if not ks:
+        phase = trace[a:b]
+        if not phase:
             out.append(0)
             continue
-        mode = max(set(ks), key=ks.count)
-        n = next((i for i in range(len(ks))
-                  if ks[i] == mode and ks[i:].count(mode) >= 0.8 * len(ks[i:])), len(ks))
-        out.append(n)
+        top = 0.9 * max(n for n, _ in phase)
+        start = next(i for i, (n, _) in enumerate(phase) if n >= top)
+        end = next((i for i in range(start, len(phase)) if phase[i][0] < top), len(phase))
+        out.append(_settled_after([k for _, k in phase[start:end]]))
     return out
 
 
@@ -242,7 +260,7 @@ def _plot(path, rows, traces):
     a.set(xscale="log", xlabel="batch size", ylabel="tok/s vs no speculation")
     a.legend(fontsize=7)
     b2 = b.twinx()
-    for i, (m, (trace, change, _)) in enumerate(traces.items()):
+    for i, (m, (trace, change, _, _)) in enumerate(traces.items()):
         color = f"C{i}"
         b.plot([k for _, k in trace], color=color, label=f"{m}: K")
         b2.plot([n for n, _ in trace], ":", color=color, lw=0.8)
@@ -277,7 +295,7 @@ def main(argv=None) -> int:
               f"{max(args.batches)}: {eng_us:.1f} µs (median of {n} steps)")
         if args.burst > 0 and max(args.batches) >= args.burst + 1:
             traces[method] = load_change(online, prompts, args.burst, args.max_tokens)
-            trace, change, steps = traces[method]
+            trace, change, steps, after_peak = traces[method]
             runs = []
             for bk in trace:
                 if runs and runs[-1][0] == bk:
@@ -285,7 +303,8 @@ def main(argv=None) -> int:
                 else:
                     runs.append([bk, 1])
             print(f"{method}: load change (1 -> {1 + args.burst} -> 1 requests) at steps "
-                  f"{change}; steps to settle after each phase start: {steps}")
+                  f"{change}; steps to settle after each phase start: {steps}; after the load "
+                  f"arrived (batch within 90% of the phase's largest): {after_peak}")
             print("  (batch, K) x steps: " + ", ".join(f"{tuple(bk)}x{n}" for bk, n in runs))
         del online
         gc.collect()
@@ -293,10 +312,10 @@ def main(argv=None) -> int:
     print(f"controller host time per step at batch 64, its calls alone on synthetic state: "
           f"{us:.1f} µs (median of 2000)")
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "w") as out:
             json.dump({"rows": rows, "host_us_batch64": us, "engine_host_us": host,
-                       "traces": {m: {"trace": t, "changes": c, "settle": s}
-                                  for m, (t, c, s) in traces.items()}}, f, indent=1)
+                       "traces": {m: {"trace": t, "changes": c, "settle": s, "follow": f}
+                                  for m, (t, c, s, f) in traces.items()}}, out, indent=1)
     if args.plot:
         _plot(args.plot, rows, traces)
     return 0

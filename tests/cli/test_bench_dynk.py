@@ -55,3 +55,16 @@ def test_k_over_time_plots(tmp_path):
             {"system": "hf", "method": "greedy", "tokens_per_s": 5.0, "identical": True}]
     plot_e2e(str(tmp_path / "e2e.png"), rows, {"npuspec ngram": [0.5, 0.3]})
     assert (tmp_path / "e2e.png").stat().st_size > 1000
+
+
+def test_follow_counts_from_the_step_the_load_arrived():
+    # a burst admitted over 4 steps (batch 1 -> 8), K chosen for the batch in hand: settle
+    # counts the ramp, follow starts once the batch is at its level
+    ramp = [(2, 4), (4, 2), (6, 1), (8, 0)] + [(8, 0)] * 6 + [(7, 0), (3, 1)]
+    trace = [(1, 4)] * 5 + ramp
+    assert dynk.settle(trace, [0, 5]) == [0, 3]
+    assert dynk.follow(trace, [0, 5]) == [0, 0]
+    # K that keeps changing after the batch settled is counted
+    late = [(2, 4), (8, 4), (8, 2), (8, 0), (8, 0), (8, 0), (8, 0)]
+    assert dynk.follow(late, [0]) == [2]
+    assert dynk.follow([], [0]) == [0]
