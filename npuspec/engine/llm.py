@@ -359,9 +359,10 @@ class LLM:
         """Append each request's tokens (stop rules), hand them to the drafter, and report."""
         now = time.perf_counter()
         outs = []
-        for b, r in enumerate(batch):
+        rows = res[:len(batch)].tolist()  # one conversion, not two numpy reads per request
+        for r, row in zip(batch, rows):
             n = len(r.output)
-            kept = r.append(res[b, :int(res[b, k + 1])].tolist())
+            kept = r.append(row[:row[k + 1]])
             if self.proposer is not None:  # a finishing step too: the suffix cache keeps it
                 self.proposer.extend(r.req_id, kept)
             if n == 0 and r.output:

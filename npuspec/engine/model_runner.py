@@ -210,18 +210,22 @@ class ModelRunner:
         pos = np.zeros((rows, k + 1), dtype=np.int64)
         slots = np.zeros((rows, k + 1), dtype=np.int64)
         lens = np.zeros(rows, dtype=np.int32)
-        for b, r in enumerate(reqs):
-            n = len(r.tokens)
-            pos[b] = np.arange(n - 1, n + k)
-            slots[b] = self.slots(r.blocks, pos[b])
-            lens[b] = n + k
-            ids[b, 0] = r.tokens[-1]
-        if B:
+        table = self.table(reqs, rows)                                   # [rows, max_blocks]
+        if B:  # whole-batch numpy: per-request calls cost ~10 µs each at 64 requests
+            n = np.fromiter((len(r.tokens) for r in reqs), dtype=np.int64, count=B)   # [B]
+            pos[:B] = (n - 1)[:, None] + np.arange(k + 1)                # [B, K+1]
+            blk = pos[:B] // self.block_size
+            assert (blk < np.fromiter((len(r.blocks) for r in reqs), dtype=np.int64,
+                                      count=B)[:, None]).all(), "verify rows past the reserved blocks"
+            slots[:B] = (table[np.arange(B)[:, None], blk].astype(np.int64) * self.block_size
+                         + pos[:B] % self.block_size)
+            lens[:B] = n + k
+            ids[:B, 0] = [r.tokens[-1] for r in reqs]
             draft[:B] = drafts
             ids[:B, 1:] = np.maximum(drafts, 0)  # a -1 draft still needs a valid embedding row
         t = self._tensor
         inp = {"input_ids": t(ids), "positions": t(pos), "slots": t(slots), "draft_ids": t(draft),
-               "block_table": t(self.table(reqs, rows)), "seq_lens": t(lens)}
+               "block_table": t(table), "seq_lens": t(lens)}
         if self._rates is not None:
             inp["synthetic_rates"] = self._rates[:k]
         random = B > 0 and self.random
