@@ -267,27 +267,28 @@ def _parse_k_controller(d: dict, method: str) -> dict:
         raise _err("k_controller", v, "conflicts with num_speculative_tokens 'auto' (which "
                                       "is the online controller); give a number of tokens "
                                       "instead, or remove k_controller")
-    explicit = v is not None or auto
-    fixed_only = [(key, "synthetic acceptance is defined for a fixed K; remove it or set "
-                        "k_controller 'fixed'")
-                  for key in ("synthetic_acceptance_rates", "synthetic_acceptance_length")
-                  if d.get(key) is not None]
-    if method == "extract_hidden_states":
-        fixed_only.append(("k_controller", "does not apply to method 'extract_hidden_states' "
-                                           "(K is 1); remove it"))
+    blocker = _online_blocker(d, method)
     if v is None:
         v = "online" if auto else envs.k_controller()
+        if blocker is not None and not auto:  # the default applies where K can vary
+            v = "fixed"
+    if v == "online" and blocker is not None:
+        raise _err(*blocker)
     # written out either way: to_dict() then means the same under another environment
-    if v == "fixed":
-        return {"k_controller": "fixed"}
-    if fixed_only:
-        if not explicit:  # the default applies where K can vary
-            return {"k_controller": "fixed"}
-        key, why = fixed_only[0]
-        if key == "k_controller":
-            raise _err(key, v, why)
-        raise _err(key, d[key], f"does not combine with k_controller 'online': {why}")
-    return {"k_controller": "online"}
+    return {"k_controller": v}
+
+
+def _online_blocker(d: dict, method: str) -> Optional[tuple]:
+    """(key, value, fix) of what rules out online K, or None."""
+    for key in ("synthetic_acceptance_rates", "synthetic_acceptance_length"):
+        if d.get(key) is not None:
+            return (key, d[key], "does not combine with k_controller 'online': synthetic "
+                                 "acceptance is defined for a fixed K; remove it or set "
+                                 "k_controller 'fixed'")
+    if method == "extract_hidden_states":
+        return ("k_controller", "online", "does not apply to method 'extract_hidden_states' "
+                                          "(K is 1); remove it")
+    return None
 
 
 def _parse_model(d: dict, method: str) -> Optional[str]:

@@ -33,7 +33,8 @@ import tempfile
 from typing import Optional
 
 from npuspec.bench.common import Runner, cut_at_eos, encode, npuspec_runner, run_interleaved
-from npuspec.bench.e2e import measure_bandwidth, weight_read_bytes, weights_read_bound
+from npuspec.bench.e2e import (_identical, measure_bandwidth, weight_read_bytes,
+                               weights_read_bound)
 from npuspec.bench.hf_runners import hf_runner, load_hf, require_hf_gguf, require_transformers
 from npuspec.bench.peers_gguf import converted_copy
 from npuspec.bench.plots import plot_peers, require_matplotlib
@@ -51,6 +52,8 @@ PRECISIONS = ("fp32", "bf16", "q8_0", "q4_1")
 # Q4_1 32 4-bit values + fp16 scale and minimum
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_1": 20 / 32}
 NPUSPEC_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+# the GGUF type llama.cpp's row of each precision runs ("": the file as given)
+LLAMA_FILE = {"fp32": "F32", "q8_0": "Q8_0", "q4_1": ""}
 
 
 def require_llama_cpp():
@@ -127,10 +130,10 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
     hf = {d: functools.lru_cache(None)(functools.partial(load_hf, path, d))
           for d in ("float32", "bfloat16")}
     for prec in _precisions(args.precisions):
-        llama_file = {"fp32": "F32", "q8_0": "Q8_0", "q4_1": None}.get(prec, "none")
-        if llama_file != "none":
-            f = path if llama_file is None else os.path.join(work, f"peer-{llama_file}.gguf")
-            if llama_file is not None and not os.path.exists(f):
+        llama_file = LLAMA_FILE.get(prec)
+        if llama_file is not None:
+            f = os.path.join(work, f"peer-{llama_file}.gguf") if llama_file else path
+            if llama_file and not os.path.exists(f):
                 print(f"writing llama.cpp's {llama_file} copy of {os.path.basename(path)} to {f}",
                       flush=True)
                 converted_copy(path, f, llama_file)
@@ -150,10 +153,6 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
             runners.append(Runner(f"hf {prec}", "plain", 0,
                                   hf_runner(hf[dtype], ids, args.max_tokens, eos)))
     return runners, missing
-
-
-def _same(a, b) -> int:
-    return sum(x == y for x, y in zip(a, b))
 
 
 def run(args) -> int:
@@ -199,7 +198,7 @@ def run(args) -> int:
                      "tokens": r.result["tokens"], "median s": r.seconds,
                      "tok/s": r.result["tokens"] / r.seconds,
                      "x bound": r.result["tokens"] / r.seconds / bound["tokens_per_s"],
-                     "same tokens as": (f"{ref.system} plain: {_same(r.result['token_ids'], ref.result['token_ids'])}/{len(ids)}"
+                     "same tokens as": (f"{ref.system} plain: {_identical(r.result['token_ids'], ref.result['token_ids'])}/{len(ids)}"
                                         if ref is not None and ref is not r else "-"),
                      "bound tok/s": bound["tokens_per_s"]})
     print_table(rows, title=f"bench peers: {os.path.basename(path)}, {len(ids)} prompts x "

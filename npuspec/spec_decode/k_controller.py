@@ -35,10 +35,9 @@ from typing import Sequence
 
 import numpy as np
 
-from npuspec._counters import DISTURBANCES
 from npuspec.config_fields import candidate_ks
 
-__all__ = ["KController", "Choice", "candidate_ks", "undisturbed", "lengths_of", "cut"]
+__all__ = ["KController", "Choice", "candidate_ks", "lengths_of", "cut"]
 
 ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
 ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
@@ -337,13 +336,6 @@ class KController:
             w = self._w[k] = ALPHA_REQUEST * (self.pos <= k)
         return w
 
-
-
-def undisturbed(before: dict, after: dict) -> bool:
-    """No compile, capture, cache load or eager fallback happened between two counter
-    snapshots (`counters.snapshot()`): a time measured across one is not the graph's time.
-    Per step, the engine compares `counters.disturbed` instead (one int)."""
-    return all(before.get(k, 0) == after.get(k, 0) for k in DISTURBANCES)
 
 
 def lengths_of(drafts: np.ndarray) -> np.ndarray:

@@ -205,19 +205,20 @@ def test_observe_learns_availability_and_acceptance_separately():
 
 
 def test_undisturbed_names_compiles_captures_and_fallbacks():
+    """A timed region across which `counters.disturbed` moved is dropped: replays do not move
+    it; compiles, captures, cache loads and eager fallbacks do."""
     from npuspec._counters import Counters
     c = Counters()
-    c.bump("graph_replays")
+    c.bump("graph_replays", 8)
     assert c.disturbed == 0
-    c.bump("eager_fallbacks")
-    assert c.disturbed == 1
-    assert kc.undisturbed({"graph_replays": 1}, {"graph_replays": 9})
     for key in ("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits"):
-        assert not kc.undisturbed({}, {key: 1}), key
+        before = c.disturbed
+        c.bump(key)
+        assert c.disturbed == before + 1, key
 
 
 def test_host_time_is_small_at_batch_64():
-    """Functional check only (the figure is `npuspec bench kcontroller`'s): one step's three
+    """Functional check only (the figure is `npuspec bench dynk`'s): one step's three
     calls at batch 64 run and return a K from the captured set."""
     ctl = make(batches=(64,))
     s = ctl.slots([f"r{i}" for i in range(64)])
