@@ -124,14 +124,16 @@ def k_over_time(m) -> list[list]:
 
 
 def make_llm(model: str, spec: dict | None, max_num_seqs: int, max_model_len: int,
-             enforce_eager: bool = False, dtype: str = "auto"):
+             enforce_eager: bool = False, dtype: str = "auto", quantization: str | None = None):
     return LLM(model=model, speculative_config=spec, max_num_seqs=max_num_seqs,
-               max_model_len=max_model_len, enforce_eager=enforce_eager, dtype=dtype)
+               max_model_len=max_model_len, enforce_eager=enforce_eager, dtype=dtype,
+               quantization=quantization)
 
 
 def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_num_seqs: int = 1,
                    enforce_eager: bool = False, eos=(), max_model_len: int | str | None = "fit",
-                   dtype: str = "auto", engines: dict | None = None) -> Callable[[], Callable[[], dict]]:
+                   dtype: str = "auto", engines: dict | None = None,
+                   quantization: str | None = None) -> Callable[[], Callable[[], dict]]:
     """setup for a Runner: LLM.generate over all prompts (strings, or lists of token ids).
     max_model_len: a number, None (the engine's default) or "fit" (the prompts plus max_tokens).
     engines: a dict the rows share, so rows with the same engine settings (one method over
@@ -139,11 +141,11 @@ def npuspec_runner(model: str, spec: dict | None, prompts, max_tokens: int, max_
     def setup():
         inputs = [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         mml = common.fit_max_model_len(model, prompts, max_tokens) if max_model_len == "fit" else max_model_len
-        key = (json.dumps(spec, sort_keys=True), max_num_seqs, mml, enforce_eager, dtype)
+        key = (json.dumps(spec, sort_keys=True), max_num_seqs, mml, enforce_eager, dtype, quantization)
         if engines is not None and key in engines:
             llm = engines[key]
         else:
-            llm = make_llm(model, spec, max_num_seqs, mml, enforce_eager, dtype)
+            llm = make_llm(model, spec, max_num_seqs, mml, enforce_eager, dtype, quantization)
             if engines is not None:
                 engines[key] = llm
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)

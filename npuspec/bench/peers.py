@@ -7,14 +7,20 @@ chat-templated with the checkpoint's template), prefill included in each row's t
   precision  llama.cpp                          npuspec                          HF transformers
   fp32       F32 copy: plain, prompt lookup K   float32: plain, ngram, suffix    float32 greedy
   bf16       -                                  bfloat16: plain, ngram, suffix   bfloat16 greedy
-  q8_0       Q8_0 copy: plain, prompt lookup K  - (no int8 weights yet)          -
-  q4_1       the file as shipped: plain, lookup - (no 4-bit weights yet)         -
+  q8_0       Q8_0 copy: plain, prompt lookup K  the same copy as stored: plain,  -
+                                                ngram, suffix
+  q4_1       the file as shipped: plain, lookup the file as stored (its Q4_1     -
+                                                projections, Q8_0 head): plain,
+                                                ngram, suffix
 
 llama.cpp's F32 and Q8_0 rows run copies of the file written to --work-dir (peers_gguf.py;
 the F32 copy holds exactly the weights npuspec's loader dequantises, so at fp32 the two
-systems compute the same thing and their tokens are compared). A precision npuspec cannot
-run yet is printed as such, not skipped silently. Each row is warmed up once (load, compile,
-capture, one pass), then the rows are timed round-robin --repeats times (medians).
+systems compute the same thing and their tokens are compared). npuspec's q8_0 and q4_1 rows
+load the same file as llama.cpp with `quantization="gguf"` (weights executed as stored,
+kernels/linear_quant_cpu.py): the same weights, though not the same arithmetic (llama.cpp
+also quantizes the activations to 8 bits for its dot products), so their tokens are compared
+and may differ near ties. Each row is warmed up once (load, compile, capture, one pass), then
+the rows are timed round-robin --repeats times (medians).
 
 Beside tokens/s: the weights-read bound of each precision (bytes one decode step reads at
 that precision / `npuspec bench verify`'s memory bandwidth), and the ratios the issue asks
@@ -51,9 +57,11 @@ PRECISIONS = ("fp32", "bf16", "q8_0", "q4_1")
 # bytes per weight as stored: llama.cpp's Q8_0 is 32 int8 + one fp16 scale per block of 32;
 # Q4_1 32 4-bit values + fp16 scale and minimum
 BYTES_PER_WEIGHT = {"fp32": 4.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_1": 20 / 32}
-NPUSPEC_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+NPUSPEC_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "q8_0": "float32", "q4_1": "float32"}
 # the GGUF type llama.cpp's row of each precision runs ("": the file as given)
 LLAMA_FILE = {"fp32": "F32", "q8_0": "Q8_0", "q4_1": ""}
+# npuspec runs these from the same GGUF file as llama.cpp, quantization="gguf"
+QUANTIZED = ("q8_0", "q4_1")
 
 
 def require_llama_cpp():
@@ -121,7 +129,7 @@ def _precisions(v: str) -> list[str]:
 
 
 def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], list[str]]:
-    """The rows, and a line per precision npuspec cannot run yet."""
+    """The rows, and a line per row that is not run, with the reason."""
     runners, missing = [], []
     k = args.k
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
@@ -131,6 +139,7 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
           for d in ("float32", "bfloat16")}
     for prec in _precisions(args.precisions):
         llama_file = LLAMA_FILE.get(prec)
+        f = path
         if llama_file is not None:
             f = os.path.join(work, f"peer-{llama_file}.gguf") if llama_file else path
             if llama_file and not os.path.exists(f):
@@ -140,18 +149,21 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
             for method, lk in (("plain", 0), ("prompt lookup", k)):
                 runners.append(Runner(f"llama.cpp {prec}", method, lk,
                                       llama_runner(f, ids, args.max_tokens, eos, n_ctx, threads, lk)))
-        dtype = NPUSPEC_DTYPE.get(prec)
-        if dtype is None:
-            missing.append(f"npuspec {prec}: not run (weights are dequantised at load; quantized "
-                           f"execution is not built yet)")
-            continue
+        quantized = prec in QUANTIZED
         for method, spec in (("plain", None), ("ngram", ngram), ("suffix", suffix)):
             runners.append(Runner(f"npuspec {prec}", method, 0 if spec is None else k,
-                                  npuspec_runner(path, spec, ids, args.max_tokens, eos=eos,
-                                                 max_model_len=n_ctx, dtype=dtype)))
+                                  npuspec_runner(f if quantized else path, spec, ids, args.max_tokens,
+                                                 eos=eos, max_model_len=n_ctx,
+                                                 dtype=NPUSPEC_DTYPE[prec],
+                                                 quantization="gguf" if quantized else None)))
+        if quantized:
+            if not args.no_hf:
+                missing.append(f"hf {prec}: not run (transformers dequantises a GGUF file to "
+                               "float: that is its fp32 row)")
+            continue
         if not args.no_hf:
             runners.append(Runner(f"hf {prec}", "plain", 0,
-                                  hf_runner(hf[dtype], ids, args.max_tokens, eos)))
+                                  hf_runner(hf[NPUSPEC_DTYPE[prec]], ids, args.max_tokens, eos)))
     return runners, missing
 
 
@@ -235,6 +247,10 @@ def _ratios(tps: dict) -> dict[str, float]:
         "npuspec fp32 ngram / llama.cpp q4_1 prompt lookup": (("npuspec fp32", "ngram"), ("llama.cpp q4_1", "prompt lookup")),
         "npuspec fp32 ngram / llama.cpp fp32 prompt lookup": (("npuspec fp32", "ngram"), ("llama.cpp fp32", "prompt lookup")),
         "npuspec fp32 plain / hf fp32 plain": (("npuspec fp32", "plain"), ("hf fp32", "plain")),
+        "npuspec q8_0 plain / llama.cpp q8_0 plain": (("npuspec q8_0", "plain"), ("llama.cpp q8_0", "plain")),
+        "npuspec q4_1 plain / llama.cpp q4_1 plain": (("npuspec q4_1", "plain"), ("llama.cpp q4_1", "plain")),
+        "npuspec q4_1 suffix / llama.cpp q4_1 prompt lookup": (("npuspec q4_1", "suffix"), ("llama.cpp q4_1", "prompt lookup")),
+        "npuspec q4_1 ngram / llama.cpp q4_1 prompt lookup": (("npuspec q4_1", "ngram"), ("llama.cpp q4_1", "prompt lookup")),
     }
     return {name: tps[a] / tps[b] for name, (a, b) in pairs.items() if a in tps and b in tps}
 

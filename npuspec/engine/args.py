@@ -18,7 +18,9 @@ from npuspec.engine.sampling import ArgTypeError, a_type
 from npuspec.methods import METHODS
 from npuspec.models.config import read_config_json
 from npuspec.models.decoder import slot_cache_rows
+from npuspec.models.gguf import find_gguf
 from npuspec.models.loading import read_model_config
+from npuspec.models.quant import QUANTIZATIONS
 from npuspec.spec_decode.heads import SHIPPED_DRAFTS, head_path, resolve_draft
 
 log = logging.getLogger("npuspec.engine")
@@ -124,6 +126,26 @@ def parse_dtype(dtype: Any) -> torch.dtype:
     if dtype not in DTYPES:
         raise arg_error("dtype", dtype, f"use one of {', '.join(DTYPES)} or 'auto'")
     return DTYPES[dtype]
+
+
+def parse_quantization(v: Any, model: str, world: int, dev: torch.device) -> Optional[str]:
+    """LLM(quantization=...): None (weights in `dtype`), "gguf" (a GGUF file's Q8_0/Q4_0/
+    Q4_1/Q4_K weights as stored) or "int8"/"int4" (weight-only, quantized at load)."""
+    if v is None:
+        return None
+    if v not in QUANTIZATIONS:
+        raise arg_error("quantization", v, f"use None, {', '.join(repr(q) for q in QUANTIZATIONS)}")
+    if v == "gguf" and find_gguf(model) is None:
+        raise arg_error("quantization", v, f"{model} is not a GGUF file; use 'int8' or 'int4' to "
+                                           "quantize a checkpoint at load")
+    if world > 1:
+        raise arg_error("quantization", v, "is not supported with tensor_parallel_size > 1 yet; "
+                                           "use quantization=None or tensor_parallel_size=1")
+    if dev.type != "cpu":
+        raise arg_error("quantization", v, f"runs on CPU only (device {dev.type}: the quantized "
+                                           "kernel is a CPU kernel); use device='cpu' or "
+                                           "quantization=None")
+    return v
 
 
 def _default_lowering() -> Optional[str]:

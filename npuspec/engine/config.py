@@ -47,6 +47,7 @@ class EngineConfig:
     device: torch.device
     seed: int
     parallel: ParallelConfig
+    quantization: Optional[str] = None  # npuspec.models.quant.QUANTIZATIONS
 
     @property
     def k_max(self) -> int:
@@ -66,7 +67,7 @@ def create_engine_config(model: Any = "tiny", speculative_config: Any = None,
                          seed: Any = 0, dtype: Any = "auto", device: Any = None,
                          block_size: Any = None, num_kv_blocks: Any = None,
                          max_num_batched_tokens: Any = None, kv_transfer_config: Any = None,
-                         distributed_executor_backend: Any = None,
+                         distributed_executor_backend: Any = None, quantization: Any = None,
                          worker: Optional[tuple[int, str]] = None) -> EngineConfig:
     """`LLM(...)`'s arguments -> EngineConfig; a bad value raises naming it and the fix.
     Reads config.json only: the KV pool is sized (and checked against free memory) before
@@ -85,6 +86,7 @@ def create_engine_config(model: Any = "tiny", speculative_config: Any = None,
     dev = parse_device(device)
     torch_dtype = args.parse_dtype(dtype)
     model = args.parse_model(model)
+    quantization = args.parse_quantization(quantization, model, world, dev)
     mcfg = read_model_config(model)
     drafts_sharded = False
     if world > 1:
@@ -101,4 +103,4 @@ def create_engine_config(model: Any = "tiny", speculative_config: Any = None,
                          dtype=torch_dtype, device=dev, num_kv_blocks=num_kv_blocks)
     return EngineConfig(model, mcfg, spec, kv, max_model_len, max_num_seqs, batched, bs,
                         num_blocks, capture, sizes, lowering, enforce_eager, torch_dtype, dev,
-                        seed, ParallelConfig(world, launcher, drafts_sharded, worker))
+                        seed, ParallelConfig(world, launcher, drafts_sharded, worker), quantization)

@@ -54,7 +54,8 @@ class LLM:
                  block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                  max_num_batched_tokens: Optional[int] = None,
                  kv_transfer_config: Union[dict, str, None] = None,
-                 distributed_executor_backend: Optional[str] = None):
+                 distributed_executor_backend: Optional[str] = None,
+                 quantization: Optional[str] = None):
         call_args = {k: v for k, v in locals().items() if k != "self"}  # tensor-parallel workers
         # every argument is checked before any work
         self._start(create_engine_config(**call_args), call_args)
@@ -99,7 +100,8 @@ class LLM:
         """Load the target (this rank's shard of it) and the drafter, and build the runner."""
         if self.device.type == "cpu":
             prebuild_cpu_kernels()  # their g++ runs while the model loads and Dynamo traces
-        self.model_config, self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.device)
+        self.model_config, self.model = load_model(cfg.model, dtype=cfg.dtype, device=self.device,
+                                                   quantization=cfg.quantization)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self.proposer = self._make_proposer(cfg)
         features = self._shard(self.proposer.features if self.proposer is not None else None)

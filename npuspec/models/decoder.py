@@ -158,6 +158,10 @@ def _linear(x, layer: nn.Linear):
     wp = getattr(layer, "packed", None)
     if wp is not None:
         return linear_packed(x, wp, layer.bias, layer.out_features)
+    q = getattr(layer, "quant", None)  # weight-only quantized (npuspec.models.quant)
+    if q is not None:
+        y = q.linear(x)
+        return y if layer.bias is None else y + layer.bias.to(y.dtype)
     return linear(x, layer.weight, layer.bias)
 
 
@@ -225,6 +229,9 @@ class DecoderLM(nn.Module):
         # norms run as npuspec::add_rms_norm
         self.register_buffer("head_packed", None, persistent=False)
         self.fused_norm = False
+        # set by npuspec.models.quant: the LM head weight-only quantized (a QuantParams), which
+        # a tied model's embedding lookup reads too
+        self.head_quant = None
         # set by npuspec.models.tp.shard_model: this rank's slice of the vocabulary-parallel
         # embedding and LM head (rows vocab_start .. vocab_start + embed rows; None: whole)
         self.tp: "TPShard | None" = None
@@ -285,6 +292,8 @@ class DecoderLM(nn.Module):
         return tp_all_reduce(x * inside[..., None].to(x.dtype))  # [B, T, hidden]
 
     def _lookup(self, input_ids):
+        if self.embed is None and self.head_quant is not None:  # tied and quantized
+            return self.head_quant.rows(input_ids).to(self.norm.weight.dtype)
         if self.embed is None:  # tied and packed
             return packed_rows(self.head_packed, input_ids).to(self.norm.weight.dtype)
         return self.embed(input_ids)  # [B, T, hidden]
@@ -323,6 +332,8 @@ class DecoderLM(nn.Module):
         return tp_all_gather(out, self.tp.world)[..., :self.config.vocab_size]
 
     def _head_rows(self, x):
+        if self.head_quant is not None:
+            return self.head_quant.linear(x).float()
         if self.head_packed is not None:
             n = self.config.vocab_size if self.tp is None else self.tp.vocab_rows
             return linear_packed(x, self.head_packed, None, n).float()

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from npuspec.models import quant
 from npuspec.models.config import ModelConfig
 
 # general.architecture values npuspec's decoder implements
@@ -251,14 +252,18 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     llama RoPE rotates adjacent pairs (2i, 2i + 1). llama.cpp's converter therefore reorders
     each head's D output rows so that the row HF has at (half s, index i) lands at 2i + s.
     Inverting it: view a head's rows as [D/2, 2] (gguf order), swap to [2, D/2] (HF order).
-    Works for weights [rows, in] and biases [rows]."""
+    Works for weights [rows, in], biases [rows] and `QWeight`s (whose rows are whole blocks)."""
     rows = w.shape[0]
     D = rows // n_heads
     assert D * n_heads == rows and D % 2 == 0, (w.shape, n_heads)
-    return w.reshape(n_heads, D // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    order = np.arange(rows).reshape(n_heads, D // 2, 2).swapaxes(1, 2).reshape(rows)
+    return w.rows(torch.from_numpy(order)) if isinstance(w, quant.QWeight) else w[order]
 
 
-def _tensors(g: _GGUF, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def _tensors(g: _GGUF, cfg: ModelConfig, as_stored: bool = False) -> dict[str, Any]:
+    """{HF name: fp32 tensor}; with `as_stored`, the 2-D weights of a block type in
+    `quant.GGUF_TYPES` are `QWeight`s read from their blocks instead (others dequantised,
+    logged once per type)."""
     gguf = _gguf_module()
     ok = {qt: _can_dequantise(gguf, qt) for qt in {t.tensor_type for t in g.reader.tensors}}
     bad = [(t.name, t.tensor_type) for t in g.reader.tensors if not ok[t.tensor_type]]
@@ -277,28 +282,37 @@ def _tensors(g: _GGUF, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                          "implement (e.g. mixture of experts).")
     out = {}
     for t in g.reader.tensors:
-        # a plain ndarray view of the memmap: numpy's memmap subclass slows dequantize ~2x
-        w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
         # GGUF lists dimensions fastest-first (ggml's ne order): [in, out] for a weight whose
         # row-major (PyTorch) shape is [out, in]. The reader's arrays are already row-major.
         want = tuple(int(n) for n in reversed(t.shape.tolist()))
-        if w.shape != want:
-            w = w.reshape(want)
+        kind = t.tensor_type.name
+        quantized = kind not in ("F32", "F16", "BF16", "F64")
+        if as_stored and quantized and len(want) == 2 and kind in quant.GGUF_TYPES:
+            w = quant.from_gguf(np.asarray(t.data).reshape(want[0], -1), kind, want[1])
+        else:
+            if as_stored and quantized:
+                quant.note_dequantised(kind, t.name)
+            # a plain ndarray view of the memmap: numpy's memmap subclass slows dequantize ~2x
+            w = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+            if w.shape != want:
+                w = w.reshape(want)
         part = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if g.arch == "llama" and part == "attn_q":
-            w = _unpermute_rope_rows(w, cfg.num_heads)
-        elif g.arch == "llama" and part == "attn_k":
-            w = _unpermute_rope_rows(w, cfg.num_kv_heads)
-        out[_hf_name(t.name)] = torch.from_numpy(np.array(w, dtype=np.float32))  # owns its memory
+        if g.arch == "llama" and part in ("attn_q", "attn_k"):
+            w = _unpermute_rope_rows(w, cfg.num_heads if part == "attn_q" else cfg.num_kv_heads)
+        if not isinstance(w, quant.QWeight):
+            w = torch.from_numpy(np.array(w, dtype=np.float32))  # owns its memory
+        out[_hf_name(t.name)] = w
     return out
 
 
-def read_gguf(path: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_gguf(path: str, as_stored: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, {HF tensor name: float32 tensor}) of a Llama GGUF file, every tensor
-    dequantised; feed the dict to `npuspec.models.loading.hf_to_npuspec`."""
+    dequantised; feed the dict to `npuspec.models.loading.hf_to_npuspec`. `as_stored`: the
+    weights of the block types npuspec executes (Q8_0, Q4_0, Q4_1, Q4_K) come as
+    `npuspec.models.quant.QWeight`s, not dequantised."""
     g = _open(path)
     cfg = _config(g)
-    return cfg, _tensors(g, cfg)
+    return cfg, _tensors(g, cfg, as_stored)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from npuspec.models import quant
 from npuspec.models.config import ModelConfig, read_config
 from npuspec.models.decoder import DecoderLM
 from npuspec.models.gguf import find_gguf, load_gguf_tokenizer, read_gguf, read_gguf_config
@@ -74,8 +75,21 @@ def hf_to_npuspec(hf: dict[str, torch.Tensor], cfg: ModelConfig, source: str = "
         n = 3 if ".wqkv." in key else 2
         missing = [i for i in range(n) if i not in p]
         assert not missing, f"{source}: {key} is missing parts {missing}"
-        out[key] = torch.cat([p[i] for i in range(n)], dim=0)
+        out[key] = _cat_rows([p[i] for i in range(n)], key)
     return out
+
+
+def _cat_rows(parts: list, key: str):
+    """Fuse q|k|v or gate|up. Quantized parts of one format stay quantized; a mix (a Q4_K_M
+    file's Q4_K q beside a Q6_K v) is dequantised, which `quant.note_dequantised` reports."""
+    if not any(isinstance(p, quant.QWeight) for p in parts):
+        return torch.cat(parts, dim=0)
+    if all(isinstance(p, quant.QWeight) for p in parts):
+        fused = quant.cat_rows(parts)
+        if fused is not None:
+            return fused
+    quant.note_dequantised("+".join(sorted({getattr(p, "kind", "float") for p in parts})), key)
+    return torch.cat([p.dequantize() if isinstance(p, quant.QWeight) else p for p in parts])
 
 
 def npuspec_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -126,15 +140,25 @@ def save_model(model: DecoderLM, out_dir: str, tokenizer=None, dtype: torch.dtyp
     return str(out_dir)
 
 
-def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="cpu") -> tuple[ModelConfig, DecoderLM]:
+def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="cpu",
+               quantization: str | None = None) -> tuple[ModelConfig, DecoderLM]:
     """Read config.json and every *.safetensors shard of an HF checkpoint directory, or a
     llama.cpp GGUF file (a `.gguf` path, or a directory holding one GGUF and no safetensors;
-    its tensors are dequantised to float32, see npuspec.models.gguf)."""
+    its tensors are dequantised to float32, see npuspec.models.gguf).
+    `quantization` (npuspec.models.quant): "gguf" keeps a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K
+    weights as stored; "int8"/"int4" quantize the projections and the LM head after loading."""
+    if quantization is not None and quantization not in quant.QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r}: use None, "
+                         f"{', '.join(repr(q) for q in quant.QUANTIZATIONS)}")
     gguf_file = find_gguf(path)
+    if quantization == "gguf" and gguf_file is None:
+        raise ValueError(f"quantization='gguf': {path} is not a GGUF file; use 'int8' or 'int4' to "
+                         "quantize an HF checkpoint at load")
     if gguf_file is not None:
-        cfg, hf = read_gguf(gguf_file)
-        return _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file, "the GGUF metadata",
-                            dtype, device)
+        cfg, hf = read_gguf(gguf_file, as_stored=quantization == "gguf")
+        cfg, model = _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file,
+                                  "the GGUF metadata", dtype, device)
+        return cfg, _quantized(model, quantization)
 
     model_dir = resolve_model_dir(path)
     cfg = read_config(model_dir)
@@ -148,7 +172,15 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
     if _num_nextn_layers(model_dir):
         # next-n (MTP) layers model.layers.{L+i}.* are a drafter's: npuspec.models.draft_loading
         hf = {k: v for k, v in hf.items() if not _is_extra_layer(k, cfg.num_layers)}
-    return _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json", dtype, device)
+    cfg, model = _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json",
+                              dtype, device)
+    return cfg, _quantized(model, quantization)
+
+
+def _quantized(model: DecoderLM, quantization: str | None) -> DecoderLM:
+    if quantization in quant.SCHEMES:
+        quant.quantize_model(model, quantization)
+    return model
 
 
 REFETCH = "re-download it (or re-convert the checkpoint)"
@@ -209,11 +241,28 @@ def _build_model(cfg: ModelConfig, sd: dict[str, torch.Tensor], source: str, con
         if t.shape != want:
             raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, {config_name} implies "
                              f"{tuple(want)}; the config does not describe these weights.")
+    stored = {k: sd.pop(k) for k in [k for k, v in sd.items() if isinstance(v, quant.QWeight)]}
+    _attach_stored(model, stored, dtype)
     model.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=False, assign=True)
     model.init_buffers()  # they were built on the meta device
     model.to(device=device)
     model.eval().requires_grad_(False)
     return cfg, model
+
+
+def _attach_stored(model: DecoderLM, stored: dict, dtype: torch.dtype) -> None:
+    """Put a GGUF file's quantized weights (`QWeight`, by state_dict name) in their layers.
+    A tied embedding is the quantized LM head; an untied one is dequantised (a lookup reads a
+    few rows, so only memory is at stake)."""
+    for name, q in stored.items():
+        owner, _, leaf = name.rpartition(".")
+        assert leaf == "weight", name
+        if owner == "embed" and model.lm_head is not None:
+            model.embed.weight = torch.nn.Parameter(q.dequantize().to(dtype), requires_grad=False)
+        elif owner in ("embed", "lm_head"):
+            quant.set_head(model, q)
+        else:
+            quant.attach(model.get_submodule(owner), q)
 
 
 def read_model_config(path: str = "tiny") -> ModelConfig:

@@ -40,7 +40,9 @@ def pack_model(model: nn.Module) -> bool:
     """Pack every projection and the LM head of a `DecoderLM` in place (idempotent).
     Returns whether the model is packed; when the kernel cannot run here it logs once and
     leaves the model as it was (torch.mm reads the row-major weights)."""
-    if getattr(model, "head_packed", None) is not None:
+    if getattr(model, "head_packed", None) is not None or getattr(model, "head_quant", None) is not None:
+        if getattr(model, "head_quant", None) is not None:
+            model.fused_norm = lp.can_pack()
         return True
     if not can_pack(model):
         if model.norm.weight.device.type == "cpu":
