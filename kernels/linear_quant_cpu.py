@@ -98,11 +98,13 @@ inline void load_codes(const uint8_t* p, float zero, Vec& a, Vec& b) {
 
 // y[i, 0:kBW] = sum over groups of scale * g_i (+ minv * xs[i, group]) for MR rows.
 // qp: one panel's codes, cs = bytes per k; sp/mp: the panel's [K/kG, kBW] scales and mins.
+// Only the group sums live in registers through the k loop (2*MR vectors + 2 weights: MR = 6
+// fits 16 AVX2 registers); y takes each group's contribution, so a verify step's K+1 <= 6
+// rows unpack each code once.
 template <int MR, typename C>
 inline void tile(const float* x, const float* xs, int64_t K, const C* qp, int64_t cs,
                  const float* sp, const float* mp, float zero, float* y, int64_t ldy) {
-  Vec acc[MR][2];
-  for (int i = 0; i < MR; ++i) { acc[i][0] = Vec(0.f); acc[i][1] = Vec(0.f); }
+  for (int i = 0; i < MR; ++i) { Vec(0.f).store(y + i * ldy); Vec(0.f).store(y + i * ldy + kL); }
   const int64_t G = K / kG;
   for (int64_t g = 0; g < G; ++g) {
     Vec ga[MR][2];
@@ -119,22 +121,20 @@ inline void tile(const float* x, const float* xs, int64_t K, const C* qp, int64_
       }
     }
     const Vec s0 = Vec::loadu(sp + g * kBW), s1 = Vec::loadu(sp + g * kBW + kL);
+    Vec m0(0.f), m1(0.f);
+    if (mp) { m0 = Vec::loadu(mp + g * kBW); m1 = Vec::loadu(mp + g * kBW + kL); }
     for (int i = 0; i < MR; ++i) {
-      acc[i][0] = at::vec::fmadd(ga[i][0], s0, acc[i][0]);
-      acc[i][1] = at::vec::fmadd(ga[i][1], s1, acc[i][1]);
-    }
-    if (mp) {
-      const Vec m0 = Vec::loadu(mp + g * kBW), m1 = Vec::loadu(mp + g * kBW + kL);
-      for (int i = 0; i < MR; ++i) {
+      float* yi = y + i * ldy;
+      Vec a0 = at::vec::fmadd(ga[i][0], s0, Vec::loadu(yi));
+      Vec a1 = at::vec::fmadd(ga[i][1], s1, Vec::loadu(yi + kL));
+      if (mp) {
         const Vec xv(xs[i * G + g]);
-        acc[i][0] = at::vec::fmadd(xv, m0, acc[i][0]);
-        acc[i][1] = at::vec::fmadd(xv, m1, acc[i][1]);
+        a0 = at::vec::fmadd(xv, m0, a0);
+        a1 = at::vec::fmadd(xv, m1, a1);
       }
+      a0.store(yi);
+      a1.store(yi + kL);
     }
-  }
-  for (int i = 0; i < MR; ++i) {
-    acc[i][0].store(y + i * ldy);
-    acc[i][1].store(y + i * ldy + kL);
   }
 }
 
@@ -143,11 +143,19 @@ inline void panel(const float* x, const float* xs, int64_t M, int64_t K, const C
                   const float* sp, const float* mp, float zero, float* y, int64_t ldy) {
   const int64_t G = K / kG;
   int64_t m = 0;
-  // 3 rows: 12 accumulators + 2 weight vectors fit AVX2's 16 registers
-  for (; m + 3 <= M; m += 3)
-    tile<3>(x + m * K, xs + m * G, K, qp, cs, sp, mp, zero, y + m * ldy, ldy);
-  if (M - m == 2) tile<2>(x + m * K, xs + m * G, K, qp, cs, sp, mp, zero, y + m * ldy, ldy);
-  if (M - m == 1) tile<1>(x + m * K, xs + m * G, K, qp, cs, sp, mp, zero, y + m * ldy, ldy);
+  for (; m + 6 <= M; m += 6)
+    tile<6>(x + m * K, xs + m * G, K, qp, cs, sp, mp, zero, y + m * ldy, ldy);
+  const float* xm = x + m * K;
+  const float* xsm = xs + m * G;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 5: tile<5>(xm, xsm, K, qp, cs, sp, mp, zero, ym, ldy); break;
+    case 4: tile<4>(xm, xsm, K, qp, cs, sp, mp, zero, ym, ldy); break;
+    case 3: tile<3>(xm, xsm, K, qp, cs, sp, mp, zero, ym, ldy); break;
+    case 2: tile<2>(xm, xsm, K, qp, cs, sp, mp, zero, ym, ldy); break;
+    case 1: tile<1>(xm, xsm, K, qp, cs, sp, mp, zero, ym, ldy); break;
+    default: break;
+  }
 }
 
 template <typename C>

@@ -128,7 +128,8 @@ def parse_dtype(dtype: Any) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def parse_quantization(v: Any, model: str, world: int, dev: torch.device) -> Optional[str]:
+def parse_quantization(v: Any, model: str, world: int, dev: torch.device,
+                       dtype: torch.dtype) -> Optional[str]:
     """LLM(quantization=...): None (weights in `dtype`), "gguf" (a GGUF file's Q8_0/Q4_0/
     Q4_1/Q4_K weights as stored) or "int8"/"int4" (weight-only, quantized at load)."""
     if v is None:
@@ -141,10 +142,13 @@ def parse_quantization(v: Any, model: str, world: int, dev: torch.device) -> Opt
     if world > 1:
         raise arg_error("quantization", v, "is not supported with tensor_parallel_size > 1 yet; "
                                            "use quantization=None or tensor_parallel_size=1")
-    if dev.type != "cpu":
-        raise arg_error("quantization", v, f"runs on CPU only (device {dev.type}: the quantized "
-                                           "kernel is a CPU kernel); use device='cpu' or "
-                                           "quantization=None")
+    if dev.type not in ("cpu", "npu"):
+        raise arg_error("quantization", v, f"runs on CPU (npuspec's kernel) and NPU (CANN's "
+                                           f"weight-quant matmul), not on {dev.type}; use "
+                                           "device='cpu' or quantization=None")
+    if dev.type == "npu" and dtype not in (torch.float16, torch.bfloat16):
+        raise arg_error("quantization", v, f"on the NPU takes float16 or bfloat16 activations "
+                                           f"(dtype is {dtype}); pass dtype='bfloat16'")
     return v
 
 

@@ -86,7 +86,7 @@ def create_engine_config(model: Any = "tiny", speculative_config: Any = None,
     dev = parse_device(device)
     torch_dtype = args.parse_dtype(dtype)
     model = args.parse_model(model)
-    quantization = args.parse_quantization(quantization, model, world, dev)
+    quantization = args.parse_quantization(quantization, model, world, dev, torch_dtype)
     mcfg = read_model_config(model)
     drafts_sharded = False
     if world > 1:

@@ -158,7 +158,7 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
         cfg, hf = read_gguf(gguf_file, as_stored=quantization == "gguf")
         cfg, model = _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file,
                                   "the GGUF metadata", dtype, device)
-        return cfg, _quantized(model, quantization)
+        return cfg, _quantized(model, quantization, dtype)
 
     model_dir = resolve_model_dir(path)
     cfg = read_config(model_dir)
@@ -174,12 +174,15 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
         hf = {k: v for k, v in hf.items() if not _is_extra_layer(k, cfg.num_layers)}
     cfg, model = _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json",
                               dtype, device)
-    return cfg, _quantized(model, quantization)
+    return cfg, _quantized(model, quantization, dtype)
 
 
-def _quantized(model: DecoderLM, quantization: str | None) -> DecoderLM:
+def _quantized(model: DecoderLM, quantization: str | None, dtype: torch.dtype) -> DecoderLM:
     if quantization in quant.SCHEMES:
         quant.quantize_model(model, quantization)
+    device = model.norm.weight.device
+    if quantization is not None and device.type == "npu":
+        quant.place_on_npu(model, dtype, device)
     return model
 
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from npuspec._counters import counters
 from npuspec.kernels import linear_quant_cpu as lq
+from npuspec.kernels import linear_quant_npu as lqn
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def quantize(w: torch.Tensor, scheme: str) -> QWeight:
     if K % GROUP:
         raise ValueError(f"quantization={scheme!r}: a weight with {K} input features is not a "
                          f"multiple of {GROUP}; use quantization=None for this model")
-    g = w.float().reshape(N, K // GROUP, GROUP)
+    g = w.detach().float().cpu().reshape(N, K // GROUP, GROUP)  # packed on the host
     if scheme == "int8":
         d = g.abs().amax(-1) / 127                                  # [N, G]
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
@@ -177,6 +178,51 @@ class QuantParams(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, {self.bits}-bit, n={self.n}"
+
+
+class NpuQuantParams(nn.Module):
+    """The same weight as the operator inputs of CANN's weight-quant matmul
+    (kernels/linear_quant_npu.py; unverified on hardware)."""
+
+    def __init__(self, p: QuantParams, dtype: torch.dtype, device):
+        super().__init__()
+        codes = lq.unpack_codes(p.codes, p.bits)                        # [NB, K, BW]
+        codes = codes.transpose(1, 2).reshape(-1, codes.shape[1])[:p.n]  # [N, K]
+        w = lqn.to_npu(codes, _rows(p.scale, p.n), None if p.minv is None else _rows(p.minv, p.n),
+                       p.bits, p.zero, dtype, device)
+        self.register_buffer("weight", w.weight, persistent=False)
+        self.register_buffer("scale", w.scale, persistent=False)
+        self.register_buffer("offset", w.offset, persistent=False)
+        self.bits, self.zero, self.kind, self.n = p.bits, p.zero, p.kind, p.n
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return lqn.linear_quant_npu(x, lqn.NpuQuantWeight(self.weight, self.scale, self.offset,
+                                                          self.n))
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Panels [NB, C, BW] -> rows [n, C]."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def place_on_npu(model: nn.Module, dtype: torch.dtype, device) -> None:
+    """Swap every quantized projection's CPU panels for the NPU operator's inputs. A tied
+    embedding gets its own dequantised table in `dtype` (the NPU head's int4 layout is by
+    column), an extra V x hidden of memory."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}: quantized layers on the NPU take float16 or bfloat16 "
+                         "activations; pass dtype='bfloat16'")
+    for m in list(model.modules()):
+        q = getattr(m, "quant", None)
+        if isinstance(q, QuantParams):
+            m.quant = NpuQuantParams(q, dtype, device)
+    head = getattr(model, "head_quant", None)
+    if isinstance(head, QuantParams):
+        if model.embed is None:
+            V, K = head.n, head.codes.shape[1]
+            table = head.rows(torch.arange(V)).to(dtype).to(device)
+            model.embed = nn.Embedding(V, K, _weight=table).requires_grad_(False)
+        model.head_quant = NpuQuantParams(head, dtype, device)
 
 
 def attach(layer: nn.Linear, q: QWeight) -> None:
