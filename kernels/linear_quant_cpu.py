@@ -158,10 +158,23 @@ inline void panel(const float* x, const float* xs, int64_t M, int64_t K, const C
   }
 }
 
+// xs [M, K/kG]: each row's sum over each group (what a group's min multiplies), written here
+// rather than by a separate aten::sum per call.
 template <typename C>
-void run(const float* x, const float* xs, const C* q, int64_t cs, const float* s, const float* mn,
+void run(const float* x, float* xs, const C* q, int64_t cs, const float* s, const float* mn,
          float zero, float* y, int64_t M, int64_t NB, int64_t K) {
   const int64_t ldy = NB * kBW, G = K / kG;
+  if (mn) {
+    for (int64_t i = 0; i < M * G; ++i) {
+      Vec acc(0.f);
+      for (int64_t j = 0; j < kG; j += kL) acc = acc + Vec::loadu(x + i * kG + j);
+      __at_align__ float a[kL];
+      acc.store(a);
+      float t = 0.f;
+      for (int64_t j = 0; j < kL; ++j) t += a[j];
+      xs[i] = t;
+    }
+  }
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b)
     panel(x, xs, M, K, q + b * K * cs, cs, s + b * G * kBW, mn ? mn + b * G * kBW : nullptr,
@@ -170,12 +183,12 @@ void run(const float* x, const float* xs, const C* q, int64_t cs, const float* s
 }  // namespace
 
 extern "C" int64_t npuspec_linear_quant_block() { return kBW; }
-extern "C" void npuspec_linear_quant_q8(const float* x, const float* xs, const int8_t* q,
+extern "C" void npuspec_linear_quant_q8(const float* x, float* xs, const int8_t* q,
                                         const float* s, const float* mn, float zero, float* y,
                                         int64_t M, int64_t NB, int64_t K) {
   run(x, xs, q, kBW, s, mn, zero, y, M, NB, K);
 }
-extern "C" void npuspec_linear_quant_q4(const float* x, const float* xs, const uint8_t* q,
+extern "C" void npuspec_linear_quant_q4(const float* x, float* xs, const uint8_t* q,
                                         const float* s, const float* mn, float zero, float* y,
                                         int64_t M, int64_t NB, int64_t K) {
   run(x, xs, q, kBW / 2, s, mn, zero, y, M, NB, K);
@@ -298,12 +311,14 @@ def linear_quant_impl(x, q, scale, minv, bits: int, zero: int, n: int) -> torch.
     if lib is None:
         counters.bump("eager_fallbacks")
         return linear_quant_reference(x, q, scale, minv, bits, zero, n)
-    x = x.float().contiguous()
-    xs = x.view(M, K // GROUP, GROUP).sum(-1) if minv is not None else x  # [M, K/32]
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
     y = torch.empty(M, nb * bw, dtype=torch.float32)
     if M:
+        # the group sums a min multiplies: filled by the kernel ([M, K/32] fp32)
+        xs = torch.empty(M, K // GROUP, dtype=torch.float32) if minv is not None else y
         fn = lib.npuspec_linear_quant_q8 if bits == 8 else lib.npuspec_linear_quant_q4
-        fn(x.data_ptr(), xs.contiguous().data_ptr(), q.data_ptr(), scale.data_ptr(),
+        fn(x.data_ptr(), xs.data_ptr(), q.data_ptr(), scale.data_ptr(),
            0 if minv is None else minv.data_ptr(), float(zero), y.data_ptr(), M, nb, K)
     return y if n == nb * bw else y[:, :n].contiguous()
 

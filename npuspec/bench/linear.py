@@ -5,7 +5,9 @@ of the model's size, so no checkpoint is read), times one step's worth of matmul
 (M = B*(K+1): 1 = plain decode at batch 1, 5 = K=4) for:
 - `mm`: torch.mm on the row-major fp32 weight (MKL; what F.linear does);
 - `rows`: npuspec::linear_rows, the unpacked few-row kernel (kernels/linear_cpu.py);
-- `packed <dtype>`: npuspec::linear_packed over weights packed at load (kernels/linear_packed_cpu.py).
+- `packed <dtype>`: npuspec::linear_packed over weights packed at load (kernels/linear_packed_cpu.py);
+- `q8`, `q4`: npuspec::linear_quant over 8-bit / 4-bit codes in groups of 32 (kernels/linear_quant_cpu.py),
+  quantized like GGUF's Q8_0 / Q4_1 (their bytes per weight, scales included, in the GB/s).
 Variants run interleaved, call by call, so machine noise hits each alike; medians. Columns:
 ms per step, the weight bytes read over that time (GB/s), and the time over the same
 variant's M=1 time. `sum GB/s` is a plain read of a 1 GiB buffer, the bandwidth yardstick.
@@ -22,8 +24,8 @@ import torch
 
 from npuspec.bench.table import print_table
 from npuspec.cli_util.common import int_list, positive
-from npuspec.kernels import linear_cpu, linear_packed_cpu as lp
-from npuspec.models import read_model_config
+from npuspec.kernels import linear_cpu, linear_packed_cpu as lp, linear_quant_cpu as lq
+from npuspec.models import quant, read_model_config
 
 
 def step_shapes(cfg) -> list[tuple[int, int, int]]:
@@ -43,6 +45,13 @@ def _variants(shapes):
             packed = [(lp.pack_weight(w.to(dt)), w.shape[0]) for w in dense]
             out[f"packed {name}"] = (lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1]),
                                      packed, dt.itemsize)
+    if lq.available():  # weight-only quantized, as GGUF stores them: bytes per weight incl. scales
+        for scheme, name, esize in (("int8", "q8 (Q8_0)", 34 / 32), ("int4", "q4 (Q4_1)", 20 / 32)):
+            qs = []
+            for w in dense:
+                q = quant.quantize(w, scheme)
+                qs.append((*lq.pack_quant(q.codes, q.scale, q.minv, q.bits), q.bits, q.zero, w.shape[0]))
+            out[name] = (lambda x, t: lq.linear_quant_impl(x, *t), qs, esize)
     return out
 
 

@@ -305,6 +305,11 @@ def _tensors(g: _GGUF, cfg: ModelConfig, as_stored: bool = False) -> dict[str, A
     return out
 
 
+def read_gguf_types(path: str) -> set[str]:
+    """The block types of a GGUF file's tensors ("Q4_1", "F32", ...)."""
+    return {t.tensor_type.name for t in _open(path).reader.tensors}
+
+
 def read_gguf(path: str, as_stored: bool = False) -> tuple[ModelConfig, dict[str, Any]]:
     """(ModelConfig, {HF tensor name: float32 tensor}) of a Llama GGUF file, every tensor
     dequantised; feed the dict to `npuspec.models.loading.hf_to_npuspec`. `as_stored`: the

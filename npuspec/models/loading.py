@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 
@@ -13,7 +14,10 @@ import torch
 from npuspec.models import quant
 from npuspec.models.config import ModelConfig, read_config
 from npuspec.models.decoder import DecoderLM
-from npuspec.models.gguf import find_gguf, load_gguf_tokenizer, read_gguf, read_gguf_config
+from npuspec.models.gguf import (find_gguf, load_gguf_tokenizer, read_gguf, read_gguf_config,
+                                 read_gguf_types)
+
+log = logging.getLogger(__name__)
 
 TINY_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny")
 
@@ -156,6 +160,8 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
                          "quantize an HF checkpoint at load")
     if gguf_file is not None:
         cfg, hf = read_gguf(gguf_file, as_stored=quantization == "gguf")
+        if quantization is None:
+            _hint_as_stored(gguf_file, hf)
         cfg, model = _build_model(cfg, hf_to_npuspec(hf, cfg, source=gguf_file), gguf_file,
                                   "the GGUF metadata", dtype, device)
         return cfg, _quantized(model, quantization, dtype)
@@ -175,6 +181,20 @@ def load_model(path: str = "tiny", dtype: torch.dtype = torch.float32, device="c
     cfg, model = _build_model(cfg, hf_to_npuspec(hf, cfg, source=model_dir), model_dir, "config.json",
                               dtype, device)
     return cfg, _quantized(model, quantization, dtype)
+
+
+def _hint_as_stored(path: str, hf: dict) -> None:
+    """One line when a GGUF file's weights were quantized and are now held as floats."""
+    kinds = read_gguf_types(path)
+    stored = sorted(k for k in kinds if k in quant.GGUF_TYPES)
+    if stored and path not in _HINTED:
+        _HINTED.add(path)
+        log.info("npuspec: %s holds %s weights, dequantised to float at load (%d MB); "
+                 "LLM(quantization='gguf') runs them as stored", os.path.basename(path),
+                 "/".join(stored), sum(t.numel() * 4 for t in hf.values()) >> 20)
+
+
+_HINTED: set = set()
 
 
 def _quantized(model: DecoderLM, quantization: str | None, dtype: torch.dtype) -> DecoderLM:
