@@ -11,7 +11,8 @@ micro-kernel: per k, BW weights are loaded once and FMA'd into up to 6 rows' acc
 Measured on the 2-core AVX2 target (bench: `python -m npuspec.bench.linear`).
 
 Weights may be float32, bfloat16 or float16 (converted to fp32 in registers: a bf16 weight
-is half the bytes to read); x, the accumulation and y are fp32. The same kernel serves
+is half the bytes to read); x, the accumulation and y are fp32. A bf16 x bf16 product of many
+rows (prefill) goes to oneDNN's native bf16 GEMM instead (`BF16_GEMM_MIN_ROWS`). The same kernel serves
 prefill (hundreds of rows): it reaches ~140 GFLOP/s there, above MKL's sgemm on this CPU.
 
 `linear_packed_reference` is the PyTorch reference; it unpacks and calls torch.mm in fp32.
@@ -37,6 +38,7 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 using Vec = at::vec::Vectorized<float>;
@@ -117,6 +119,14 @@ extern "C" void npuspec_linear_packed_f16(const float* x, const at::Half* wp, co
                                           float* y, int64_t M, int64_t NB, int64_t K) {
   run(x, wp, bias, y, M, NB, K);
 }
+// wp [NB, K, kBW] of 2-byte elements -> out [K, NB * kBW] (w^T, row-major): each panel row is
+// one contiguous 2 * kBW-byte copy, rows split over the threads.
+extern "C" void npuspec_packed_to_kn_2byte(const uint16_t* wp, uint16_t* out, int64_t NB, int64_t K) {
+#pragma omp parallel for schedule(static)
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t b = 0; b < NB; ++b)
+      std::memcpy(out + (k * NB + b) * kBW, wp + (b * K + k) * kBW, kBW * sizeof(uint16_t));
+}
 """
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
@@ -126,6 +136,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
     sig = {"npuspec_linear_packed_block": (ctypes.c_int64, [])}
+    sig["npuspec_packed_to_kn_2byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
     sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
                 for s in _SUFFIX.values()})
     return load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)", sig)
@@ -199,11 +210,45 @@ def linear_packed_reference(x: torch.Tensor, wp: torch.Tensor, bias: Optional[to
     return y if bias is None else y + bias.float()
 
 
+# From this many rows on, a bf16 x bf16 product (prefill, big batches) goes to oneDNN's bf16
+# GEMM over the unpacked weight when the CPU has one: on this project's AVX512-BF16 CPU it ran
+# 275-413 GFLOP/s at 64-300 rows against 145-180 for this kernel (which widens bf16 to fp32
+# FMAs), and the unpacking copy costs what one extra read of the weight does. Below it, the
+# kernel (memory-bound, one read) wins.
+BF16_GEMM_MIN_ROWS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_gemm() -> bool:
+    """oneDNN runs bf16 GEMMs natively here (AVX512-BF16 / AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _bf16_gemm_rows(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bf16 @ unpack(wp)[:n].T in one oneDNN bf16 GEMM (fp32 accumulation, one
+    rounding to bf16, which the bf16 model's output gets anyway) -> fp32 [M, n]. No bias:
+    adding one after the bf16 rounding would round twice."""
+    nb, K, bw = wp.shape
+    lib = _kernel_for(bw)
+    if lib is None:  # a strided torch copy: slower, same values
+        wt = wp.permute(1, 0, 2).reshape(K, nb * bw)
+    else:
+        wt = torch.empty(K, nb * bw, dtype=wp.dtype)                     # w^T [K, NB*BW]
+        lib.npuspec_packed_to_kn_2byte(wp.contiguous().data_ptr(), wt.data_ptr(), nb, K)
+    return torch.mm(x, wt[:, :n]).float()
+
+
 def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor],
                        n: int) -> torch.Tensor:
     M, K = x.shape
     nb, Kw, bw = wp.shape
     assert K == Kw and n <= nb * bw and wp.dtype in _SUFFIX, (x.shape, wp.shape, n, wp.dtype)
+    if (M >= BF16_GEMM_MIN_ROWS and bias is None and x.dtype == torch.bfloat16
+            and wp.dtype == torch.bfloat16 and _bf16_gemm()):
+        return _bf16_gemm_rows(x, wp, n)
     lib = _kernel_for(bw)
     if lib is None:
         counters.bump("eager_fallbacks")

@@ -35,6 +35,28 @@ def test_kernel_equals_reference(dtype, M, N, K):
                                    atol=1e-5 * K ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("M", [lp.BF16_GEMM_MIN_ROWS - 1, lp.BF16_GEMM_MIN_ROWS, 300])
+def test_many_bf16_rows_take_the_bf16_gemm_and_equal_the_kernel(monkeypatch, M):
+    g = torch.Generator().manual_seed(M)
+    w = torch.randn(70, 96, generator=g).bfloat16()
+    x = torch.randn(M, 96, generator=g).bfloat16()
+    wp = lp.pack_weight(w)
+    taken = []
+    real = lp._bf16_gemm_rows
+    monkeypatch.setattr(lp, "_bf16_gemm_rows", lambda *a: taken.append(1) or real(*a))
+    y = lp.linear_packed_impl(x, wp, None, 70)
+    assert bool(taken) == (M >= lp.BF16_GEMM_MIN_ROWS and lp._bf16_gemm())
+    # both accumulate in fp32 and the caller rounds to bf16 once: equal after that rounding
+    # up to summation order (one bf16 ulp)
+    ref = lp.linear_packed_reference(x.float(), wp, None, 70).bfloat16().float()
+    torch.testing.assert_close(y.bfloat16().float(), ref, atol=0.05, rtol=1 / 128)
+    # fp32 rows and a bias stay on the kernel
+    taken.clear()
+    lp.linear_packed_impl(x.float(), wp, None, 70)
+    lp.linear_packed_impl(x, wp, torch.zeros(70), 70)
+    assert not taken
+
+
 def test_pack_roundtrip_and_rows():
     w = torch.randn(50, 24)
     wp = lp.pack_weight(w)
@@ -66,7 +88,6 @@ def test_compiled_equals_eager():
 
 
 def _logits(model, ids):
-    cfg = model.config
     cache = model.allocate_cache(num_slots=1, max_len=32)
     pos = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
