@@ -162,31 +162,37 @@ def can_pack() -> bool:
     return toolchain_present()
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel_for(bw: int):
-    """The kernel library when it was built for panels of `bw` columns, else None (logged
-    once per width)."""
-    lib = _library()
+def built_for(lib, block_fn: str, bw: int, op: str):
+    """`lib` when its kernels were built for panels of `bw` columns (its `block_fn` says), else
+    None with a warning naming `op` (callers cache the answer: once per width)."""
     if lib is None:
         return None  # load_library logged why
-    built = int(lib.npuspec_linear_packed_block())
+    built = int(getattr(lib, block_fn)())
     if built != bw:
-        log.warning("npuspec: weights were packed for %d-column panels but the packed linear "
-                    "kernel was built for %d; npuspec::linear_packed runs its PyTorch reference",
-                    bw, built)
+        log.warning("npuspec: weights were packed for %d-column panels but the %s kernel was "
+                    "built for %d; it runs its PyTorch reference", bw, op, built)
         return None
     return lib
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_for(bw: int):
+    return built_for(_library(), "npuspec_linear_packed_block", bw, "npuspec::linear_packed")
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] -> [ceil(N/BW), K, BW], same dtype; rows past N are zero."""
     assert w.dim() == 2 and w.dtype in WEIGHT_DTYPES and w.device.type == "cpu", (w.shape, w.dtype, w.device)
-    bw = block_width()
-    N, K = w.shape
+    return to_panels(w, block_width())
+
+
+def to_panels(t: torch.Tensor, bw: int) -> torch.Tensor:
+    """t [N, C] -> [ceil(N/bw), C, bw], same dtype; rows past N are zero."""
+    N, C = t.shape
     nb = -(-N // bw)
-    padded = w.new_zeros(nb * bw, K)
-    padded[:N] = w
-    return padded.view(nb, bw, K).transpose(1, 2).contiguous()
+    padded = t.new_zeros(nb * bw, C)
+    padded[:N] = t
+    return padded.view(nb, bw, C).transpose(1, 2).contiguous()
 
 
 def unpack_weight(wp: torch.Tensor, n: int) -> torch.Tensor:

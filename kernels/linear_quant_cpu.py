@@ -28,16 +28,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from typing import Optional
 
 import torch
 
 from npuspec._counters import counters
 from npuspec.kernels.cpp_build import load_library
-from npuspec.kernels.linear_packed_cpu import block_width
-
-log = logging.getLogger(__name__)
+from npuspec.kernels.linear_packed_cpu import block_width, built_for, to_panels
 
 GROUP = 32
 
@@ -212,27 +209,10 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_for(bw: int):
-    lib = _library()
-    if lib is None:
-        return None  # load_library logged why
-    built = int(lib.npuspec_linear_quant_block())
-    if built != bw:
-        log.warning("npuspec: quantized weights were packed for %d-column panels but the kernel "
-                    "was built for %d; npuspec::linear_quant runs its PyTorch reference", bw, built)
-        return None
-    return lib
+    return built_for(_library(), "npuspec_linear_quant_block", bw, "npuspec::linear_quant")
 
 
 # ---- packing ------------------------------------------------------------------------------
-
-def _panels(t: torch.Tensor, bw: int) -> torch.Tensor:
-    """t [N, C] -> [ceil(N/bw), C, bw], rows past N zero."""
-    N, C = t.shape
-    nb = -(-N // bw)
-    padded = t.new_zeros(nb * bw, C)
-    padded[:N] = t
-    return padded.view(nb, bw, C).transpose(1, 2).contiguous()
-
 
 def pack_quant(codes: torch.Tensor, scale: torch.Tensor, minv: Optional[torch.Tensor],
                bits: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -242,12 +222,12 @@ def pack_quant(codes: torch.Tensor, scale: torch.Tensor, minv: Optional[torch.Te
     assert bits in (4, 8) and K % GROUP == 0 and scale.shape == (N, K // GROUP), (bits, codes.shape, scale.shape)
     assert minv is None or minv.shape == scale.shape, (minv.shape, scale.shape)
     bw = block_width()
-    s = _panels(scale.float(), bw)
-    m = None if minv is None else _panels(minv.float(), bw)
+    s = to_panels(scale.float(), bw)
+    m = None if minv is None else to_panels(minv.float(), bw)
     if bits == 8:
-        return _panels(codes.to(torch.int8), bw), s, m
+        return to_panels(codes.to(torch.int8), bw), s, m
     assert int(codes.min()) >= 0 and int(codes.max()) <= 15, (int(codes.min()), int(codes.max()))
-    p = _panels(codes.to(torch.uint8), bw)                     # [NB, K, bw]
+    p = to_panels(codes.to(torch.uint8), bw)                     # [NB, K, bw]
     half = bw // 2
     return (p[..., :half] | (p[..., half:] << 4)).contiguous(), s, m  # [NB, K, bw/2]
 
