@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from npuspec.cli_util.flags import finite, positive
+from npuspec.cli_util.flags import add_quantization_flag, finite, positive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=positive, default=8, help="concurrent requests")
     p.add_argument("--max-model-len", type=positive, default=None, help="context limit (default: prompt + max tokens)")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
+    add_quantization_flag(p)
     p.add_argument("--only-new", action="store_true", help="print only the generated text, not the prompt")
     p.add_argument("--json", default=None, metavar="PATH", help="write texts, token ids and metrics as JSON")
 

@@ -36,7 +36,8 @@ def run(args) -> int:
     common.out_file(args.json, "--json")
     max_len = args.max_model_len or common.fit_max_model_len(mdir, prompts, args.max_tokens)
     llm = LLM(model=mdir, speculative_config=cfg.to_dict() if cfg else None,
-              max_num_seqs=args.max_num_seqs, max_model_len=max_len, enforce_eager=args.enforce_eager)
+              max_num_seqs=args.max_num_seqs, max_model_len=max_len, enforce_eager=args.enforce_eager,
+              quantization=args.quantization)
     t0 = time.perf_counter()
     res = llm.generate(prompts, sp)
     secs = time.perf_counter() - t0

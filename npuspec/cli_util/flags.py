@@ -11,6 +11,14 @@ import os
 from npuspec.methods import names
 
 SPEC_FLAG = "--speculative-config"
+
+
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    """`--quantization`: LLM(quantization=...) (its values are npuspec.models.quant's
+    QUANTIZATIONS, spelled out here so --help imports no torch; a test keeps them equal)."""
+    p.add_argument("--quantization", default=None, choices=("gguf", "int8", "int4"),
+                   help="weight-only: 'gguf' runs a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K weights as "
+                        "stored; 'int8' / 'int4' quantize at load (default: weights in --dtype)")
 # The demo's default: HF prompt lookup's matching rule (longest n-gram of 3 down to 1) with
 # K=4; on the embedded model this accepts ~1.3 drafts per step on the demo prompts.
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,

@@ -9,7 +9,7 @@ import argparse
 import json
 
 from npuspec.cli_util.errors import UsageError, with_field
-from npuspec.cli_util.flags import positive
+from npuspec.cli_util.flags import add_quantization_flag, positive
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extract_hidden_states: where the hidden-state files go")
     p.add_argument("--enforce-eager", action="store_true", help="no torch.compile / graph capture")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    add_quantization_flag(p)
     p.add_argument("--seed", type=int, default=0, help="seed of requests that send none")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     p.add_argument("--stream-interval", type=positive, default=1, metavar="N",
@@ -84,7 +85,7 @@ def llm_kwargs(args) -> dict:
                 max_num_seqs=args.max_num_seqs or engine.DEFAULT_MAX_NUM_SEQS,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 tensor_parallel_size=args.tensor_parallel_size, enforce_eager=args.enforce_eager,
-                dtype=args.dtype, seed=args.seed, **kw)
+                dtype=args.dtype, quantization=args.quantization, seed=args.seed, **kw)
 
 
 def check_engine_config(args) -> None:

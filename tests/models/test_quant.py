@@ -134,3 +134,13 @@ def test_int8_quantizes_an_hf_checkpoint_at_load():
     with torch.no_grad():
         a, b = m.forward_causal(ids)[0], mf.forward_causal(ids)[0]
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.8
+
+
+def test_the_cli_flag_offers_exactly_the_engine_values():
+    import argparse
+
+    from npuspec.cli_util.flags import add_quantization_flag
+    p = argparse.ArgumentParser()
+    add_quantization_flag(p)
+    action = next(a for a in p._actions if a.dest == "quantization")
+    assert tuple(action.choices) == quant.QUANTIZATIONS
