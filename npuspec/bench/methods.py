@@ -36,7 +36,7 @@ from npuspec.bench.plots import plot_methods, require_matplotlib
 from npuspec.bench.table import print_table
 from npuspec.cli_util import common
 from npuspec.cli_util.common import DEFAULT_SPEC, METHOD_SPECS, add_threads_flag, positive
-from npuspec.cli_util.flags import method_spec
+from npuspec.cli_util.flags import add_quantization_flag, method_spec
 from npuspec.cli_util.errors import UsageError
 from npuspec.cli_util.prompts import load_prompts
 
@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive, default=3)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="the target's and the heads' weights and activations (default float32)")
+    add_quantization_flag(p)
     p.add_argument("--json", default=None, metavar="PATH")
     p.add_argument("--plot", default=None, metavar="PATH.png",
                    help="tokens/s per method and prompt set, and acceptance by position "
@@ -111,7 +112,8 @@ def run(args) -> int:
         engines: dict = {}
         runners = {(name, m): Runner(m, m, args.k, npuspec_runner(
             mdir, _spec(m, args.k, overrides, mdir), ps, args.max_tokens, n, max_model_len=mml,
-            dtype=args.dtype, engines=engines)) for name, ps in sets.items() for m in methods}
+            dtype=args.dtype, engines=engines, quantization=args.quantization))
+            for name, ps in sets.items() for m in methods}
         with common.Progress(f"npuspec bench methods (max_num_seqs={n})",
                              len(runners) * (args.repeats + 1)) as bar:
             run_interleaved(list(runners.values()), args.repeats, bar)
@@ -123,7 +125,8 @@ def run(args) -> int:
         engines.clear()
     print_table(rows, title=f"npuspec bench methods: {mdir}, prompt sets "
                             f"{', '.join(f'{k} ({len(v)})' for k, v in sets.items())} x "
-                            f"{args.max_tokens} tokens, greedy, K={args.k}, {args.dtype}, {threads} threads, "
+                            f"{args.max_tokens} tokens, greedy, K={args.k}, {args.dtype}"
+                            f"{', quantization ' + args.quantization if args.quantization else ''}, {threads} threads, "
                             f"median of {args.repeats}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
