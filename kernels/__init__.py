@@ -15,8 +15,9 @@ from npuspec.kernels.cpp_build import vec_isa
 
 @functools.lru_cache(maxsize=None)
 def prebuild_cpu_kernels() -> None:
-    """Compile the CPU kernels' C++ (packed linear, add+RMSNorm, paged attention, fused verify,
-    the suffix proposer) on two background threads.
+    """Compile the CPU kernels' C++ (packed and quantized linear, add+RMSNorm, paged attention,
+    fused verify, the suffix proposer, then the native ops that dispatch to them) on two
+    background threads.
 
     Each library compiles on first use (g++, 1-4 s apiece once Inductor's precompiled
     cpp_prefix.h exists; the first build makes it, ~8 s, kernels/cpp_build.py). An engine
@@ -33,8 +34,9 @@ def prebuild_cpu_kernels() -> None:
     import torch._inductor.cpp_builder  # noqa: F401
     import torch._inductor.cpu_vec_isa  # noqa: F401
     # two g++ runs at a time (these machines have 2+ cores)
-    for chain in (("linear_packed_cpu", "paged_attention_cpu"),
-                  ("rms_norm_cpu", "verify_cpu", "suffix_cpu")):
+    # the native ops last: their library waits for the kernels it calls (kernels/native_cpu.py)
+    for chain in (("linear_packed_cpu", "paged_attention_cpu", "linear_quant_cpu"),
+                  ("rms_norm_cpu", "verify_cpu", "suffix_cpu", "native_cpu")):
         threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",
                          daemon=True).start()
 

@@ -251,7 +251,8 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
                        n: int) -> torch.Tensor:
     M, K = x.shape
     nb, Kw, bw = wp.shape
-    assert K == Kw and n <= nb * bw and wp.dtype in _SUFFIX, (x.shape, wp.shape, n, wp.dtype)
+    assert K == Kw and n <= nb * bw and wp.dtype in _SUFFIX and x.device.type == "cpu", (
+        x.shape, wp.shape, n, wp.dtype, x.device)
     if (M >= BF16_GEMM_MIN_ROWS and bias is None and x.dtype == torch.bfloat16
             and wp.dtype == torch.bfloat16 and _bf16_gemm()):
         return _bf16_gemm_rows(x, wp, n)
@@ -274,7 +275,9 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
 
 _lib = torch.library.Library("npuspec", "FRAGMENT")
 _lib.define("linear_packed(Tensor x, Tensor wp, Tensor? bias, int n) -> Tensor")
-_lib.impl("linear_packed", linear_packed_impl, "CPU")
+# CompositeExplicitAutograd: the C++ kernel of kernels/native_cpu.py, once installed, outranks
+# this Python one for CPU tensors (and hands it the uncommon cases)
+_lib.impl("linear_packed", linear_packed_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("npuspec::linear_packed")

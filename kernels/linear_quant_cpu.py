@@ -286,7 +286,8 @@ def linear_quant_impl(x, q, scale, minv, bits: int, zero: int, n: int) -> torch.
     M, K = x.shape
     nb, Kq, _ = q.shape
     bw = scale.shape[2]
-    assert K == Kq and K % GROUP == 0 and n <= nb * bw and bits in (4, 8), (x.shape, q.shape, n, bits)
+    assert K == Kq and K % GROUP == 0 and n <= nb * bw and bits in (4, 8) and x.device.type == "cpu", (
+        x.shape, q.shape, n, bits, x.device)
     lib = _kernel_for(bw)
     if lib is None:
         counters.bump("eager_fallbacks")
@@ -306,7 +307,9 @@ def linear_quant_impl(x, q, scale, minv, bits: int, zero: int, n: int) -> torch.
 _lib = torch.library.Library("npuspec", "FRAGMENT")
 _lib.define("linear_quant(Tensor x, Tensor q, Tensor scale, Tensor? minv, int bits, int zero, "
             "int n) -> Tensor")
-_lib.impl("linear_quant", linear_quant_impl, "CPU")
+# CompositeExplicitAutograd: the C++ kernel of kernels/native_cpu.py, once installed, outranks
+# this Python one for CPU tensors (and hands it the uncommon cases)
+_lib.impl("linear_quant", linear_quant_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("npuspec::linear_quant")

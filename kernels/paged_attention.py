@@ -42,6 +42,9 @@ from npuspec.platform import triton_available
 
 IMPLS = ("reference", "cpu", "triton", "npu")
 _FORCED: list[Optional[str]] = [None]
+# Called with True while `use_impl` forces an implementation, False after: the native CPU op
+# (kernels/native_cpu.py) then passes every call to `_paged_attention_op`, which honours it.
+FORCE_HOOKS: list = []
 
 
 @contextlib.contextmanager
@@ -51,10 +54,14 @@ def use_impl(name: Optional[str]):
         raise ValueError(f"paged_attention.use_impl({name!r}): choose one of {', '.join(IMPLS)} "
                          f"or None")
     old, _FORCED[0] = _FORCED[0], name
+    for hook in FORCE_HOOKS:
+        hook(name is not None)
     try:
         yield
     finally:
         _FORCED[0] = old
+        for hook in FORCE_HOOKS:
+            hook(old is not None)
 
 
 def _pick_impl(device: torch.device) -> str:

@@ -45,6 +45,20 @@ import torch
 from npuspec.kernels.cpp_build import load_library
 
 
+# The kernel's arguments as one struct: the Python wrapper packs them into one block (`_ARGS`),
+# since a ctypes call costs per argument and this one runs once per layer per step; the
+# native op (native_cpu.py) fills the same struct in C++.
+ARGS_DECL = r"""
+struct Args {
+  const void *q, *k_cache, *v_cache;  // q [B, T, H, D]; the pools [layers, pool_rows, Hkv, D]
+  float* out;                         // [B, T, H, D] fp32
+  const int32_t *bt, *lens;           // [B, MB], [B]
+  int64_t dtype, layer, pool_rows, B, T, H, Hkv, D, MB, bs, nthreads, chunk;
+  double scale;
+};
+static_assert(sizeof(Args) == 19 * 8, "Args must match _ARGS in paged_attention_cpu.py");
+"""
+
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <algorithm>
@@ -531,16 +545,7 @@ void run(const T* q, float* out, const T* kc, const T* vc, const int32_t* bt, co
 }
 }  // namespace
 
-// The arguments, packed by the Python wrapper into one block (`_ARGS`): a ctypes call costs
-// per argument, and this one runs once per layer per step.
-struct Args {
-  const void *q, *k_cache, *v_cache;  // q [B, T, H, D]; the pools [layers, pool_rows, Hkv, D]
-  float* out;                         // [B, T, H, D] fp32
-  const int32_t *bt, *lens;           // [B, MB], [B]
-  int64_t dtype, layer, pool_rows, B, T, H, Hkv, D, MB, bs, nthreads, chunk;
-  double scale;
-};
-static_assert(sizeof(Args) == 19 * 8, "Args must match _ARGS in paged_attention_cpu.py");
+ARGS_DECL
 
 template <typename T>
 void dispatch(const Args& a) {
@@ -556,7 +561,7 @@ extern "C" void npuspec_paged_attention(const Args* args) {
   else if (a.dtype == 1) dispatch<c10::BFloat16>(a);
   else dispatch<c10::Half>(a);
 }
-"""
+""".replace("ARGS_DECL", ARGS_DECL)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Positions per split-K chunk, rounded up to whole blocks; 0 (the default) sizes chunks per

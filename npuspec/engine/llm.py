@@ -36,7 +36,7 @@ from npuspec.engine.request import (Request, RequestOutput, StepOutput, parse_re
                                     request_output, request_spec)
 from npuspec.engine.sampling import SamplingParams
 from npuspec.engine.scheduler import Scheduler
-from npuspec.kernels import prebuild_cpu_kernels
+from npuspec.kernels import native_cpu, prebuild_cpu_kernels
 from npuspec.methods import METHODS
 from npuspec.models import load_model, load_tokenizer
 from npuspec.models.packing import pack_model
@@ -112,6 +112,8 @@ class LLM:
                                   features=features)
         if self.proposer is not None:  # hidden-state drafters read the runner's tables
             self.proposer.attach(self.runner.view())
+        if getattr(self.model, "fused_norm", False):  # the CPU kernels: dispatched in C++
+            native_cpu.install()  # (built in the background since prebuild_cpu_kernels)
         self.k_values = self.runner.k_values
         self._rng = np.random.default_rng(cfg.seed)
         self._calls = itertools.count()

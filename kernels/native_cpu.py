@@ -1,0 +1,290 @@
+"""The per-layer CPU ops dispatched in C++: no Python between a compiled graph and the kernels.
+
+A decode step calls `npuspec::linear_packed` (or `linear_quant`) ~120 times, `add_rms_norm` 60
+times and `paged_attention` 30 times. Each is registered from Python (torch.library) and its
+kernel is a ctypes call, so every call paid the dispatcher's trip into Python, the wrapper's
+checks and allocations in Python, and ctypes' argument conversion: ~16 us for an add+RMSNorm
+whose kernel takes ~1 us (measured here, 2 threads). That is ~3 ms of a 25 ms fp32 SmolLM2 step
+and a quarter of a 4-bit one.
+
+This library registers C++ kernels for those four ops under the CPU dispatch key
+(TORCH_LIBRARY_IMPL, linked against libtorch like Inductor's own kernels). Each checks its
+inputs, allocates its outputs with ATen and calls the same compiled kernel entry points the
+Python wrappers call (their addresses are handed over once, at `install`), so results are
+bit-identical. Whatever is not the common case (a bf16 prefill that goes to oneDNN, panels
+packed for another width, a forced attention implementation, an unexpected layout) is passed
+to the Python wrapper itself, through a private twin op `npuspec::_<op>_py` whose only kernel
+is that wrapper: the rare path keeps its logic, its counters and its logging in one place.
+
+The Python wrappers are registered under CompositeExplicitAutograd, which a CPU kernel
+outranks, so before `install` (or where no C++ toolchain works) every call takes them, as it
+did before this library. `install` runs where a model starts using the kernels
+(npuspec.models.packing, npuspec.models.quant) and at the end of the background prebuild.
+`fast_calls()` counts the calls that stayed in C++, per op (tests check it moves).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+
+import torch
+
+from npuspec.kernels import linear_packed_cpu, linear_quant_cpu, paged_attention, \
+    paged_attention_cpu, rms_norm_cpu
+from npuspec.kernels.cpp_build import load_library
+
+log = logging.getLogger(__name__)
+
+OPS = ("add_rms_norm", "linear_packed", "linear_quant", "paged_attention")
+
+_SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+ARGS_DECL
+
+namespace {
+using NormFn = void (*)(const void*, const void*, const void*, void*, void*, int64_t, int64_t, double);
+using PackedFn = void (*)(const float*, const void*, const float*, float*, int64_t, int64_t, int64_t);
+using QuantFn = void (*)(const float*, float*, const void*, const float*, const float*, float,
+                         float*, int64_t, int64_t, int64_t);
+using AttnFn = void (*)(const Args*);
+
+// Filled once by `npuspec_native_set` (field order: `_TABLE` in native_cpu.py).
+struct Table {
+  NormFn norm[3];        // f32, bf16, f16 (x, residual and weight all of that dtype)
+  PackedFn packed[3];    // weights f32, bf16, f16; x and bias fp32
+  QuantFn quant[2];      // 8-bit, 4-bit codes
+  AttnFn attention;
+  int64_t packed_bw, quant_bw;  // panel widths the kernels were built for
+  int64_t bf16_gemm_rows;       // bf16 x bf16 with this many rows and no bias: Python (oneDNN)
+};
+Table T{};
+std::atomic<int64_t> attention_forced{0};  // paged_attention.use_impl is active
+std::atomic<int64_t> fast[4];              // calls kept in C++, per op (OPS order)
+
+int dtype_index(at::ScalarType t) {
+  return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;
+}
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> twin(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r,
+                                                const at::Tensor& w, double eps) {
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, double);
+  const int d = dtype_index(x.scalar_type());
+  const int64_t N = x.dim() ? x.size(-1) : 0;
+  if (d < 0 || r.scalar_type() != x.scalar_type() || w.scalar_type() != x.scalar_type() ||
+      !x.is_contiguous() || !r.is_contiguous() || !w.is_contiguous() || !r.sizes().equals(x.sizes()) ||
+      w.dim() != 1 || w.size(0) != N || N == 0) {
+    static auto op = twin<Sig>("npuspec::_add_rms_norm_py");
+    return op.call(x, r, w, eps);
+  }
+  at::Tensor out = at::empty(x.sizes(), x.options()), s = at::empty(x.sizes(), x.options());
+  T.norm[d](x.data_ptr(), r.data_ptr(), w.data_ptr(), out.data_ptr(), s.data_ptr(), x.numel() / N, N, eps);
+  fast[0]++;
+  return {out, s};
+}
+
+// the kernels read whole panels: a bias of n < NB*BW columns or another dtype is padded in Python
+bool bias_ok(const std::optional<at::Tensor>& b, int64_t cols) {
+  return !b.has_value() || (b->scalar_type() == at::kFloat && b->is_contiguous() && b->dim() == 1 &&
+                            b->size(0) == cols);
+}
+
+at::Tensor x_fp32(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+at::Tensor cut(const at::Tensor& y, int64_t n) {  // [M, NB*BW] -> [M, n]
+  return n == y.size(1) ? y : y.narrow(1, 0, n).contiguous();
+}
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
+                         int64_t n) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
+  const int d = dtype_index(wp.scalar_type());
+  const bool gemm = x.dim() == 2 && x.size(0) >= T.bf16_gemm_rows && !bias.has_value() &&
+                    x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16;
+  if (d < 0 || gemm || x.dim() != 2 || wp.dim() != 3 || wp.size(2) != T.packed_bw ||
+      x.size(1) != wp.size(1) || !wp.is_contiguous() || dtype_index(x.scalar_type()) < 0 ||
+      n > wp.size(0) * wp.size(2) || !bias_ok(bias, wp.size(0) * wp.size(2))) {
+    static auto op = twin<Sig>("npuspec::_linear_packed_py");
+    return op.call(x, wp, bias, n);
+  }
+  const int64_t M = x.size(0), NB = wp.size(0), K = wp.size(1);
+  at::Tensor xf = x_fp32(x);
+  at::Tensor y = at::empty({M, NB * T.packed_bw}, x.options().dtype(at::kFloat));
+  if (M) T.packed[d](xf.data_ptr<float>(), wp.data_ptr(), bias ? bias->data_ptr<float>() : nullptr,
+                     y.data_ptr<float>(), M, NB, K);
+  fast[1]++;
+  return cut(y, n);
+}
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                        const std::optional<at::Tensor>& minv, int64_t bits, int64_t zero, int64_t n) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const std::optional<at::Tensor>&, int64_t, int64_t, int64_t);
+  const bool ok = x.dim() == 2 && q.dim() == 3 && scale.dim() == 3 && (bits == 8 || bits == 4) &&
+                  dtype_index(x.scalar_type()) >= 0 && scale.size(2) == T.quant_bw &&
+                  x.size(1) == q.size(1) && x.size(1) % 32 == 0 && n <= q.size(0) * T.quant_bw &&
+                  q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
+                  (!minv.has_value() || (minv->is_contiguous() && minv->scalar_type() == at::kFloat));
+  if (!ok) {
+    static auto op = twin<Sig>("npuspec::_linear_quant_py");
+    return op.call(x, q, scale, minv, bits, zero, n);
+  }
+  const int64_t M = x.size(0), NB = q.size(0), K = x.size(1);
+  at::Tensor xf = x_fp32(x);
+  at::Tensor y = at::empty({M, NB * T.quant_bw}, x.options().dtype(at::kFloat));
+  if (M) {
+    // the group sums a min multiplies, filled by the kernel ([M, K/32] fp32)
+    at::Tensor xs = minv.has_value() ? at::empty({M, K / 32}, y.options()) : y;
+    T.quant[bits == 8 ? 0 : 1](xf.data_ptr<float>(), xs.data_ptr<float>(), q.data_ptr(),
+                               scale.data_ptr<float>(), minv ? minv->data_ptr<float>() : nullptr,
+                               static_cast<float>(zero), y.data_ptr<float>(), M, NB, K);
+  }
+  fast[2]++;
+  return cut(y, n);
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer,
+                           const at::Tensor& bt, const at::Tensor& lens, int64_t bs, double scale) {
+  using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                         const at::Tensor&, const at::Tensor&, int64_t, double);
+  const int d = dtype_index(q.scalar_type());
+  const bool ok = !attention_forced && d >= 0 && k.scalar_type() == q.scalar_type() &&
+                  v.scalar_type() == q.scalar_type() && q.dim() == 4 && k.dim() == 4 &&
+                  k.sizes().equals(v.sizes()) && k.is_contiguous() && v.is_contiguous() &&
+                  q.size(3) == k.size(3) && q.size(2) % k.size(2) == 0 && layer >= 0 &&
+                  layer < k.size(0) && bs > 0 && k.size(1) % bs == 0 && bt.dim() == 2 &&
+                  bt.size(0) == q.size(0) && lens.dim() == 1 && lens.size(0) == q.size(0) &&
+                  bt.scalar_type() == at::kInt && lens.scalar_type() == at::kInt;
+  if (!ok) {
+    static auto op = twin<Sig>("npuspec::_paged_attention_py");
+    return op.call(q, k, v, layer, bt, lens, bs, scale);
+  }
+  at::Tensor qc = q.contiguous(), btc = bt.contiguous(), lc = lens.contiguous();
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(at::kFloat));
+  const Args a{qc.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr<float>(),
+               btc.data_ptr<int32_t>(), lc.data_ptr<int32_t>(), d, layer, k.size(1), q.size(0),
+               q.size(1), q.size(2), k.size(2), q.size(3), bt.size(1), bs,
+               std::max<int64_t>(1, at::get_num_threads()), 0, scale};
+  T.attention(&a);
+  fast[3]++;
+  return d == 0 ? out : out.to(q.scalar_type());
+}
+}  // namespace
+
+extern "C" void npuspec_native_set(const Table* t) { T = *t; }
+extern "C" void npuspec_native_force_attention(int64_t on) { attention_forced = on; }
+extern "C" int64_t npuspec_native_fast_calls(int64_t op) { return fast[op].load(); }
+
+TORCH_LIBRARY_IMPL(npuspec, CPU, m) {
+  m.impl("add_rms_norm", add_rms_norm);
+  m.impl("linear_packed", linear_packed);
+  m.impl("linear_quant", linear_quant);
+  m.impl("paged_attention", paged_attention);
+}
+""".replace("ARGS_DECL", paged_attention_cpu.ARGS_DECL)
+
+_P = ctypes.c_void_p
+# `Table` of the C++ source, field by field
+_TABLE = [("norm", _P * 3), ("packed", _P * 3), ("quant", _P * 2), ("attention", _P),
+          ("packed_bw", ctypes.c_int64), ("quant_bw", ctypes.c_int64),
+          ("bf16_gemm_rows", ctypes.c_int64)]
+
+
+class _Table(ctypes.Structure):
+    _fields_ = _TABLE
+
+
+# The Python wrappers, each also registered as the private twin op the C++ kernels hand the
+# uncommon cases to (same schema, name `_<op>_py`)
+_PYTHON = {"add_rms_norm": rms_norm_cpu._impl, "linear_packed": linear_packed_cpu.linear_packed_impl,
+           "linear_quant": linear_quant_cpu.linear_quant_impl,
+           "paged_attention": paged_attention._paged_attention_op}
+_lib = torch.library.Library("npuspec", "FRAGMENT")
+for _op, _fn in _PYTHON.items():
+    _schema = str(getattr(torch.ops.npuspec, _op).default._schema)
+    _lib.define(_schema.replace(f"npuspec::{_op}(", f"_{_op}_py("))
+    _lib.impl(f"_{_op}_py", _fn, "CPU")
+
+_install_lock = threading.Lock()
+
+
+def _addr(fn) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """The native ops' library with its table filled (registered on load), or None."""
+    kernels = (rms_norm_cpu._library(), linear_packed_cpu._library(), linear_quant_cpu._library(),
+               paged_attention_cpu._compiled())
+    if any(k is None for k in kernels):
+        return None  # a kernel's build failed and was logged: the Python wrappers stay
+    norm, packed, quant, attention = kernels
+    lib = load_library(_SOURCE, "native CPU op dispatch", "the ops keep dispatching through Python",
+                       {"npuspec_native_set": (None, [ctypes.c_void_p]),
+                        "npuspec_native_force_attention": (None, [ctypes.c_int64]),
+                        "npuspec_native_fast_calls": (ctypes.c_int64, [ctypes.c_int64])})
+    if lib is None:
+        return None
+    sfx = ("f32", "bf16", "f16")
+    table = _Table(
+        (_P * 3)(*[_addr(getattr(norm, f"npuspec_add_rms_norm_{s}")) for s in sfx]),
+        (_P * 3)(*[_addr(getattr(packed, f"npuspec_linear_packed_{s}")) for s in sfx]),
+        (_P * 2)(_addr(quant.npuspec_linear_quant_q8), _addr(quant.npuspec_linear_quant_q4)),
+        _addr(attention), int(packed.npuspec_linear_packed_block()),
+        int(quant.npuspec_linear_quant_block()),
+        linear_packed_cpu.BF16_GEMM_MIN_ROWS if linear_packed_cpu._bf16_gemm() else 1 << 62)
+    lib.npuspec_native_set(ctypes.byref(table))
+    return lib
+
+
+def install() -> bool:
+    """Build (once per machine) and load the native ops; True when they now serve the CPU
+    calls. Idempotent and thread-safe; a failed build was logged by `load_library`."""
+    with _install_lock:
+        lib = _library()
+        if lib is not None and force_attention not in paged_attention.FORCE_HOOKS:
+            paged_attention.FORCE_HOOKS.append(force_attention)
+            force_attention(paged_attention._FORCED[0] is not None)
+    return lib is not None
+
+
+def installed() -> bool:
+    return _library.cache_info().currsize > 0 and _library() is not None
+
+
+def force_attention(on: bool) -> None:
+    """paged_attention.use_impl is active: the native kernel passes every call to Python."""
+    if installed():
+        _library().npuspec_native_force_attention(int(on))
+
+
+def fast_calls() -> dict:
+    """Calls each op served in C++ since the process started ({} before `install`)."""
+    if not installed():
+        return {}
+    lib = _library()
+    return {op: int(lib.npuspec_native_fast_calls(i)) for i, op in enumerate(OPS)}
+
+
+def available() -> bool:
+    """`install` (the background prebuild's entry point, like the kernels' `available`)."""
+    return install()

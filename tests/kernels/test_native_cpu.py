@@ -1,0 +1,138 @@
+"""kernels/native_cpu.py: the C++-dispatched CPU ops equal their Python wrappers bit for bit,
+serve the common case in C++ (the counter moves) and hand the rest to the wrapper (it does not)."""
+import pytest
+import torch
+
+from npuspec.kernels import linear_packed_cpu as lp
+from npuspec.kernels import linear_quant_cpu as lq
+from npuspec.kernels import native_cpu, rms_norm_cpu
+from npuspec.kernels import paged_attention as pa
+
+pytestmark = pytest.mark.skipif(not native_cpu.install(), reason="no C++ toolchain")
+
+
+def _served(fn, op):
+    """-> (fn's result, whether `op` stayed in C++ for it)."""
+    before = native_cpu.fast_calls()[op]
+    out = fn()
+    return out, native_cpu.fast_calls()[op] > before
+
+
+def _equal(a, b):
+    if isinstance(a, tuple):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_every_op_has_a_cpu_kernel_and_a_python_twin():
+    for op in native_cpu.OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"npuspec::{op}", "CPU"), op
+        assert hasattr(torch.ops.npuspec, f"_{op}_py"), op
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 96), (70, 40)])
+def test_add_rms_norm(dtype, shape):
+    g = torch.Generator().manual_seed(len(shape))
+    x, r = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    got, fast = _served(lambda: torch.ops.npuspec.add_rms_norm(x, r, w, 1e-5), "add_rms_norm")
+    assert fast and _equal(got, rms_norm_cpu._impl(x, r, w, 1e-5))
+    # a strided input: the Python wrapper (which copies it), same values
+    xt = torch.randn(*shape[:-1], 2 * shape[-1], generator=g).to(dtype)[..., ::2]
+    got, fast = _served(lambda: torch.ops.npuspec.add_rms_norm(xt, r, w, 1e-5), "add_rms_norm")
+    assert not fast and _equal(got, rms_norm_cpu._impl(xt.contiguous(), r, w, 1e-5))
+
+
+@pytest.mark.parametrize("wdtype", lp.WEIGHT_DTYPES)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N", [(1, 70), (5, 64), (0, 33), (9, 100)])
+def test_linear_packed(wdtype, xdtype, M, N):
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    w = torch.randn(N, 96, generator=g).to(wdtype)
+    x = torch.randn(M, 96, generator=g).to(xdtype)
+    wp = lp.pack_weight(w)
+    got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, None, N), "linear_packed")
+    assert fast and _equal(got, lp.linear_packed_impl(x, wp, None, N))
+    # a bias of N columns: padded to whole panels by the Python wrapper unless N fills them
+    b = torch.randn(N, generator=g)
+    got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, b, N), "linear_packed")
+    assert fast == (N % lp.block_width() == 0)
+    assert _equal(got, lp.linear_packed_impl(x, wp, b, N))
+
+
+def test_linear_packed_hands_bf16_prefill_to_python(monkeypatch):
+    w = torch.randn(70, 96).bfloat16()
+    x = torch.randn(lp.BF16_GEMM_MIN_ROWS, 96).bfloat16()
+    wp = lp.pack_weight(w)
+    taken = []
+    real = lp._bf16_gemm_rows
+    monkeypatch.setattr(lp, "_bf16_gemm_rows", lambda *a: taken.append(1) or real(*a))
+    got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, None, 70), "linear_packed")
+    assert fast != lp._bf16_gemm() and bool(taken) == lp._bf16_gemm()
+    assert _equal(got, lp.linear_packed_impl(x, wp, None, 70))
+
+
+def test_linear_packed_other_panel_width_takes_the_reference():
+    w = torch.randn(40, 96)
+    wp = lp.to_panels(w, lp.block_width() * 2)  # packed for another CPU
+    x = torch.randn(2, 96)
+    got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, None, 40), "linear_packed")
+    assert not fast
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,zero,with_min", [(8, 0, False), (4, 8, False), (4, 0, True)])
+@pytest.mark.parametrize("M", [1, 5, 7])
+def test_linear_quant(bits, zero, with_min, M):
+    g = torch.Generator().manual_seed(bits * 100 + M)
+    N, K = 70, 128
+    lo, hi = (-128, 128) if bits == 8 else (0, 16)
+    codes = torch.randint(lo, hi, (N, K), generator=g)
+    scale = torch.rand(N, K // 32, generator=g)
+    minv = -torch.rand(N, K // 32, generator=g) if with_min else None
+    q, s, m = lq.pack_quant(codes, scale, minv, bits)
+    x = torch.randn(M, K, generator=g).bfloat16()
+    got, fast = _served(lambda: torch.ops.npuspec.linear_quant(x, q, s, m, bits, zero, N), "linear_quant")
+    assert fast and _equal(got, lq.linear_quant_impl(x, q, s, m, bits, zero, N))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention(dtype):
+    g = torch.Generator().manual_seed(0)
+    B, T, H, Hkv, D, bs, lens = 3, 5, 9, 3, 64, 16, [37, 16, 0]
+    kc, vc = (torch.randn(2, 16 * bs, Hkv, D, generator=g).to(dtype) for _ in range(2))
+    bt = (torch.randperm(15, generator=g)[:9] + 1).view(B, 3).int()
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    args = (q, kc, vc, 1, bt, torch.tensor(lens, dtype=torch.int32), bs)
+    got, fast = _served(lambda: pa.paged_attention(*args), "paged_attention")
+    with pa.use_impl("cpu"):  # forced: the Python op, which runs the same kernel
+        want, forced_fast = _served(lambda: pa.paged_attention(*args), "paged_attention")
+    assert fast and not forced_fast and _equal(got, want)
+    with pa.use_impl("reference"):
+        ref, _ = _served(lambda: pa.paged_attention(*args), "paged_attention")
+    torch.testing.assert_close(got.float(), ref.float(), atol=1e-2 if dtype != torch.float32 else 1e-5,
+                               rtol=1e-2)
+    _, fast = _served(lambda: pa.paged_attention(*args), "paged_attention")
+    assert fast  # the forcing ended with its block
+
+
+def test_compiled_graph_calls_the_native_kernels():
+    """Inductor's wrapper calls the ops through the dispatcher: the C++ kernels serve them."""
+    w = torch.randn(64, 96)
+    wp = lp.pack_weight(w)
+    nw = torch.randn(96)
+
+    def f(x, r):
+        h, s = torch.ops.npuspec.add_rms_norm(x, r, nw, 1e-5)
+        return torch.ops.npuspec.linear_packed(h, wp, None, 64), s
+
+    x, r = torch.randn(2, 96), torch.randn(2, 96)
+    want = f(x, r)
+    cf = torch.compile(f, backend="inductor", fullgraph=True)
+    cf(x, r)
+    before = native_cpu.fast_calls()
+    got = cf(x, r)
+    after = native_cpu.fast_calls()
+    assert _equal(got, want)
+    assert after["add_rms_norm"] > before["add_rms_norm"] and after["linear_packed"] > before["linear_packed"]
