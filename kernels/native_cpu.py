@@ -33,6 +33,7 @@ import torch
 
 from npuspec.kernels import linear_packed_cpu, linear_quant_cpu, paged_attention, \
     paged_attention_cpu, rms_norm_cpu
+from npuspec import envs
 from npuspec.kernels.cpp_build import load_library
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,10 @@ def _library():
 
 def install() -> bool:
     """Build (once per machine) and load the native ops; True when they now serve the CPU
-    calls. Idempotent and thread-safe; a failed build was logged by `load_library`."""
+    calls. Idempotent and thread-safe; a failed build was logged by `load_library`.
+    NPUSPEC_NATIVE_OPS=0 turns it off (every call stays in the Python wrappers)."""
+    if not envs.native_ops():
+        return False
     with _install_lock:
         lib = _library()
         if lib is not None and force_attention not in paged_attention.FORCE_HOOKS:

@@ -245,6 +245,13 @@ def _bool(name: str, default: bool) -> bool:
     return default if b is None else b
 
 
+def native_ops() -> bool:
+    """NPUSPEC_NATIVE_OPS: the CPU kernels' ops dispatched in C++ (kernels/native_cpu.py); on
+    unless 0. Off keeps every call in their Python wrappers (a comparison, or a way around a
+    build problem)."""
+    return _bool("NPUSPEC_NATIVE_OPS", True)
+
+
 def debug() -> bool:
     """NPUSPEC_DEBUG: extra runtime assertions (e.g. static buffer addresses on replay)."""
     return _bool("NPUSPEC_DEBUG", False)
@@ -294,6 +301,7 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_TP_TIMEOUT": tp_timeout,
     "NPUSPEC_TP_CPU_COMM": tp_cpu_comm,
     "NPUSPEC_K_CONTROLLER": k_controller,
+    "NPUSPEC_NATIVE_OPS": native_ops,
 }
 
 
