@@ -24,6 +24,7 @@ did before this library. `install` runs where a model starts using the kernels
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -71,6 +72,7 @@ struct Table {
 };
 Table T{};
 std::atomic<int64_t> attention_forced{0};  // paged_attention.use_impl is active
+std::atomic<int64_t> bypass{0};            // `bypassed()`: every call to Python
 std::atomic<int64_t> fast[4];              // calls kept in C++, per op (OPS order)
 
 int dtype_index(at::ScalarType t) {
@@ -88,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
                                                  const at::Tensor&, double);
   const int d = dtype_index(x.scalar_type());
   const int64_t N = x.dim() ? x.size(-1) : 0;
-  if (d < 0 || r.scalar_type() != x.scalar_type() || w.scalar_type() != x.scalar_type() ||
+  if (bypass || d < 0 || r.scalar_type() != x.scalar_type() || w.scalar_type() != x.scalar_type() ||
       !x.is_contiguous() || !r.is_contiguous() || !w.is_contiguous() || !r.sizes().equals(x.sizes()) ||
       w.dim() != 1 || w.size(0) != N || N == 0) {
     static auto op = twin<Sig>("npuspec::_add_rms_norm_py");
@@ -120,7 +122,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, const std::o
   const int d = dtype_index(wp.scalar_type());
   const bool gemm = x.dim() == 2 && x.size(0) >= T.bf16_gemm_rows && !bias.has_value() &&
                     x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16;
-  if (d < 0 || gemm || x.dim() != 2 || wp.dim() != 3 || wp.size(2) != T.packed_bw ||
+  if (bypass || d < 0 || gemm || x.dim() != 2 || wp.dim() != 3 || wp.size(2) != T.packed_bw ||
       x.size(1) != wp.size(1) || !wp.is_contiguous() || dtype_index(x.scalar_type()) < 0 ||
       n > wp.size(0) * wp.size(2) || !bias_ok(bias, wp.size(0) * wp.size(2))) {
     static auto op = twin<Sig>("npuspec::_linear_packed_py");
@@ -139,7 +141,7 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& q, const at::Tens
                         const std::optional<at::Tensor>& minv, int64_t bits, int64_t zero, int64_t n) {
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const std::optional<at::Tensor>&, int64_t, int64_t, int64_t);
-  const bool ok = x.dim() == 2 && q.dim() == 3 && scale.dim() == 3 && (bits == 8 || bits == 4) &&
+  const bool ok = !bypass && x.dim() == 2 && q.dim() == 3 && scale.dim() == 3 && (bits == 8 || bits == 4) &&
                   dtype_index(x.scalar_type()) >= 0 && scale.size(2) == T.quant_bw &&
                   x.size(1) == q.size(1) && x.size(1) % 32 == 0 && n <= q.size(0) * T.quant_bw &&
                   q.is_contiguous() && scale.is_contiguous() && scale.scalar_type() == at::kFloat &&
@@ -167,7 +169,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                          const at::Tensor&, const at::Tensor&, int64_t, double);
   const int d = dtype_index(q.scalar_type());
-  const bool ok = !attention_forced && d >= 0 && k.scalar_type() == q.scalar_type() &&
+  const bool ok = !attention_forced && !bypass && d >= 0 && k.scalar_type() == q.scalar_type() &&
                   v.scalar_type() == q.scalar_type() && q.dim() == 4 && k.dim() == 4 &&
                   k.sizes().equals(v.sizes()) && k.is_contiguous() && v.is_contiguous() &&
                   q.size(3) == k.size(3) && q.size(2) % k.size(2) == 0 && layer >= 0 &&
@@ -192,6 +194,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 extern "C" void npuspec_native_set(const Table* t) { T = *t; }
 extern "C" void npuspec_native_force_attention(int64_t on) { attention_forced = on; }
+extern "C" void npuspec_native_bypass(int64_t on) { bypass = on; }
 extern "C" int64_t npuspec_native_fast_calls(int64_t op) { return fast[op].load(); }
 
 TORCH_LIBRARY_IMPL(npuspec, CPU, m) {
@@ -242,6 +245,7 @@ def _library():
     lib = load_library(_SOURCE, "native CPU op dispatch", "the ops keep dispatching through Python",
                        {"npuspec_native_set": (None, [ctypes.c_void_p]),
                         "npuspec_native_force_attention": (None, [ctypes.c_int64]),
+                        "npuspec_native_bypass": (None, [ctypes.c_int64]),
                         "npuspec_native_fast_calls": (ctypes.c_int64, [ctypes.c_int64])})
     if lib is None:
         return None
@@ -279,6 +283,21 @@ def force_attention(on: bool) -> None:
     """paged_attention.use_impl is active: the native kernel passes every call to Python."""
     if installed():
         _library().npuspec_native_force_attention(int(on))
+
+
+@contextlib.contextmanager
+def bypassed():
+    """Inside the block every call goes to the Python wrappers (through the C++ kernel and
+    the twin op: one dispatcher hop more than before `install`). Tests of the wrappers' own
+    paths, and A/B timings, use it."""
+    lib = _library() if installed() else None
+    if lib is not None:
+        lib.npuspec_native_bypass(1)
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.npuspec_native_bypass(0)
 
 
 def fast_calls() -> dict:

@@ -39,13 +39,13 @@ using V = at::vec::Vectorized<float>;
 constexpr int kW = V::size();
 
 template <typename T>
-inline V vload(const T* p) {
+inline V vload(const T* p) {  // kW elements widened to fp32 (exact)
   if constexpr (std::is_same_v<T, float>) {
     return V::loadu(p);
   } else {
-    float b[kW];
-    for (int j = 0; j < kW; ++j) b[j] = static_cast<float>(p[j]);
-    return V::loadu(b);
+    V v;
+    at::vec::load_to_float<T>(p, v);
+    return v;
   }
 }
 
@@ -54,9 +54,7 @@ inline void vstore(T* p, V v) {  // rounds to T (nearest even, like PyTorch's ca
   if constexpr (std::is_same_v<T, float>) {
     v.store(p);
   } else {
-    float b[kW];
-    v.store(b);
-    for (int j = 0; j < kW; ++j) p[j] = static_cast<T>(b[j]);
+    at::vec::convert_from_float<T>(v, v).store(p, kW);
   }
 }
 

@@ -75,7 +75,8 @@ def test_linear_packed_hands_bf16_prefill_to_python(monkeypatch):
 
 def test_linear_packed_other_panel_width_takes_the_reference():
     w = torch.randn(40, 96)
-    wp = lp.to_panels(w, lp.block_width() * 2)  # packed for another CPU
+    # packed for another CPU (x4: test_linear_packed checks the once-per-width warning at x2)
+    wp = lp.to_panels(w, lp.block_width() * 4)
     x = torch.randn(2, 96)
     got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, None, 40), "linear_packed")
     assert not fast
@@ -136,3 +137,12 @@ def test_compiled_graph_calls_the_native_kernels():
     after = native_cpu.fast_calls()
     assert _equal(got, want)
     assert after["add_rms_norm"] > before["add_rms_norm"] and after["linear_packed"] > before["linear_packed"]
+
+
+def test_bypassed_sends_every_call_to_the_python_wrappers():
+    x, r, w = torch.randn(2, 64), torch.randn(2, 64), torch.randn(64)
+    with native_cpu.bypassed():
+        got, fast = _served(lambda: torch.ops.npuspec.add_rms_norm(x, r, w, 1e-5), "add_rms_norm")
+    assert not fast and _equal(got, rms_norm_cpu._impl(x, r, w, 1e-5))
+    _, fast = _served(lambda: torch.ops.npuspec.add_rms_norm(x, r, w, 1e-5), "add_rms_norm")
+    assert fast
