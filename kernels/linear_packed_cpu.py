@@ -11,9 +11,11 @@ micro-kernel: per k, BW weights are loaded once and FMA'd into up to 6 rows' acc
 Measured on the 2-core AVX2 target (bench: `python -m npuspec.bench.linear`).
 
 Weights may be float32, bfloat16 or float16 (converted to fp32 in registers: a bf16 weight
-is half the bytes to read); x, the accumulation and y are fp32. A bf16 x bf16 product of many
-rows (prefill) goes to oneDNN's native bf16 GEMM instead (`BF16_GEMM_MIN_ROWS`). The same kernel serves
-prefill (hundreds of rows): it reaches ~140 GFLOP/s there, above MKL's sgemm on this CPU.
+is half the bytes to read); x, the accumulation and y are fp32. A product of many rows
+(prefill, `GEMM_MIN_ROWS`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
+sgemm for fp32 weights, oneDNN's native bf16 GEMM for bf16 x bf16. On the 2-core AVX2 machine
+of earlier measurements this kernel was ahead of MKL at prefill too (~140 GFLOP/s); on the
+AVX-512 machine of the later ones MKL is 1.4-1.9x ahead at 64-256 rows, the unpacking included.
 
 `linear_packed_reference` is the PyTorch reference; it unpacks and calls torch.mm in fp32.
 Results equal it to fp32 rounding (the K-sum runs in k order, 1 FMA per k).
@@ -130,13 +132,20 @@ extern "C" void npuspec_linear_packed_f16(const float* x, const at::Half* wp, co
                                           float* y, int64_t M, int64_t NB, int64_t K) {
   run(x, wp, bias, y, M, NB, K);
 }
-// wp [NB, K, kBW] of 2-byte elements -> out [K, NB * kBW] (w^T, row-major): each panel row is
-// one contiguous 2 * kBW-byte copy, rows split over the threads.
-extern "C" void npuspec_packed_to_kn_2byte(const uint16_t* wp, uint16_t* out, int64_t NB, int64_t K) {
+// wp [NB, K, kBW] -> out [K, NB * kBW] (w^T, row-major): each panel row is one contiguous
+// kBW-element copy, rows split over the threads.
+template <typename E>
+void packed_to_kn(const E* wp, E* out, int64_t NB, int64_t K) {
 #pragma omp parallel for schedule(static)
   for (int64_t k = 0; k < K; ++k)
     for (int64_t b = 0; b < NB; ++b)
-      std::memcpy(out + (k * NB + b) * kBW, wp + (b * K + k) * kBW, kBW * sizeof(uint16_t));
+      std::memcpy(out + (k * NB + b) * kBW, wp + (b * K + k) * kBW, kBW * sizeof(E));
+}
+extern "C" void npuspec_packed_to_kn_2byte(const uint16_t* wp, uint16_t* out, int64_t NB, int64_t K) {
+  packed_to_kn(wp, out, NB, K);
+}
+extern "C" void npuspec_packed_to_kn_4byte(const uint32_t* wp, uint32_t* out, int64_t NB, int64_t K) {
+  packed_to_kn(wp, out, NB, K);
 }
 """
 
@@ -147,7 +156,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
     sig = {"npuspec_linear_packed_block": (ctypes.c_int64, [])}
-    sig["npuspec_packed_to_kn_2byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
+    for n in (2, 4):
+        sig[f"npuspec_packed_to_kn_{n}byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
     sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
                 for s in _SUFFIX.values()})
     return load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)", sig)
@@ -227,12 +237,13 @@ def linear_packed_reference(x: torch.Tensor, wp: torch.Tensor, bias: Optional[to
     return y if bias is None else y + bias.float()
 
 
-# From this many rows on, a bf16 x bf16 product (prefill, big batches) goes to oneDNN's bf16
-# GEMM over the unpacked weight when the CPU has one: on this project's AVX512-BF16 CPU it ran
-# 275-413 GFLOP/s at 64-300 rows against 145-180 for this kernel (which widens bf16 to fp32
-# FMAs), and the unpacking copy costs what one extra read of the weight does. Below it, the
-# kernel (memory-bound, one read) wins.
-BF16_GEMM_MIN_ROWS = 64
+# From this many rows on (prefill, big batches) a product goes to a vendor GEMM (MKL for fp32,
+# oneDNN for bf16 x bf16 where the CPU has native bf16) over the weight unpacked by one C++
+# copy, which costs what one extra read of the weight does. On this project's AVX-512 CPU, 2
+# threads, SmolLM2's shapes: fp32 at 64-256 rows 110-155 GFLOP/s against 80-110 for this
+# kernel; bf16 275-413 against 145-180 (the kernel widens bf16 to fp32 FMAs). Below it the
+# kernel (memory-bound, one read of the weight) wins.
+GEMM_MIN_ROWS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,17 +255,30 @@ def _bf16_gemm() -> bool:
         return False
 
 
-def _bf16_gemm_rows(x: torch.Tensor, wp: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] bf16 @ unpack(wp)[:n].T in one oneDNN bf16 GEMM (fp32 accumulation, one
-    rounding to bf16, which the bf16 model's output gets anyway) -> fp32 [M, n]. No bias:
-    adding one after the bf16 rounding would round twice."""
+def takes_gemm(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Whether `linear_packed_impl` hands this call to `_gemm_rows`."""
+    if x.shape[0] < GEMM_MIN_ROWS:
+        return False
+    if wp.dtype == torch.float32:
+        return True
+    # bf16: no bias, since adding one after the GEMM's bf16 rounding would round twice
+    return bias is None and x.dtype == wp.dtype == torch.bfloat16 and _bf16_gemm()
+
+
+def _gemm_rows(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """x [M, K] @ unpack(wp)[:n].T (+ bias) in one vendor GEMM with fp32 accumulation -> fp32
+    [M, n]. bf16: one rounding to bf16, which the bf16 model's output gets anyway."""
     nb, K, bw = wp.shape
     lib = _kernel_for(bw)
     if lib is None:  # a strided torch copy: slower, same values
         wt = wp.permute(1, 0, 2).reshape(K, nb * bw)
     else:
         wt = torch.empty(K, nb * bw, dtype=wp.dtype)                     # w^T [K, NB*BW]
-        lib.npuspec_packed_to_kn_2byte(wp.contiguous().data_ptr(), wt.data_ptr(), nb, K)
+        fn = lib.npuspec_packed_to_kn_4byte if wp.element_size() == 4 else lib.npuspec_packed_to_kn_2byte
+        fn(wp.contiguous().data_ptr(), wt.data_ptr(), nb, K)
+    if wp.dtype == torch.float32:
+        x = x.float()
+        return torch.mm(x, wt[:, :n]) if bias is None else torch.addmm(bias.float(), x, wt[:, :n])
     return torch.mm(x, wt[:, :n]).float()
 
 
@@ -264,9 +288,8 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
     nb, Kw, bw = wp.shape
     assert K == Kw and n <= nb * bw and wp.dtype in _SUFFIX and x.device.type == "cpu", (
         x.shape, wp.shape, n, wp.dtype, x.device)
-    if (M >= BF16_GEMM_MIN_ROWS and bias is None and x.dtype == torch.bfloat16
-            and wp.dtype == torch.bfloat16 and _bf16_gemm()):
-        return _bf16_gemm_rows(x, wp, n)
+    if takes_gemm(x, wp, bias):
+        return _gemm_rows(x, wp, bias, n)
     lib = _kernel_for(bw)
     if lib is None:
         counters.bump("eager_fallbacks")

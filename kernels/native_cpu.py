@@ -68,7 +68,8 @@ struct Table {
   QuantFn quant[2];      // 8-bit, 4-bit codes
   AttnFn attention;
   int64_t packed_bw, quant_bw;  // panel widths the kernels were built for
-  int64_t bf16_gemm_rows;       // bf16 x bf16 with this many rows and no bias: Python (oneDNN)
+  int64_t gemm_rows;            // this many rows: Python (a vendor GEMM), for fp32 weights and
+  int64_t bf16_gemm;            // for bf16 x bf16 without bias where the CPU has native bf16
 };
 Table T{};
 std::atomic<int64_t> attention_forced{0};  // paged_attention.use_impl is active
@@ -120,8 +121,11 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, const std::o
                          int64_t n) {
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
   const int d = dtype_index(wp.scalar_type());
-  const bool gemm = x.dim() == 2 && x.size(0) >= T.bf16_gemm_rows && !bias.has_value() &&
-                    x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16;
+  // linear_packed_cpu.takes_gemm
+  const bool gemm = x.dim() == 2 && x.size(0) >= T.gemm_rows &&
+                    (wp.scalar_type() == at::kFloat ||
+                     (T.bf16_gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16 &&
+                      wp.scalar_type() == at::kBFloat16));
   if (bypass || d < 0 || gemm || x.dim() != 2 || wp.dim() != 3 || wp.size(2) != T.packed_bw ||
       x.size(1) != wp.size(1) || !wp.is_contiguous() || dtype_index(x.scalar_type()) < 0 ||
       n > wp.size(0) * wp.size(2) || !bias_ok(bias, wp.size(0) * wp.size(2))) {
@@ -209,7 +213,7 @@ _P = ctypes.c_void_p
 # `Table` of the C++ source, field by field
 _TABLE = [("norm", _P * 3), ("packed", _P * 3), ("quant", _P * 2), ("attention", _P),
           ("packed_bw", ctypes.c_int64), ("quant_bw", ctypes.c_int64),
-          ("bf16_gemm_rows", ctypes.c_int64)]
+          ("gemm_rows", ctypes.c_int64), ("bf16_gemm", ctypes.c_int64)]
 
 
 class _Table(ctypes.Structure):
@@ -256,7 +260,7 @@ def _library():
         (_P * 2)(_addr(quant.npuspec_linear_quant_q8), _addr(quant.npuspec_linear_quant_q4)),
         _addr(attention), int(packed.npuspec_linear_packed_block()),
         int(quant.npuspec_linear_quant_block()),
-        linear_packed_cpu.BF16_GEMM_MIN_ROWS if linear_packed_cpu._bf16_gemm() else 1 << 62)
+        linear_packed_cpu.GEMM_MIN_ROWS, int(linear_packed_cpu._bf16_gemm()))
     lib.npuspec_native_set(ctypes.byref(table))
     return lib
 

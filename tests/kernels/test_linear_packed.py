@@ -35,17 +35,17 @@ def test_kernel_equals_reference(dtype, M, N, K):
                                    atol=1e-5 * K ** 0.5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("M", [lp.BF16_GEMM_MIN_ROWS - 1, lp.BF16_GEMM_MIN_ROWS, 300])
+@pytest.mark.parametrize("M", [lp.GEMM_MIN_ROWS - 1, lp.GEMM_MIN_ROWS, 300])
 def test_many_bf16_rows_take_the_bf16_gemm_and_equal_the_kernel(monkeypatch, M):
     g = torch.Generator().manual_seed(M)
     w = torch.randn(70, 96, generator=g).bfloat16()
     x = torch.randn(M, 96, generator=g).bfloat16()
     wp = lp.pack_weight(w)
     taken = []
-    real = lp._bf16_gemm_rows
-    monkeypatch.setattr(lp, "_bf16_gemm_rows", lambda *a: taken.append(1) or real(*a))
+    real = lp._gemm_rows
+    monkeypatch.setattr(lp, "_gemm_rows", lambda *a: taken.append(1) or real(*a))
     y = lp.linear_packed_impl(x, wp, None, 70)
-    assert bool(taken) == (M >= lp.BF16_GEMM_MIN_ROWS and lp._bf16_gemm())
+    assert bool(taken) == (M >= lp.GEMM_MIN_ROWS and lp._bf16_gemm())
     # both accumulate in fp32 and the caller rounds to bf16 once: equal after that rounding
     # up to summation order (one bf16 ulp)
     ref = lp.linear_packed_reference(x.float(), wp, None, 70).bfloat16().float()
@@ -55,6 +55,23 @@ def test_many_bf16_rows_take_the_bf16_gemm_and_equal_the_kernel(monkeypatch, M):
     lp.linear_packed_impl(x.float(), wp, None, 70)
     lp.linear_packed_impl(x, wp, torch.zeros(70), 70)
     assert not taken
+
+
+@pytest.mark.parametrize("M", [lp.GEMM_MIN_ROWS - 1, lp.GEMM_MIN_ROWS, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_many_fp32_rows_take_the_sgemm_and_equal_the_reference(monkeypatch, M, with_bias):
+    g = torch.Generator().manual_seed(M)
+    w = torch.randn(70, 96, generator=g)
+    x = torch.randn(M, 96, generator=g)
+    b = torch.randn(70, generator=g) if with_bias else None
+    wp = lp.pack_weight(w)
+    taken = []
+    real = lp._gemm_rows
+    monkeypatch.setattr(lp, "_gemm_rows", lambda *a: taken.append(1) or real(*a))
+    y = lp.linear_packed_impl(x, wp, b, 70)
+    assert bool(taken) == (M >= lp.GEMM_MIN_ROWS)
+    assert y.shape == (M, 70) and y.dtype == torch.float32
+    torch.testing.assert_close(y, lp.linear_packed_reference(x, wp, b, 70), atol=1e-4, rtol=1e-5)
 
 
 def test_pack_roundtrip_and_rows():

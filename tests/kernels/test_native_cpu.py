@@ -61,15 +61,17 @@ def test_linear_packed(wdtype, xdtype, M, N):
     assert _equal(got, lp.linear_packed_impl(x, wp, b, N))
 
 
-def test_linear_packed_hands_bf16_prefill_to_python(monkeypatch):
-    w = torch.randn(70, 96).bfloat16()
-    x = torch.randn(lp.BF16_GEMM_MIN_ROWS, 96).bfloat16()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_packed_hands_prefill_gemms_to_python(monkeypatch, dtype):
+    w = torch.randn(70, 96).to(dtype)
+    x = torch.randn(lp.GEMM_MIN_ROWS, 96).to(dtype)
     wp = lp.pack_weight(w)
     taken = []
-    real = lp._bf16_gemm_rows
-    monkeypatch.setattr(lp, "_bf16_gemm_rows", lambda *a: taken.append(1) or real(*a))
+    real = lp._gemm_rows
+    monkeypatch.setattr(lp, "_gemm_rows", lambda *a: taken.append(1) or real(*a))
     got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, None, 70), "linear_packed")
-    assert fast != lp._bf16_gemm() and bool(taken) == lp._bf16_gemm()
+    gemm = dtype == torch.float32 or lp._bf16_gemm()
+    assert fast != gemm and bool(taken) == gemm == lp.takes_gemm(x, wp, None)
     assert _equal(got, lp.linear_packed_impl(x, wp, None, 70))
 
 
