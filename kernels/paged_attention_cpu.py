@@ -321,12 +321,20 @@ inline void prefetch_row(const T* row, int64_t D) {
 }
 
 // Row pointers of n pool rows (position p0 + c of row b, kv head g), widened to fp32 in buf
-// when needed; pointers are padded to a multiple of kPtrPad with a valid row. Rows read in
-// place are prefetched.
+// when needed; pointers are padded to a multiple of kPtrPad with a valid row. Every row is
+// prefetched first: rows read in place then arrive while the scores run, and rows to widen
+// (bf16, fp16) arrive together instead of one miss after another (bf16 decode at live length
+// 300, K/V from memory: 115 -> ~70 us a call).
 template <typename T>
 void gather(const Problem& P, const T* pool, const int32_t* bt_row, int64_t g, int64_t p0,
             int64_t n, float* buf, const float** ptr) {
   const bool direct = std::is_same<T, float>::value && P.dp == P.D;
+  if (!direct) {
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t p = p0 + c;
+      prefetch_row(pool + (static_cast<int64_t>(bt_row[p / P.bs]) * P.bs + p % P.bs) * P.stride + g * P.D, P.D);
+    }
+  }
   for (int64_t c = 0; c < n;) {  // block by block: p0 is a multiple of bs
     const int64_t p = p0 + c, in_block = std::min(P.bs - p % P.bs, n - c);
     const T* src = pool + (static_cast<int64_t>(bt_row[p / P.bs]) * P.bs + p % P.bs) * P.stride + g * P.D;
