@@ -33,21 +33,23 @@ import threading
 import torch
 
 from npuspec.kernels import linear_packed_cpu, linear_quant_cpu, paged_attention, \
-    paged_attention_cpu, rms_norm_cpu
+    paged_attention_cpu, rms_norm_cpu, verify, verify_cpu
 from npuspec import envs
 from npuspec.kernels.cpp_build import load_library
 
 log = logging.getLogger(__name__)
 
-OPS = ("add_rms_norm", "linear_packed", "linear_quant", "paged_attention")
+OPS = ("add_rms_norm", "linear_packed", "linear_quant", "paged_attention", "rejection_sample")
 
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/ones.h>
 #include <torch/library.h>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -60,6 +62,11 @@ using PackedFn = void (*)(const float*, const void*, const float*, float*, int64
 using QuantFn = void (*)(const float*, float*, const void*, const float*, const float*, float,
                          float*, int64_t, int64_t, int64_t);
 using AttnFn = void (*)(const Args*);
+// verify_cpu.py's npuspec_standard_rows
+using RowsFn = void (*)(const void*, int64_t, const int64_t*, const float*, const float*,
+                        const float*, const float*, const float*, const uint8_t*, int64_t*, float*,
+                        float*, float*, int64_t*, int64_t*, int64_t, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, int32_t*, int32_t*);
 
 // Filled once by `npuspec_native_set` (field order: `_TABLE` in native_cpu.py).
 struct Table {
@@ -67,14 +74,18 @@ struct Table {
   PackedFn packed[3];    // weights f32, bf16, f16; x and bias fp32
   QuantFn quant[2];      // 8-bit, 4-bit codes
   AttnFn attention;
+  RowsFn standard_rows;
   int64_t packed_bw, quant_bw;  // panel widths the kernels were built for
   int64_t gemm_rows;            // this many rows: Python (a vendor GEMM), for fp32 weights and
   int64_t bf16_gemm;            // for bf16 x bf16 without bias where the CPU has native bf16
 };
 Table T{};
 std::atomic<int64_t> attention_forced{0};  // paged_attention.use_impl is active
-std::atomic<int64_t> bypass{0};            // `bypassed()`: every call to Python
-std::atomic<int64_t> fast[4];              // calls kept in C++, per op (OPS order)
+std::atomic<int64_t> verify_forced{0};     // verify.use_impl is active
+// every call to Python: from the library's load (its kernels are registered then) until the
+// table is filled, and inside `bypassed()`
+std::atomic<int64_t> bypass{1};
+std::atomic<int64_t> fast[5];              // calls kept in C++, per op (OPS order)
 
 int dtype_index(at::ScalarType t) {
   return t == at::kFloat ? 0 : t == at::kBFloat16 ? 1 : t == at::kHalf ? 2 : -1;
@@ -117,16 +128,19 @@ at::Tensor cut(const at::Tensor& y, int64_t n) {  // [M, NB*BW] -> [M, n]
   return n == y.size(1) ? y : y.narrow(1, 0, n).contiguous();
 }
 
+// linear_packed_cpu.takes_gemm (x is 2-D)
+bool takes_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias) {
+  return x.size(0) >= T.gemm_rows &&
+         (wp.scalar_type() == at::kFloat ||
+          (T.bf16_gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16 &&
+           wp.scalar_type() == at::kBFloat16));
+}
+
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
                          int64_t n) {
   using Sig = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t);
   const int d = dtype_index(wp.scalar_type());
-  // linear_packed_cpu.takes_gemm
-  const bool gemm = x.dim() == 2 && x.size(0) >= T.gemm_rows &&
-                    (wp.scalar_type() == at::kFloat ||
-                     (T.bf16_gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16 &&
-                      wp.scalar_type() == at::kBFloat16));
-  if (bypass || d < 0 || gemm || x.dim() != 2 || wp.dim() != 3 || wp.size(2) != T.packed_bw ||
+  if (bypass || d < 0 || x.dim() != 2 || takes_gemm(x, wp, bias) || wp.dim() != 3 || wp.size(2) != T.packed_bw ||
       x.size(1) != wp.size(1) || !wp.is_contiguous() || dtype_index(x.scalar_type()) < 0 ||
       n > wp.size(0) * wp.size(2) || !bias_ok(bias, wp.size(0) * wp.size(2))) {
     static auto op = twin<Sig>("npuspec::_linear_packed_py");
@@ -176,7 +190,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const bool ok = !attention_forced && !bypass && d >= 0 && k.scalar_type() == q.scalar_type() &&
                   v.scalar_type() == q.scalar_type() && q.dim() == 4 && k.dim() == 4 &&
                   k.sizes().equals(v.sizes()) && k.is_contiguous() && v.is_contiguous() &&
-                  q.size(3) == k.size(3) && q.size(2) % k.size(2) == 0 && layer >= 0 &&
+                  q.size(3) == k.size(3) && k.size(2) > 0 && q.size(2) % k.size(2) == 0 && layer >= 0 &&
                   layer < k.size(0) && bs > 0 && k.size(1) % bs == 0 && bt.dim() == 2 &&
                   bt.size(0) == q.size(0) && lens.dim() == 1 && lens.size(0) == q.size(0) &&
                   bt.scalar_type() == at::kInt && lens.scalar_type() == at::kInt;
@@ -194,11 +208,86 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   fast[3]++;
   return d == 0 ? out : out.to(q.scalar_type());
 }
+
+// The all-greedy, one-hot verify (no temperatures, probabilities or draws: an engine step where
+// no request samples): the verify kernel's greedy rows decide and emit, as verify.py's
+// _cpu_greedy does. Any value the Python op would refuse (a draft id outside [-1, V), a row
+// with NaN or +inf logits or -inf everywhere) is handed to it, which raises the error.
+std::tuple<at::Tensor, at::Tensor> rejection_sample(
+    const at::Tensor& logits, const at::Tensor& drafts, const std::optional<at::Tensor>& draft_probs,
+    const std::optional<at::Tensor>& temperature, const std::optional<at::Tensor>& top_k,
+    const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& uniforms,
+    const std::optional<at::Tensor>& exponentials, bool block_verify, std::optional<double> thr,
+    std::optional<double> alpha, const std::optional<at::Tensor>& synthetic, bool target_is_probs,
+    c10::string_view accept_mode, bool ratio_cap, c10::string_view accept_rule) {
+  using O = const std::optional<at::Tensor>&;
+  using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, O, O, O, O, O, O,
+                                                 bool, std::optional<double>, std::optional<double>, O,
+                                                 bool, c10::string_view, bool, c10::string_view);
+  const int d = dtype_index(logits.scalar_type());
+  bool ok = !bypass && !verify_forced && d >= 0 && !draft_probs && !temperature && !top_k &&
+            !top_p && !uniforms && !exponentials && !synthetic && !thr && !alpha &&
+            !target_is_probs && accept_mode == "ge" && !ratio_cap && accept_rule == "prefix" &&
+            logits.dim() == 3 && logits.is_contiguous() && logits.size(0) > 0 &&
+            logits.size(2) > 0 && logits.size(2) < (int64_t{1} << 24) && drafts.dim() == 2 &&
+            drafts.scalar_type() == at::kLong && drafts.is_contiguous() &&
+            drafts.size(0) == logits.size(0) && drafts.size(1) + 1 == logits.size(1);
+  const int64_t B = ok ? logits.size(0) : 0, K1 = ok ? logits.size(1) : 0, V = ok ? logits.size(2) : 0;
+  at::Tensor xpad;
+  if (ok) {  // verify_rows._padded_drafts: [B, K+1], -1 for no draft and the bonus row
+    xpad = at::empty({B, K1}, drafts.options());
+    const int64_t* x = drafts.data_ptr<int64_t>();
+    int64_t* xp = xpad.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B && ok; ++b) {
+      for (int64_t j = 0; j < K1 - 1; ++j) {
+        const int64_t v = x[b * (K1 - 1) + j];
+        ok = ok && v >= -1 && v < V;
+        xp[b * K1 + j] = v;
+      }
+      xp[b * K1 + K1 - 1] = -1;
+    }
+  }
+  if (!ok) {
+    static auto op = twin<Sig>("npuspec::_rejection_sample_py");
+    return op.call(logits, drafts, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
+                   block_verify, thr, alpha, synthetic, target_is_probs, accept_mode, ratio_cap,
+                   accept_rule);
+  }
+  const auto f32 = logits.options().dtype(at::kFloat), i64 = logits.options().dtype(at::kLong);
+  // greedy rows read no temperature, threshold, uniform or exponential: placeholders
+  at::Tensor t = at::ones({B}, f32), E = at::empty({B, V}, f32), uni = at::ones({B, K1 - 1}, f32);
+  at::Tensor grd = at::ones({B}, logits.options().dtype(at::kByte));
+  at::Tensor gidx = at::empty({B, K1}, i64), race_p = at::empty({B, K1}, i64), race_r = at::empty({B, K1}, i64);
+  at::Tensor rawmax = at::empty({B, K1}, f32), px = at::empty({B, K1}, f32), qx = at::empty({B, K1}, f32);
+  at::Tensor out = at::empty({B, K1}, logits.options().dtype(at::kInt));
+  at::Tensor num = at::empty({B}, logits.options().dtype(at::kInt));
+  T.standard_rows(logits.data_ptr(), d, xpad.data_ptr<int64_t>(), nullptr, t.data_ptr<float>(), nullptr,
+                  E.data_ptr<float>(), uni.data_ptr<float>(), grd.data_ptr<uint8_t>(),
+                  gidx.data_ptr<int64_t>(), rawmax.data_ptr<float>(), px.data_ptr<float>(),
+                  qx.data_ptr<float>(), race_p.data_ptr<int64_t>(), race_r.data_ptr<int64_t>(), B,
+                  K1, V, 0, 0, std::max<int64_t>(1, at::get_num_threads()), out.data_ptr<int32_t>(),
+                  num.data_ptr<int32_t>());
+  const float* rm = rawmax.data_ptr<float>();
+  for (int64_t i = 0; i < B * K1; ++i) {
+    if (!std::isfinite(rm[i])) {  // the Python op names the row and raises
+      static auto op = twin<Sig>("npuspec::_rejection_sample_py");
+      return op.call(logits, drafts, draft_probs, temperature, top_k, top_p, uniforms,
+                     exponentials, block_verify, thr, alpha, synthetic, target_is_probs,
+                     accept_mode, ratio_cap, accept_rule);
+    }
+  }
+  fast[4]++;
+  return {out, num};
+}
 }  // namespace
 
-extern "C" void npuspec_native_set(const Table* t) { T = *t; }
+extern "C" void npuspec_native_set(const Table* t) {
+  T = *t;
+  bypass = 0;  // after the table: a thread that sees 0 sees the table (seq_cst)
+}
 extern "C" void npuspec_native_force_attention(int64_t on) { attention_forced = on; }
 extern "C" void npuspec_native_bypass(int64_t on) { bypass = on; }
+extern "C" void npuspec_native_force_verify(int64_t on) { verify_forced = on; }
 extern "C" int64_t npuspec_native_fast_calls(int64_t op) { return fast[op].load(); }
 
 TORCH_LIBRARY_IMPL(npuspec, CPU, m) {
@@ -206,12 +295,14 @@ TORCH_LIBRARY_IMPL(npuspec, CPU, m) {
   m.impl("linear_packed", linear_packed);
   m.impl("linear_quant", linear_quant);
   m.impl("paged_attention", paged_attention);
+  m.impl("rejection_sample", rejection_sample);
 }
 """.replace("ARGS_DECL", paged_attention_cpu.ARGS_DECL)
 
 _P = ctypes.c_void_p
 # `Table` of the C++ source, field by field
 _TABLE = [("norm", _P * 3), ("packed", _P * 3), ("quant", _P * 2), ("attention", _P),
+          ("standard_rows", _P),
           ("packed_bw", ctypes.c_int64), ("quant_bw", ctypes.c_int64),
           ("gemm_rows", ctypes.c_int64), ("bf16_gemm", ctypes.c_int64)]
 
@@ -224,7 +315,8 @@ class _Table(ctypes.Structure):
 # uncommon cases to (same schema, name `_<op>_py`)
 _PYTHON = {"add_rms_norm": rms_norm_cpu._impl, "linear_packed": linear_packed_cpu.linear_packed_impl,
            "linear_quant": linear_quant_cpu.linear_quant_impl,
-           "paged_attention": paged_attention._paged_attention_op}
+           "paged_attention": paged_attention._paged_attention_op,
+           "rejection_sample": verify._rejection_sample_impl}
 _lib = torch.library.Library("npuspec", "FRAGMENT")
 for _op, _fn in _PYTHON.items():
     _schema = str(getattr(torch.ops.npuspec, _op).default._schema)
@@ -232,6 +324,7 @@ for _op, _fn in _PYTHON.items():
     _lib.impl(f"_{_op}_py", _fn, "CPU")
 
 _install_lock = threading.Lock()
+_bypass_depth = [0]  # nested `bypassed()` blocks
 
 
 def _addr(fn) -> int:
@@ -242,14 +335,15 @@ def _addr(fn) -> int:
 def _library():
     """The native ops' library with its table filled (registered on load), or None."""
     kernels = (rms_norm_cpu._library(), linear_packed_cpu._library(), linear_quant_cpu._library(),
-               paged_attention_cpu._compiled())
+               paged_attention_cpu._compiled(), verify_cpu._compiled())
     if any(k is None for k in kernels):
         return None  # a kernel's build failed and was logged: the Python wrappers stay
-    norm, packed, quant, attention = kernels
+    norm, packed, quant, attention, rows = kernels
     lib = load_library(_SOURCE, "native CPU op dispatch", "the ops keep dispatching through Python",
                        {"npuspec_native_set": (None, [ctypes.c_void_p]),
                         "npuspec_native_force_attention": (None, [ctypes.c_int64]),
                         "npuspec_native_bypass": (None, [ctypes.c_int64]),
+                        "npuspec_native_force_verify": (None, [ctypes.c_int64]),
                         "npuspec_native_fast_calls": (ctypes.c_int64, [ctypes.c_int64])})
     if lib is None:
         return None
@@ -258,10 +352,12 @@ def _library():
         (_P * 3)(*[_addr(getattr(norm, f"npuspec_add_rms_norm_{s}")) for s in sfx]),
         (_P * 3)(*[_addr(getattr(packed, f"npuspec_linear_packed_{s}")) for s in sfx]),
         (_P * 2)(_addr(quant.npuspec_linear_quant_q8), _addr(quant.npuspec_linear_quant_q4)),
-        _addr(attention), int(packed.npuspec_linear_packed_block()),
+        _addr(attention), _addr(rows.npuspec_standard_rows), int(packed.npuspec_linear_packed_block()),
         int(quant.npuspec_linear_quant_block()),
         linear_packed_cpu.GEMM_MIN_ROWS, int(linear_packed_cpu._bf16_gemm()))
     lib.npuspec_native_set(ctypes.byref(table))
+    if _bypass_depth[0]:  # installed inside a `bypassed()` block
+        lib.npuspec_native_bypass(1)
     return lib
 
 
@@ -276,6 +372,8 @@ def install() -> bool:
         if lib is not None and force_attention not in paged_attention.FORCE_HOOKS:
             paged_attention.FORCE_HOOKS.append(force_attention)
             force_attention(paged_attention._FORCED[0] is not None)
+            verify.FORCE_HOOKS.append(force_verify)
+            force_verify(verify._FORCED_IMPL[0] is not None)
     return lib is not None
 
 
@@ -295,13 +393,23 @@ def bypassed():
     the twin op: one dispatcher hop more than before `install`). Tests of the wrappers' own
     paths, and A/B timings, use it."""
     lib = _library() if installed() else None
-    if lib is not None:
-        lib.npuspec_native_bypass(1)
+    with _install_lock:
+        _bypass_depth[0] += 1
+        if lib is not None:
+            lib.npuspec_native_bypass(1)
     try:
         yield
     finally:
-        if lib is not None:
-            lib.npuspec_native_bypass(0)
+        with _install_lock:
+            _bypass_depth[0] -= 1
+            if lib is not None and _bypass_depth[0] == 0:
+                lib.npuspec_native_bypass(0)
+
+
+def force_verify(on: bool) -> None:
+    """verify.use_impl is active: the native kernel passes every call to Python."""
+    if installed():
+        _library().npuspec_native_force_verify(int(on))
 
 
 def fast_calls() -> dict:

@@ -172,6 +172,9 @@ def _emit(xpad: Tensor, n_acc: Tensor, st: RowStats, greedy_rows: Tensor, bad: T
 
 _FORCED_IMPL: list[Optional[str]] = [None]
 IMPLS = ("reference", "triton", "cpu")
+# Called with True while `use_impl` forces an implementation, False after (the native CPU
+# kernel of kernels/native_cpu.py then passes every call to the Python op, which honours it).
+FORCE_HOOKS: list = []
 
 
 @contextlib.contextmanager
@@ -181,10 +184,14 @@ def use_impl(name: Optional[str]):
         raise ValueError(f"use_impl({name!r}): choose one of {', '.join(IMPLS)} or None")
     old = _FORCED_IMPL[0]
     _FORCED_IMPL[0] = name
+    for hook in FORCE_HOOKS:
+        hook(name is not None)
     try:
         yield
     finally:
         _FORCED_IMPL[0] = old
+        for hook in FORCE_HOOKS:
+            hook(old is not None)
 
 
 def _pick_impl(device: torch.device) -> str:
@@ -306,8 +313,7 @@ def _cpu_greedy(target_logits: Tensor, xpad: Tensor):
                                torch.empty(B, V), greedy)
 
 
-@torch.library.custom_op("npuspec::rejection_sample", mutates_args=())
-def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
+def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
                          draft_probs: Optional[Tensor], temperature: Optional[Tensor],
                          top_k: Optional[Tensor], top_p: Optional[Tensor],
                          uniforms: Optional[Tensor], exponentials: Optional[Tensor],
@@ -333,6 +339,12 @@ def _rejection_sample_op(target_logits: Tensor, draft_token_ids: Tensor,
     return _verify(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
                    uniforms, exponentials, block_verify, posterior_threshold, posterior_alpha,
                    synthetic_rates, impl)
+
+
+# The op. kernels/native_cpu.py adds a C++ CPU kernel for the all-greedy step, which outranks
+# this Python one (custom_op registers it as CompositeExplicitAutograd) and hands it the rest.
+_rejection_sample_op = torch.library.custom_op("npuspec::rejection_sample", mutates_args=())(
+    _rejection_sample_impl)
 
 
 @_rejection_sample_op.register_fake

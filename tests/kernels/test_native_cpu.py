@@ -7,8 +7,16 @@ from npuspec.kernels import linear_packed_cpu as lp
 from npuspec.kernels import linear_quant_cpu as lq
 from npuspec.kernels import native_cpu, rms_norm_cpu
 from npuspec.kernels import paged_attention as pa
+from npuspec.kernels.cpp_build import toolchain_present
 
-pytestmark = pytest.mark.skipif(not native_cpu.install(), reason="no C++ toolchain")
+# without a compiler nothing here can run; with one, the build must work (a failed build would
+# only log and leave every op in Python)
+pytestmark = pytest.mark.skipif(not toolchain_present(), reason="no C++ toolchain")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _installed():
+    assert native_cpu.install(), "the native ops failed to build (see the warning logged)"
 
 
 def _served(fn, op):
@@ -148,3 +156,61 @@ def test_bypassed_sends_every_call_to_the_python_wrappers():
     assert not fast and _equal(got, rms_norm_cpu._impl(x, r, w, 1e-5))
     _, fast = _served(lambda: torch.ops.npuspec.add_rms_norm(x, r, w, 1e-5), "add_rms_norm")
     assert fast
+
+
+def test_bypassed_nests():
+    x, r, w = torch.randn(2, 64), torch.randn(2, 64), torch.randn(64)
+    call = lambda: torch.ops.npuspec.add_rms_norm(x, r, w, 1e-5)  # noqa: E731
+    with native_cpu.bypassed():
+        with native_cpu.bypassed():
+            pass
+        assert not _served(call, "add_rms_norm")[1]  # still bypassed after the inner block
+    assert _served(call, "add_rms_norm")[1]
+
+
+def _greedy_case(B, K, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    logits[0, 0, :3] = logits[0, 0].max() + 1  # a tie: the first index wins
+    drafts = logits[:, :K].argmax(-1)             # accepted unless changed below
+    if K:
+        drafts[-1, K // 2] = (drafts[-1, K // 2] + 1) % V   # a rejection
+        drafts[0, -1] = -1                                    # no draft
+    return logits, drafts
+
+
+def _verify(logits, drafts):
+    return torch.ops.npuspec.rejection_sample(logits, drafts, None, None, None, None, None, None,
+                                              False, None, None, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,K,V", [(1, 0, 49152), (1, 4, 49152), (3, 3, 1000), (2, 1, 17)])
+def test_greedy_rejection_sample(dtype, B, K, V):
+    logits, drafts = _greedy_case(B, K, V, B * 100 + K)
+    logits = logits.to(dtype)
+    got, fast = _served(lambda: _verify(logits, drafts), "rejection_sample")
+    with native_cpu.bypassed():
+        want = _verify(logits, drafts)
+    assert fast and _equal(got, want)
+    from npuspec.kernels import verify
+    with verify.use_impl("reference"):  # the specification, and forcing it leaves C++
+        ref, forced_fast = _served(lambda: _verify(logits, drafts), "rejection_sample")
+    assert not forced_fast and _equal(got, ref)
+
+
+def test_greedy_rejection_sample_hands_bad_values_to_python():
+    logits, drafts = _greedy_case(2, 3, 50, 0)
+    bad = logits.clone()
+    bad[1, 2, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"target_logits\[1, 2\]"):
+        _verify(bad, drafts)
+    out_of_range = drafts.clone()
+    out_of_range[0, 0] = 50
+    with pytest.raises(ValueError, match="draft_token_ids"):
+        _verify(logits, out_of_range)
+    # sampled rows are the Python op's
+    _, fast = _served(lambda: torch.ops.npuspec.rejection_sample(
+        logits, drafts, None, torch.ones(2), None, None, None, None, False, None, None, None),
+        "rejection_sample")
+    assert not fast
