@@ -69,8 +69,8 @@ inline void load_w(const at::Half* p, Vec& a, Vec& b) {
 }
 
 // y[i, 0:kBW] (+)= sum_k x[i, k] * wp[k, 0:kBW] for MR rows; wp is one [K, kBW] panel.
-template <int MR, typename W>
-inline void tile(const float* x, int64_t K, const W* wp, const float* bias, float* y, int64_t ldy) {
+template <int MR, typename X, typename W>
+inline void tile(const X* x, int64_t K, const W* wp, const float* bias, float* y, int64_t ldy) {
   Vec acc[MR][2];
   for (int i = 0; i < MR; ++i) { acc[i][0] = Vec(0.f); acc[i][1] = Vec(0.f); }
   for (int64_t k = 0; k < K; ++k) {
@@ -79,7 +79,7 @@ inline void tile(const float* x, int64_t K, const W* wp, const float* bias, floa
     Vec w0, w1;
     load_w(wk, w0, w1);
     for (int i = 0; i < MR; ++i) {
-      const Vec xv(x[i * K + k]);
+      const Vec xv(static_cast<float>(x[i * K + k]));  // exact: bf16/fp16 widen
       acc[i][0] = at::vec::fmadd(xv, w0, acc[i][0]);
       acc[i][1] = at::vec::fmadd(xv, w1, acc[i][1]);
     }
@@ -92,12 +92,12 @@ inline void tile(const float* x, int64_t K, const W* wp, const float* bias, floa
   }
 }
 
-template <typename W>
-inline void panel(const float* x, int64_t M, int64_t K, const W* wp, const float* bias,
+template <typename X, typename W>
+inline void panel(const X* x, int64_t M, int64_t K, const W* wp, const float* bias,
                   float* y, int64_t ldy) {
   int64_t m = 0;
   for (; m + 6 <= M; m += 6) tile<6>(x + m * K, K, wp, bias, y + m * ldy, ldy);
-  const float* xm = x + m * K;
+  const X* xm = x + m * K;
   float* ym = y + m * ldy;
   switch (M - m) {
     case 5: tile<5>(xm, K, wp, bias, ym, ldy); break;
@@ -110,8 +110,8 @@ inline void panel(const float* x, int64_t M, int64_t K, const W* wp, const float
 }
 
 // x [M, K] fp32, wp [NB, K, kBW], bias [NB*kBW] fp32 or null, y [M, NB*kBW] fp32.
-template <typename W>
-void run(const float* x, const W* wp, const float* bias, float* y, int64_t M, int64_t NB, int64_t K) {
+template <typename X, typename W>
+void run(const X* x, const W* wp, const float* bias, float* y, int64_t M, int64_t NB, int64_t K) {
   const int64_t ldy = NB * kBW;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < NB; ++b)
@@ -141,6 +141,17 @@ void packed_to_kn(const E* wp, E* out, int64_t NB, int64_t K) {
     for (int64_t b = 0; b < NB; ++b)
       std::memcpy(out + (k * NB + b) * kBW, wp + (b * K + k) * kBW, kBW * sizeof(E));
 }
+// x in the weights' 2-byte dtype (a bf16 / fp16 model's activations), read and widened in the
+// kernel: no fp32 copy of x per call
+extern "C" void npuspec_linear_packed_bf16_x(const at::BFloat16* x, const at::BFloat16* wp,
+                                             const float* bias, float* y, int64_t M, int64_t NB,
+                                             int64_t K) {
+  run(x, wp, bias, y, M, NB, K);
+}
+extern "C" void npuspec_linear_packed_f16_x(const at::Half* x, const at::Half* wp, const float* bias,
+                                            float* y, int64_t M, int64_t NB, int64_t K) {
+  run(x, wp, bias, y, M, NB, K);
+}
 extern "C" void npuspec_packed_to_kn_2byte(const uint16_t* wp, uint16_t* out, int64_t NB, int64_t K) {
   packed_to_kn(wp, out, NB, K);
 }
@@ -159,7 +170,7 @@ def _library():
     for n in (2, 4):
         sig[f"npuspec_packed_to_kn_{n}byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
     sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
-                for s in _SUFFIX.values()})
+                for s in (*_SUFFIX.values(), "bf16_x", "f16_x")})
     return load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)", sig)
 
 
@@ -294,7 +305,9 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
     if lib is None:
         counters.bump("eager_fallbacks")
         return linear_packed_reference(x, wp, bias, n)
-    x = x.float().contiguous()
+    # x in the weights' 2-byte dtype is read as it is (the kernel widens it, exactly)
+    same = x.dtype == wp.dtype and wp.dtype != torch.float32
+    x = x.contiguous() if same else x.float().contiguous()
     wp = wp.contiguous()
     b = bias
     if bias is not None and (n != nb * bw or bias.dtype != torch.float32 or not bias.is_contiguous()):
@@ -302,7 +315,7 @@ def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.T
         b[:n] = bias
     y = torch.empty(M, nb * bw, dtype=torch.float32)
     if M:
-        getattr(lib, f"npuspec_linear_packed_{_SUFFIX[wp.dtype]}")(
+        getattr(lib, f"npuspec_linear_packed_{_SUFFIX[wp.dtype]}{'_x' if same else ''}")(
             x.data_ptr(), wp.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), M, nb, K)
     return y if n == nb * bw else y[:, :n].contiguous()
 

@@ -58,7 +58,9 @@ ARGS_DECL
 
 namespace {
 using NormFn = void (*)(const void*, const void*, const void*, void*, void*, int64_t, int64_t, double);
-using PackedFn = void (*)(const float*, const void*, const float*, float*, int64_t, int64_t, int64_t);
+// x: fp32, or the weights' 2-byte dtype for packed_x (the entry points' own pointer types, as
+// ctypes calls them)
+using PackedFn = void (*)(const void*, const void*, const float*, float*, int64_t, int64_t, int64_t);
 using QuantFn = void (*)(const float*, float*, const void*, const float*, const float*, float,
                          float*, int64_t, int64_t, int64_t);
 using AttnFn = void (*)(const Args*);
@@ -72,6 +74,7 @@ using RowsFn = void (*)(const void*, int64_t, const int64_t*, const float*, cons
 struct Table {
   NormFn norm[3];        // f32, bf16, f16 (x, residual and weight all of that dtype)
   PackedFn packed[3];    // weights f32, bf16, f16; x and bias fp32
+  PackedFn packed_x[3];  // -, bf16, f16: x in the weights' dtype
   QuantFn quant[2];      // 8-bit, 4-bit codes
   AttnFn attention;
   RowsFn standard_rows;
@@ -147,10 +150,13 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, const std::o
     return op.call(x, wp, bias, n);
   }
   const int64_t M = x.size(0), NB = wp.size(0), K = wp.size(1);
-  at::Tensor xf = x_fp32(x);
+  // x in the weights' 2-byte dtype is read as it is (linear_packed_cpu.linear_packed_impl)
+  const bool same = d > 0 && x.scalar_type() == wp.scalar_type();
+  at::Tensor xc = same ? x.contiguous() : x_fp32(x);
   at::Tensor y = at::empty({M, NB * T.packed_bw}, x.options().dtype(at::kFloat));
-  if (M) T.packed[d](xf.data_ptr<float>(), wp.data_ptr(), bias ? bias->data_ptr<float>() : nullptr,
-                     y.data_ptr<float>(), M, NB, K);
+  if (M) (same ? T.packed_x : T.packed)[d](xc.data_ptr(), wp.data_ptr(),
+                                           bias ? bias->data_ptr<float>() : nullptr,
+                                           y.data_ptr<float>(), M, NB, K);
   fast[1]++;
   return cut(y, n);
 }
@@ -301,7 +307,8 @@ TORCH_LIBRARY_IMPL(npuspec, CPU, m) {
 
 _P = ctypes.c_void_p
 # `Table` of the C++ source, field by field
-_TABLE = [("norm", _P * 3), ("packed", _P * 3), ("quant", _P * 2), ("attention", _P),
+_TABLE = [("norm", _P * 3), ("packed", _P * 3), ("packed_x", _P * 3), ("quant", _P * 2),
+          ("attention", _P),
           ("standard_rows", _P),
           ("packed_bw", ctypes.c_int64), ("quant_bw", ctypes.c_int64),
           ("gemm_rows", ctypes.c_int64), ("bf16_gemm", ctypes.c_int64)]
@@ -351,6 +358,7 @@ def _library():
     table = _Table(
         (_P * 3)(*[_addr(getattr(norm, f"npuspec_add_rms_norm_{s}")) for s in sfx]),
         (_P * 3)(*[_addr(getattr(packed, f"npuspec_linear_packed_{s}")) for s in sfx]),
+        (_P * 3)(0, _addr(packed.npuspec_linear_packed_bf16_x), _addr(packed.npuspec_linear_packed_f16_x)),
         (_P * 2)(_addr(quant.npuspec_linear_quant_q8), _addr(quant.npuspec_linear_quant_q4)),
         _addr(attention), _addr(rows.npuspec_standard_rows), int(packed.npuspec_linear_packed_block()),
         int(quant.npuspec_linear_quant_block()),

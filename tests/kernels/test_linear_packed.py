@@ -199,3 +199,15 @@ def test_a_failed_build_after_packing_takes_the_reference(monkeypatch):
         y = torch.ops.npuspec.linear_packed(x, wp, None, 50)
     assert counters.delta(before).get("eager_fallbacks") == 1
     torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 5, 9])
+def test_half_x_is_read_as_is_and_equals_the_fp32_x(dtype, M):
+    """x in the weights' 2-byte dtype goes to the kernel unconverted; widening it in the kernel
+    is exact, so the result equals the fp32-x call bit for bit."""
+    g = torch.Generator().manual_seed(M)
+    wp = lp.pack_weight(torch.randn(70, 96, generator=g).to(dtype))
+    x = torch.randn(M, 96, generator=g).to(dtype)
+    assert torch.equal(lp.linear_packed_impl(x, wp, None, 70),
+                       lp.linear_packed_impl(x.float(), wp, None, 70))
