@@ -1,25 +1,27 @@
 """The per-layer CPU ops dispatched in C++: no Python between a compiled graph and the kernels.
 
 A decode step calls `npuspec::linear_packed` (or `linear_quant`) ~120 times, `add_rms_norm` 60
-times and `paged_attention` 30 times. Each is registered from Python (torch.library) and its
+times, `paged_attention` 30 times and `rejection_sample` once. Each is registered from Python (torch.library) and its
 kernel is a ctypes call, so every call paid the dispatcher's trip into Python, the wrapper's
 checks and allocations in Python, and ctypes' argument conversion: ~16 us for an add+RMSNorm
 whose kernel takes ~1 us (measured here, 2 threads). That is ~3 ms of a 25 ms fp32 SmolLM2 step
 and a quarter of a 4-bit one.
 
-This library registers C++ kernels for those four ops under the CPU dispatch key
+This library registers C++ kernels for those ops (`rejection_sample` for its all-greedy step
+only) under the CPU dispatch key
 (TORCH_LIBRARY_IMPL, linked against libtorch like Inductor's own kernels). Each checks its
 inputs, allocates its outputs with ATen and calls the same compiled kernel entry points the
 Python wrappers call (their addresses are handed over once, at `install`), so results are
-bit-identical. Whatever is not the common case (a bf16 prefill that goes to oneDNN, panels
-packed for another width, a forced attention implementation, an unexpected layout) is passed
+bit-identical. Whatever is not the common case (a prefill that goes to a vendor GEMM, panels
+packed for another width, a forced implementation, a sampled verify, an unexpected layout or
+value) is passed
 to the Python wrapper itself, through a private twin op `npuspec::_<op>_py` whose only kernel
 is that wrapper: the rare path keeps its logic, its counters and its logging in one place.
 
 The Python wrappers are registered under CompositeExplicitAutograd, which a CPU kernel
 outranks, so before `install` (or where no C++ toolchain works) every call takes them, as it
-did before this library. `install` runs where a model starts using the kernels
-(npuspec.models.packing, npuspec.models.quant) and at the end of the background prebuild.
+did before this library. `install` runs when an engine's model uses the kernels
+(npuspec/engine/llm.py) and at the end of the background prebuild.
 `fast_calls()` counts the calls that stayed in C++, per op (tests check it moves).
 """
 from __future__ import annotations
@@ -253,12 +255,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
       xp[b * K1 + K1 - 1] = -1;
     }
   }
-  if (!ok) {
+  auto python = [&] {
     static auto op = twin<Sig>("npuspec::_rejection_sample_py");
     return op.call(logits, drafts, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
                    block_verify, thr, alpha, synthetic, target_is_probs, accept_mode, ratio_cap,
                    accept_rule);
-  }
+  };
+  if (!ok) return python();
   const auto f32 = logits.options().dtype(at::kFloat), i64 = logits.options().dtype(at::kLong);
   // greedy rows read no temperature, threshold, uniform or exponential: placeholders
   at::Tensor t = at::ones({B}, f32), E = at::empty({B, V}, f32), uni = at::ones({B, K1 - 1}, f32);
@@ -275,12 +278,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
                   num.data_ptr<int32_t>());
   const float* rm = rawmax.data_ptr<float>();
   for (int64_t i = 0; i < B * K1; ++i) {
-    if (!std::isfinite(rm[i])) {  // the Python op names the row and raises
-      static auto op = twin<Sig>("npuspec::_rejection_sample_py");
-      return op.call(logits, drafts, draft_probs, temperature, top_k, top_p, uniforms,
-                     exponentials, block_verify, thr, alpha, synthetic, target_is_probs,
-                     accept_mode, ratio_cap, accept_rule);
-    }
+    if (!std::isfinite(rm[i])) return python();  // it names the row and raises
   }
   fast[4]++;
   return {out, num};
