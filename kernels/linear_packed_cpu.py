@@ -119,6 +119,99 @@ void run(const X* x, const W* wp, const float* bias, float* y, int64_t M, int64_
 }
 }  // namespace
 
+// bf16 activations x bf16 weights with AVX512_BF16's VDPBF16PS, which adds two exact bf16
+// products per fp32 lane in one instruction: half the multiply-adds of widening both to fp32,
+// and no widening. A k-step pair of the panel is interleaved in registers (unpack), so the
+// layout is the same as every other dtype's. Same values as the widening kernel: a bf16 x bf16
+// product is exact in fp32, and the instruction adds its higher element first, so with x's
+// pair swapped (x[k] in the high half) each lane adds x[k] w[k], then x[k+1] w[k+1], rounding
+// after each, as the FMA loop does. The instruction treats subnormal inputs and sums as zero
+// (DAZ, FTZ), the one place the two can differ. Register tiles of up to 12 rows (24
+// accumulators): a verify step's K+1 rows and small batches read each weight once.
+#if defined(CPU_CAPABILITY_AVX512) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 10))
+#define NPUSPEC_DPBF16 1
+#include <immintrin.h>
+#include <vector>
+namespace dp {
+constexpr int kMaxRows = 12;
+
+bool usable(int64_t K) {
+  static const bool cpu = __builtin_cpu_supports("avx512bf16");
+  return cpu && kBW == 32 && K % 2 == 0;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512bf16,avx512f,avx512bw,avx512vl")
+// y[i, 0:32] = sum_k x[i, k] * wp[k, 0:32] (+ bias) for MR rows; xs holds x's pairs, swapped
+template <int MR>
+inline void tile(const int32_t* xs, int64_t K2, const uint16_t* wp, const float* bias, float* y,
+                 int64_t ldy, __m512i perm0, __m512i perm1) {
+  __m512 acc[MR][2];
+  for (int i = 0; i < MR; ++i) { acc[i][0] = _mm512_setzero_ps(); acc[i][1] = _mm512_setzero_ps(); }
+  for (int64_t p = 0; p < K2; ++p) {
+    const uint16_t* wk = wp + p * 2 * kBW;
+    prefetch_k(wk);
+    prefetch_k(wk + kBW);
+    const __m512i r0 = _mm512_loadu_si512(wk), r1 = _mm512_loadu_si512(wk + kBW);
+    // per 128-bit lane: columns 8j..8j+3 (lo) and 8j+4..8j+7 (hi) as (k+1, k) pairs
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r1, r0);
+    const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(r1, r0);
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xs[i * K2 + p]);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], lo, xb);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], hi, xb);
+    }
+  }
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (bias) { b0 = _mm512_loadu_ps(bias); b1 = _mm512_loadu_ps(bias + 16); }
+  for (int i = 0; i < MR; ++i) {  // back to column order 0..31
+    _mm512_storeu_ps(y + i * ldy, _mm512_add_ps(_mm512_permutex2var_ps(acc[i][0], perm0, acc[i][1]), b0));
+    _mm512_storeu_ps(y + i * ldy + 16, _mm512_add_ps(_mm512_permutex2var_ps(acc[i][0], perm1, acc[i][1]), b1));
+  }
+}
+
+void panel(const int32_t* xs, int64_t M, int64_t K2, const uint16_t* wp, const float* bias,
+           float* y, int64_t ldy) {
+  // output column c sits in lane c%8 < 4 ? c/8*4 + c%8 of lo : 16 + c/8*4 + c%8-4 (of hi)
+  alignas(64) int32_t i0[16], i1[16];
+  for (int c = 0; c < 32; ++c) {
+    const int at = (c % 8 < 4 ? 0 : 16) + c / 8 * 4 + c % 4;
+    (c < 16 ? i0 : i1)[c % 16] = at;
+  }
+  const __m512i perm0 = _mm512_load_si512(i0), perm1 = _mm512_load_si512(i1);
+  int64_t m = 0;
+  for (; m + kMaxRows <= M; m += kMaxRows)
+    tile<kMaxRows>(xs + m * K2, K2, wp, bias, y + m * ldy, ldy, perm0, perm1);
+  const int32_t* xm = xs + m * K2;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+#define NPUSPEC_TILE(n) case n: tile<n>(xm, K2, wp, bias, ym, ldy, perm0, perm1); break;
+    NPUSPEC_TILE(11) NPUSPEC_TILE(10) NPUSPEC_TILE(9) NPUSPEC_TILE(8) NPUSPEC_TILE(7)
+    NPUSPEC_TILE(6) NPUSPEC_TILE(5) NPUSPEC_TILE(4) NPUSPEC_TILE(3) NPUSPEC_TILE(2) NPUSPEC_TILE(1)
+#undef NPUSPEC_TILE
+    default: break;
+  }
+}
+#pragma GCC pop_options
+
+void run(const uint16_t* x, const uint16_t* wp, const float* bias, float* y, int64_t M,
+         int64_t NB, int64_t K) {
+  const int64_t K2 = K / 2, ldy = NB * kBW;
+  // x's pairs as one 32-bit word each, x[k] in the high half (the instruction adds it first);
+  // the caller's thread builds them once for every panel (a few KB: M x K / 2 words)
+  static thread_local std::vector<int32_t> xs;
+  xs.resize(static_cast<size_t>(M * K2));
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t p = 0; p < K2; ++p)
+      xs[i * K2 + p] = static_cast<int32_t>((uint32_t(x[i * K + 2 * p]) << 16) | x[i * K + 2 * p + 1]);
+  const int32_t* xp = xs.data();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < NB; ++b)
+    panel(xp, M, K2, wp + b * K * kBW, bias ? bias + b * kBW : nullptr, y + b * kBW, ldy);
+}
+}  // namespace dp
+#endif
+
 extern "C" int64_t npuspec_linear_packed_block() { return kBW; }
 extern "C" void npuspec_linear_packed_f32(const float* x, const float* wp, const float* bias,
                                           float* y, int64_t M, int64_t NB, int64_t K) {
@@ -142,11 +235,23 @@ void packed_to_kn(const E* wp, E* out, int64_t NB, int64_t K) {
       std::memcpy(out + (k * NB + b) * kBW, wp + (b * K + k) * kBW, kBW * sizeof(E));
 }
 // x in the weights' 2-byte dtype (a bf16 / fp16 model's activations), read and widened in the
-// kernel: no fp32 copy of x per call
+// kernel: no fp32 copy of x per call. bf16 x bf16 takes the dot-product path where the CPU has
+// AVX512_BF16 (same values, below).
 extern "C" void npuspec_linear_packed_bf16_x(const at::BFloat16* x, const at::BFloat16* wp,
                                              const float* bias, float* y, int64_t M, int64_t NB,
                                              int64_t K) {
+#ifdef NPUSPEC_DPBF16
+  if (dp::usable(K)) return dp::run(reinterpret_cast<const uint16_t*>(x),
+                                    reinterpret_cast<const uint16_t*>(wp), bias, y, M, NB, K);
+#endif
   run(x, wp, bias, y, M, NB, K);
+}
+extern "C" int64_t npuspec_linear_packed_dpbf16(int64_t K) {
+#ifdef NPUSPEC_DPBF16
+  return dp::usable(K);
+#else
+  return 0;
+#endif
 }
 extern "C" void npuspec_linear_packed_f16_x(const at::Half* x, const at::Half* wp, const float* bias,
                                             float* y, int64_t M, int64_t NB, int64_t K) {
@@ -166,7 +271,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 @functools.lru_cache(maxsize=None)
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
-    sig = {"npuspec_linear_packed_block": (ctypes.c_int64, [])}
+    sig = {"npuspec_linear_packed_block": (ctypes.c_int64, []),
+           "npuspec_linear_packed_dpbf16": (ctypes.c_int64, [ctypes.c_int64])}
     for n in (2, 4):
         sig[f"npuspec_packed_to_kn_{n}byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
     sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
@@ -186,6 +292,13 @@ def block_width() -> int:
     isa = vec_isa()
     # no usable ISA: ATen's generic Vectorized<float> is 32 bytes
     return 2 * (isa.nelements(torch.float) if isa else 8)
+
+
+def dot_bf16(K: int) -> bool:
+    """Whether bf16 x bf16 products over K inputs run on AVX512_BF16's dot-product instruction
+    (same values as the widening loop but for subnormals, which it flushes to zero)."""
+    lib = _library()
+    return lib is not None and bool(lib.npuspec_linear_packed_dpbf16(K))
 
 
 def can_pack() -> bool:

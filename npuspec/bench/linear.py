@@ -6,6 +6,8 @@ of the model's size, so no checkpoint is read), times one step's worth of matmul
 - `mm`: torch.mm on the row-major fp32 weight (MKL; what F.linear does);
 - `rows`: npuspec::linear_rows, the unpacked few-row kernel (kernels/linear_cpu.py);
 - `packed <dtype>`: npuspec::linear_packed over weights packed at load (kernels/linear_packed_cpu.py);
+- `packed bf16, bf16 x`: the same with bf16 activations, as a bf16 model calls it (on a CPU with
+  AVX512_BF16, the dot-product instruction's path);
 - `q8`, `q4`: npuspec::linear_quant over 8-bit / 4-bit codes in groups of 32 (kernels/linear_quant_cpu.py),
   quantized like GGUF's Q8_0 / Q4_1 (their bytes per weight, scales included, in the GB/s).
 Variants run interleaved, call by call, so machine noise hits each alike; medians. Columns:
@@ -45,6 +47,10 @@ def _variants(shapes):
             packed = [(lp.pack_weight(w.to(dt)), w.shape[0]) for w in dense]
             out[f"packed {name}"] = (lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1]),
                                      packed, dt.itemsize)
+            if dt == torch.bfloat16:  # x cast inside the timed call would time the cast too
+                out["packed bf16, bf16 x"] = (
+                    lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1]), packed, 2,
+                    torch.bfloat16)
     if lq.available():  # weight-only quantized, as GGUF stores them: bytes per weight incl. scales
         for scheme, name, esize in (("int8", "q8 (Q8_0)", 34 / 32), ("int4", "q4 (Q4_1)", 20 / 32)):
             qs = []
@@ -69,13 +75,14 @@ def main(argv=None) -> int:
     shapes = step_shapes(cfg)
     variants = _variants(shapes)
     xs = {m: {K: torch.randn(m, K) for _, K, _ in shapes} for m in a.rows}
+    xs16 = {m: {K: x.bfloat16() for K, x in d.items()} for m, d in xs.items()}
     times = {(v, m): [] for v in variants for m in a.rows}
     buf = torch.ones(256 * 1024 * 1024)
     sums = []
     for _ in range(a.repeats + 1):  # the first pass warms up and is dropped
         for (v, m) in times:
-            fn, ws, _ = variants[v]
-            x = xs[m]
+            fn, ws = variants[v][:2]
+            x = (xs16 if variants[v][3:] == (torch.bfloat16,) else xs)[m]
             t0 = time.perf_counter()
             for w in ws:  # dense [N, K] or (packed [NB, K, BW], N): K is dim 1 either way
                 fn(x[(w[0] if isinstance(w, tuple) else w).shape[1]], w)
@@ -85,7 +92,7 @@ def main(argv=None) -> int:
         sums.append(time.perf_counter() - t0)
     bw = buf.numel() * 4 / statistics.median(sums[1:])
     rows = []
-    for v, (_, ws, esize) in variants.items():
+    for v, (_, ws, esize, *_) in variants.items():
         nbytes = sum(N * K * c for N, K, c in shapes) * esize
         base = statistics.median(times[(v, a.rows[0])][1:])
         for m in a.rows:

@@ -211,3 +211,30 @@ def test_half_x_is_read_as_is_and_equals_the_fp32_x(dtype, M):
     x = torch.randn(M, 96, generator=g).to(dtype)
     assert torch.equal(lp.linear_packed_impl(x, wp, None, 70),
                        lp.linear_packed_impl(x.float(), wp, None, 70))
+
+
+@pytest.mark.parametrize("M", [1, 5, 9, 12, 13, 17, 30])
+@pytest.mark.parametrize("N,K", [(100, 576), (37, 20), (37, 19)])
+def test_bf16_activations_equal_the_fp32_activation_call_bit_for_bit(M, N, K):
+    """bf16 x with bf16 weights: read as they are (and, on an AVX512_BF16 CPU with K even, the
+    dot-product instruction's path, tiles of up to 12 rows) gives exactly the values of the
+    widening kernel on x.float(): exact products, added in k order. Covers tiles of 12, the
+    remainders after them, an odd K (the widening loop) and a bias."""
+    g = torch.Generator().manual_seed(M * 100 + K)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g)
+    wp = lp.pack_weight(w)
+    for bias in (None, b):
+        assert torch.equal(lp.linear_packed_impl(x, wp, bias, N),
+                           lp.linear_packed_impl(x.float(), wp, bias, N))
+    # the path these calls took: the dot-product one exactly where the CPU has the instruction
+    assert lp.dot_bf16(K) == (_cpu_has_avx512_bf16() and lp.block_width() == 32 and K % 2 == 0)
+
+
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512_bf16" in f.read()
+    except OSError:
+        return False
