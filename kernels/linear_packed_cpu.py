@@ -11,7 +11,11 @@ micro-kernel: per k, BW weights are loaded once and FMA'd into up to 6 rows' acc
 Measured on the 2-core AVX2 target (bench: `python -m npuspec.bench.linear`).
 
 Weights may be float32, bfloat16 or float16 (converted to fp32 in registers: a bf16 weight
-is half the bytes to read); x, the accumulation and y are fp32. A product of many rows
+is half the bytes to read); the accumulation and y are fp32, x is fp32 or the weights' dtype.
+bf16 x bf16 on a CPU with AVX512_BF16 runs the dot-product instruction instead of widening
+(`dot_bf16`; same values, tiles of up to 12 rows: a bf16 verify step's rows cost about one).
+Larger fp32 tiles (9 or 12 rows on AVX-512) were tried: 9 rows 30.5 -> 26-27 ms, but 13 and 17
+rows slower (FMA-bound either way on this 2-core AVX-512 CPU); not kept. A product of many rows
 (prefill, `GEMM_MIN_ROWS`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
 sgemm for fp32 weights, oneDNN's native bf16 GEMM for bf16 x bf16. On the 2-core AVX2 machine
 of earlier measurements this kernel was ahead of MKL at prefill too (~140 GFLOP/s); on the

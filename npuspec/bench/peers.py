@@ -13,6 +13,10 @@ chat-templated with the checkpoint's template), prefill included in each row's t
                                                 projections, Q8_0 head): plain,
                                                 ngram, suffix
 
+Prompt lookup and ngram draft `-k` tokens (4); suffix runs as its users run it, with
+num_speculative_tokens left out (up to suffix_decoding_max_tree_depth = 24, the online K
+controller choosing per step), or `--suffix-k N`.
+
 llama.cpp's F32 and Q8_0 rows run copies of the file written to --work-dir (peers_gguf.py;
 the F32 copy holds exactly the weights npuspec's loader dequantises, so at fp32 the two
 systems compute the same thing and their tokens are compared). npuspec's q8_0 and q4_1 rows
@@ -107,7 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, of {', '.join(PRECISIONS)}")
     p.add_argument("--prompts", default="code-edit", help="a built-in set or a prompt file")
     p.add_argument("--max-tokens", type=positive, default=128)
-    p.add_argument("-k", type=positive, default=4, help="draft tokens (prompt lookup, ngram, suffix)")
+    p.add_argument("-k", type=positive, default=4, help="draft tokens (prompt lookup, ngram)")
+    p.add_argument("--suffix-k", type=positive, default=None,
+                   help="suffix's num_speculative_tokens (default: left out, as its users run it: "
+                        "up to suffix_decoding_max_tree_depth, 24, chosen per step by the online "
+                        "K controller)")
     p.add_argument("--repeats", type=positive, default=1, help="timed passes per row (median)")
     p.add_argument("--no-hf", action="store_true", help="leave out the HF transformers rows")
     p.add_argument("--work-dir", default=None,
@@ -134,7 +142,9 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
     k = args.k
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
              "prompt_lookup_max": 3}
-    suffix = {"method": "suffix", "num_speculative_tokens": k}
+    suffix = {"method": "suffix"}
+    if args.suffix_k:
+        suffix["num_speculative_tokens"] = args.suffix_k
     hf = {d: functools.lru_cache(None)(functools.partial(load_hf, path, d))
           for d in ("float32", "bfloat16")}
     for prec in _precisions(args.precisions):
@@ -151,7 +161,8 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
                                       llama_runner(f, ids, args.max_tokens, eos, n_ctx, threads, lk)))
         quantized = prec in QUANTIZED
         for method, spec in (("plain", None), ("ngram", ngram), ("suffix", suffix)):
-            runners.append(Runner(f"npuspec {prec}", method, 0 if spec is None else k,
+            runners.append(Runner(f"npuspec {prec}", method,
+                                  0 if spec is None else spec.get("num_speculative_tokens", "<=24, online"),
                                   npuspec_runner(f if quantized else path, spec, ids, args.max_tokens,
                                                  eos=eos, max_model_len=n_ctx,
                                                  dtype=NPUSPEC_DTYPE[prec],
@@ -224,7 +235,8 @@ def run(args) -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"schema": SCHEMA, "model": path, "threads": threads,
-                       "max_tokens": args.max_tokens, "k": args.k, "repeats": args.repeats,
+                       "max_tokens": args.max_tokens, "k": args.k, "suffix_k": args.suffix_k,
+                       "repeats": args.repeats,
                        "bandwidth_bytes_per_s": bandwidth, "rows": rows, "ratios": ratios,
                        "not_run": missing,
                        "token_ids": {f"{r.system} {r.method}": r.result["token_ids"]
