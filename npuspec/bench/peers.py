@@ -178,6 +178,11 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
     return runners, missing
 
 
+def _acceptance_length(m: Optional[dict]):
+    v = (m or {}).get("mean_acceptance_length")
+    return "-" if v is None or v == 1.0 else round(v, 2)
+
+
 def run(args) -> int:
     if not args.no_hf:
         require_transformers()
@@ -223,7 +228,9 @@ def run(args) -> int:
                      "x bound": r.result["tokens"] / r.seconds / bound["tokens_per_s"],
                      "same tokens as": (f"{ref.system} plain: {_identical(r.result['token_ids'], ref.result['token_ids'])}/{len(ids)}"
                                         if ref is not None and ref is not r else "-"),
-                     "bound tok/s": bound["tokens_per_s"]})
+                     "bound tok/s": bound["tokens_per_s"],
+                     # npuspec's speculative rows: tokens per verify step of the last pass
+                     "AL": _acceptance_length(r.result.get("metrics"))})
     print_table(rows, title=f"bench peers: {os.path.basename(path)}, {len(ids)} prompts x "
                             f"{args.max_tokens} tokens, batch 1, greedy, {threads} threads, "
                             f"prefill included (median of {args.repeats})")
