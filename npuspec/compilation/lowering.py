@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Callable
+from typing import Optional, Any, Callable
 
 import torch
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
@@ -136,8 +136,27 @@ def lowering_key(opts: Any) -> dict:
     return {"small_m_linear": small_m_linear_uuid() if SMALL_M_LINEAR else None}
 
 
-def inductor_config_patches(opts: Any) -> dict:
-    """Inductor config for the npuspec lowering (also what the pass benchmark uses)."""
+# namespaces whose ops' fakes are trusted to describe their outputs' layout (ATen's meta
+# functions, npuspec's own: tests/kernels/test_fake_strides.py)
+TRUSTED_OP_NAMESPACES = frozenset({"aten", "prims", "npuspec"})
+
+
+def foreign_ops(gm: torch.fx.GraphModule) -> list[str]:
+    """Ops of `gm` from other namespaces (a user's custom ops), by name."""
+    names = set()
+    for n in gm.graph.nodes:
+        t = n.target
+        if n.op != "call_function" or not isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            continue
+        qualified = t._schema.name if isinstance(t, torch._ops.OpOverload) else t._qualified_op_name
+        if qualified.split("::")[0] not in TRUSTED_OP_NAMESPACES:
+            names.add(qualified)
+    return sorted(names)
+
+
+def inductor_config_patches(opts: Any, gm: Optional[torch.fx.GraphModule] = None) -> dict:
+    """Inductor config for the npuspec lowering (also what the pass benchmark uses). `gm`: the
+    graph to compile; its layout checks stay on when it calls ops from other namespaces."""
     patches = {}
     if getattr(opts, "mode", None):
         patches.update(torch._inductor.list_mode_options(opts.mode))
@@ -145,9 +164,10 @@ def inductor_config_patches(opts: Any) -> dict:
     patches["fallback_random"] = True
     # The generated wrapper checks every input's and every extern op's output size and stride
     # (assert_size_stride, ~0.8 us each: 487 a SmolLM2 decode step, ~0.4 ms of its 10-20). The
-    # inputs are Dynamo's guards' business already, and npuspec's ops return contiguous
-    # tensors shaped as their fakes say (tests/compilation/test_size_asserts.py checks each).
-    patches["size_asserts"] = False
+    # inputs are Dynamo's guards' business already, and npuspec's ops return what their fakes
+    # say (tests/kernels/test_fake_strides.py); a graph with a user's custom op keeps the checks,
+    # since the generated code would index a mislaid output by the fake's strides.
+    patches["size_asserts"] = gm is None or bool(foreign_ops(gm))
     if SMALL_M_LINEAR:
         patches["post_grad_custom_pre_pass"] = SmallMLinearPass()
     return patches
@@ -156,7 +176,7 @@ def inductor_config_patches(opts: Any) -> dict:
 def lower_inductor(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
     from torch._inductor.compile_fx import compile_fx  # heavy: only once this lowering runs
 
-    patches = inductor_config_patches(opts)
+    patches = inductor_config_patches(opts, gm)
     before, runs = counters.snapshot(), InductorVerifyPass.runs
     fn = compile_fx(gm, example_inputs, config_patches=patches)
     pass_counts.carry(gm, example_inputs, patches, before, ran=InductorVerifyPass.runs != runs)
