@@ -174,15 +174,19 @@ inline void tile(const int32_t* xs, int64_t K2, const uint16_t* wp, const float*
   }
 }
 
+// Where output column c sits after the unpacks, as permutex2var indices over (lo, hi): lane
+// c/8*4 + c%4 of lo when c%8 < 4, else of hi (indices 16..31)
+struct alignas(64) Perm { int32_t at[32]; };
+constexpr Perm make_perm() {
+  Perm p{};
+  for (int c = 0; c < 32; ++c) p.at[c] = (c % 8 < 4 ? 0 : 16) + c / 8 * 4 + c % 4;
+  return p;
+}
+constexpr Perm kPerm = make_perm();
+
 void panel(const int32_t* xs, int64_t M, int64_t K2, const uint16_t* wp, const float* bias,
            float* y, int64_t ldy) {
-  // output column c sits in lane c%8 < 4 ? c/8*4 + c%8 of lo : 16 + c/8*4 + c%8-4 (of hi)
-  alignas(64) int32_t i0[16], i1[16];
-  for (int c = 0; c < 32; ++c) {
-    const int at = (c % 8 < 4 ? 0 : 16) + c / 8 * 4 + c % 4;
-    (c < 16 ? i0 : i1)[c % 16] = at;
-  }
-  const __m512i perm0 = _mm512_load_si512(i0), perm1 = _mm512_load_si512(i1);
+  const __m512i perm0 = _mm512_load_si512(kPerm.at), perm1 = _mm512_load_si512(kPerm.at + 16);
   int64_t m = 0;
   for (; m + kMaxRows <= M; m += kMaxRows)
     tile<kMaxRows>(xs + m * K2, K2, wp, bias, y + m * ldy, ldy, perm0, perm1);

@@ -40,24 +40,24 @@ def step_shapes(cfg) -> list[tuple[int, int, int]]:
 
 def _variants(shapes):
     dense = [torch.randn(N, K) * K ** -0.5 for N, K, c in shapes for _ in range(c)]
-    out = {"mm": (lambda x, w: torch.mm(x, w.t()), dense, 4),
-           "rows": (lambda x, w: linear_cpu.linear_rows_impl(x, w), dense, 4)}
+    # name -> (fn(x, w), weights, bytes per weight, x dtype)
+    f32 = torch.float32
+    out = {"mm": (lambda x, w: torch.mm(x, w.t()), dense, 4, f32),
+           "rows": (lambda x, w: linear_cpu.linear_rows_impl(x, w), dense, 4, f32)}
     if lp.available():
         for dt, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
             packed = [(lp.pack_weight(w.to(dt)), w.shape[0]) for w in dense]
-            out[f"packed {name}"] = (lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1]),
-                                     packed, dt.itemsize)
+            fn = lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1])  # noqa: E731
+            out[f"packed {name}"] = (fn, packed, dt.itemsize, f32)
             if dt == torch.bfloat16:  # x cast inside the timed call would time the cast too
-                out["packed bf16, bf16 x"] = (
-                    lambda x, wn: lp.linear_packed_impl(x, wn[0], None, wn[1]), packed, 2,
-                    torch.bfloat16)
+                out["packed bf16, bf16 x"] = (fn, packed, 2, torch.bfloat16)
     if lq.available():  # weight-only quantized, as GGUF stores them: bytes per weight incl. scales
         for scheme, name, esize in (("int8", "q8 (Q8_0)", 34 / 32), ("int4", "q4 (Q4_1)", 20 / 32)):
             qs = []
             for w in dense:
                 q = quant.quantize(w, scheme)
                 qs.append((*lq.pack_quant(q.codes, q.scale, q.minv, q.bits), q.bits, q.zero, w.shape[0]))
-            out[name] = (lambda x, t: lq.linear_quant_impl(x, *t), qs, esize)
+            out[name] = (lambda x, t: lq.linear_quant_impl(x, *t), qs, esize, f32)
     return out
 
 
@@ -74,15 +74,16 @@ def main(argv=None) -> int:
     cfg = read_model_config(a.model)
     shapes = step_shapes(cfg)
     variants = _variants(shapes)
-    xs = {m: {K: torch.randn(m, K) for _, K, _ in shapes} for m in a.rows}
-    xs16 = {m: {K: x.bfloat16() for K, x in d.items()} for m, d in xs.items()}
+    x32 = {m: {K: torch.randn(m, K) for _, K, _ in shapes} for m in a.rows}
+    xs = {torch.float32: x32,
+          torch.bfloat16: {m: {K: x.bfloat16() for K, x in d.items()} for m, d in x32.items()}}
     times = {(v, m): [] for v in variants for m in a.rows}
     buf = torch.ones(256 * 1024 * 1024)
     sums = []
     for _ in range(a.repeats + 1):  # the first pass warms up and is dropped
         for (v, m) in times:
-            fn, ws = variants[v][:2]
-            x = (xs16 if variants[v][3:] == (torch.bfloat16,) else xs)[m]
+            fn, ws, _, xdt = variants[v]
+            x = xs[xdt][m]
             t0 = time.perf_counter()
             for w in ws:  # dense [N, K] or (packed [NB, K, BW], N): K is dim 1 either way
                 fn(x[(w[0] if isinstance(w, tuple) else w).shape[1]], w)
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         sums.append(time.perf_counter() - t0)
     bw = buf.numel() * 4 / statistics.median(sums[1:])
     rows = []
-    for v, (_, ws, esize, *_) in variants.items():
+    for v, (_, ws, esize, _) in variants.items():
         nbytes = sum(N * K * c for N, K, c in shapes) * esize
         base = statistics.median(times[(v, a.rows[0])][1:])
         for m in a.rows:

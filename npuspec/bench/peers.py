@@ -53,6 +53,7 @@ from npuspec.cli_util import common
 from npuspec.cli_util.common import add_threads_flag, positive
 from npuspec.cli_util.errors import MissingExtra, UsageError, run_command
 from npuspec.cli_util.prompts import BUILTIN_SETS, builtin_prompts, chat_tokenizer, load_prompts
+from npuspec.config_fields import SUFFIX_DEFAULTS
 from npuspec.models.gguf import is_gguf_path, smollm2_path
 from npuspec.models.loading import read_model_config
 
@@ -66,6 +67,10 @@ NPUSPEC_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "q8_0": "float32", "q4_1
 LLAMA_FILE = {"fp32": "F32", "q8_0": "Q8_0", "q4_1": ""}
 # npuspec runs these from the same GGUF file as llama.cpp, quantization="gguf"
 QUANTIZED = ("q8_0", "q4_1")
+
+
+# the suffix row's K column when num_speculative_tokens is left out
+SUFFIX_K = f"<={SUFFIX_DEFAULTS['suffix_decoding_max_tree_depth']}, online"
 
 
 def require_llama_cpp():
@@ -162,7 +167,7 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
         quantized = prec in QUANTIZED
         for method, spec in (("plain", None), ("ngram", ngram), ("suffix", suffix)):
             runners.append(Runner(f"npuspec {prec}", method,
-                                  0 if spec is None else spec.get("num_speculative_tokens", "<=24, online"),
+                                  0 if spec is None else spec.get("num_speculative_tokens", SUFFIX_K),
                                   npuspec_runner(f if quantized else path, spec, ids, args.max_tokens,
                                                  eos=eos, max_model_len=n_ctx,
                                                  dtype=NPUSPEC_DTYPE[prec],
