@@ -226,8 +226,11 @@ def test_bf16_activations_equal_the_fp32_activation_call_bit_for_bit(M, N, K):
     b = torch.randn(N, generator=g)
     wp = lp.pack_weight(w)
     for bias in (None, b):
-        assert torch.equal(lp.linear_packed_impl(x, wp, bias, N),
-                           lp.linear_packed_impl(x.float(), wp, bias, N))
+        y = lp.linear_packed_impl(x, wp, bias, N)
+        assert torch.equal(y, lp.linear_packed_impl(x.float(), wp, bias, N))
+        # and the PyTorch reference beside the kernel, to fp32 rounding
+        torch.testing.assert_close(y, lp.linear_packed_reference(x, wp, bias, N),
+                                   atol=1e-5 * K ** 0.5, rtol=1e-5)
     # the path these calls took: the dot-product one exactly where the CPU has the instruction
     assert lp.dot_bf16(K) == (_cpu_has_avx512_bf16() and lp.block_width() == 32 and K % 2 == 0)
 
