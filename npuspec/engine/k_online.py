@@ -5,6 +5,15 @@ cut them to it; after the verify step, feed back each request's drafted and acce
 the step's times. A time measured across a compile, a capture, a cache load or an eager
 fallback is dropped (`counters.disturbed` moved).
 
+Probes (a token drafter verified token by token): every EXPLORE_EVERY-th step that would not
+verify K_max keeps its K_max drafts, and K_max steps later compares them with the tokens the
+target emitted meanwhile. Under greedy verification a draft is accepted exactly when it is the
+target's next token; under rejection sampling of a one-hot draft d it is accepted with
+probability p(d), the probability the target emits d. So the leading matches are distributed as
+the accepted count of a K_max step, measured without running one: where K = 0 is best (a large
+batch, a model whose step grows with its rows) positions are still learnt for the cost of
+drafting once. The probe step's own verify result is not observed (the comparison counts it).
+
 Tensor parallelism: every rank runs its own controller on the same observations (rank 0's
 drafts and results are every rank's), so they choose the same K as long as they are fed the
 same times. `agree_with` makes every rank record rank 0's: its warm-up table once, and its
@@ -12,6 +21,8 @@ three times per step (drafting, the verify step, the host's bookkeeping; NaN whe
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 import time
 from typing import Callable, Optional
@@ -22,13 +33,31 @@ from npuspec._counters import counters
 from npuspec.spec_decode.k_controller import KController, cut, lengths_of
 
 
+@dataclasses.dataclass
+class Probe:
+    """A probe step's drafts, kept until the target has emitted K_max tokens past them."""
+    step: int
+    reqs: list                # the engine's Requests (their output grows)
+    slots: np.ndarray         # [B] the controller's rows
+    starts: list              # [B] len(output) when drafted
+    drafts: np.ndarray        # [B, K_max], -1 = none
+    lengths: np.ndarray       # [B]
+
+
 class OnlineK:
-    def __init__(self, ks, rows_for, cheap_drafter: bool, prior=None):
+    def __init__(self, ks, rows_for, cheap_drafter: bool, prior=None, probes: bool = False):
         """`cheap_drafter`: drafting costs next to nothing whatever K (ngram, suffix), so a
         step that speculates at all drafts at K_max and lets the drafts decide. `prior`:
-        K by batch size for the first steps (KController)."""
-        self.ctl = KController(ks, rows_for, availability=not cheap_drafter, prior=prior)
+        K by batch size for the first steps (KController). `probes`: positions past the chosen
+        K are measured by probes (module doc) instead of steps at K_max; only for a token
+        drafter verified token by token."""
+        assert cheap_drafter or not probes, "probes compare one-hot drafts: token drafters only"
+        self.ctl = KController(ks, rows_for, availability=not cheap_drafter, prior=prior,
+                               probes=probes)
         self.cheap = cheap_drafter
+        self._probes: collections.deque = collections.deque()
+        self._probing = False
+        self._n = 0
         self._slots = np.zeros(0, dtype=np.int64)
         self._lengths = np.zeros(0, dtype=np.int64)
         self._k_draft = 0
@@ -63,6 +92,10 @@ class OnlineK:
         self._snap = counters.disturbed
         self._t_draft = t_draft if choice.k_draft > 0 and snap == self._snap else math.nan
         lengths = lengths_of(drafts)                                # [B]
+        self._probing = choice.probe
+        if choice.probe:
+            self._probes.append(Probe(self._n, list(batch), slots.copy(),
+                                      [len(r.output) for r in batch], drafts.copy(), lengths))
         k = ctl.choose_after(choice, slots, lengths)
         if k < choice.k_draft:
             drafts, probs = cut(drafts, probs, k)
@@ -73,8 +106,12 @@ class OnlineK:
         """After the step and its bookkeeping: res [rows, K+2] (num_emitted last), t_run the
         step's seconds, book_s the host's around it."""
         B = len(self._slots)
-        accepted = res[:B, k + 1] - 1                               # [B] (observe clamps)
-        self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
+        if not self._probing:  # a probe's tokens are counted when it resolves
+            accepted = res[:B, k + 1] - 1                           # [B] (observe clamps)
+            self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
+        self._n += 1
+        while self._probes and self._n - self._probes[0].step >= self.ctl.k_max:
+            self._resolve(self._probes.popleft())
         times = [self._t_draft, t_run, book_s]
         if self._snap != counters.disturbed:
             times[1:] = [math.nan, math.nan]
@@ -85,7 +122,22 @@ class OnlineK:
             self.ctl.record_draft(self._k_draft, B, t_draft)
         if t_run == t_run:
             self.ctl.record_verify(rows, k, t_run)
-            self.ctl.record_book(k, B, book_s)
+            self.ctl.record_book(rows, k, B, book_s)
+
+    def _resolve(self, pr: Probe) -> None:
+        """Observe a probe: each request's leading drafts that the target went on to emit, over
+        the positions whose tokens are known (a request that stopped early, or was preempted,
+        knows fewer; one retired meanwhile, whose row may be another's now, none)."""
+        B, K = pr.drafts.shape                                       # [B, K_max]
+        got = np.full((B, K), -2, dtype=np.int64)
+        known = pr.lengths.copy()                                    # [B]
+        slot_of = self.ctl.slot
+        for b, (r, start) in enumerate(zip(pr.reqs, pr.starts)):
+            out = r.output[start:start + K]
+            got[b, :len(out)] = out
+            known[b] = min(known[b], len(out)) if slot_of.get(r.req_id) == pr.slots[b] else 0
+        match = (got == pr.drafts).cumprod(1).sum(1)                 # [B] leading matches
+        self.ctl.observe(pr.slots, K, known, K, np.minimum(match, known))
 
     def forget(self, req_id: str) -> None:
         self.ctl.forget(req_id)

@@ -126,10 +126,13 @@ class LLM:
         self.online: Optional[OnlineK] = None
         if self.spec is not None and self.spec.online_k:
             table = self.spec.num_speculative_tokens_per_batch_size
-            self.online = OnlineK(self.k_values, self.runner.rows_for,
-                                  cheap_drafter=not (METHODS[self.spec.method].needs_model
-                                                     or self.spec.enable_suffix_decoding),
-                                  prior=self.spec.k_for_batch_size if table else None)
+            cheap = not (METHODS[self.spec.method].needs_model
+                         or self.spec.enable_suffix_decoding)
+            rs = self.spec.rejection_sampler_config
+            token_by_token = not (rs and (rs.enable_block_verify or rs.enable_entropy_verify))
+            self.online = OnlineK(self.k_values, self.runner.rows_for, cheap_drafter=cheap,
+                                  prior=self.spec.k_for_batch_size if table else None,
+                                  probes=cheap and token_by_token)
             if self.tp is not None:  # every rank's controller is fed rank 0's times
                 self.online.agree_with(self.tp.broadcast_floats, self.tp.broadcast_object)
         if self.capture:
@@ -338,9 +341,9 @@ class LLM:
     def _draft(self, batch: list[Request], k: int):
         """-> (drafts int64 [B, K], -1 = none; draft probs [B, K, V] or None), every rank's."""
         B, tp = len(batch), self.tp
-        caps = [min(k, max(r.max_new - 1, 0)) for r in batch]  # never draft past the end
         drafts = probs = None
-        if self.proposer is not None:
+        if self.proposer is not None and k > 0:
+            caps = [min(k, max(r.max_new - 1, 0)) for r in batch]  # never draft past the end
             drafts, probs = draft(self.proposer, self.budget, batch, k, caps, self.runner.random)
         if tp is not None and tp.drafts_from_rank0 and k > 0:
             drafts = tp.sync_drafts(drafts, B, k)

@@ -10,8 +10,8 @@ that verifies, from two things the engine measures as it runs:
   so a request expects 1 + sum_{i<=K} p[i] c[i] tokens from a step of K before drafting, and
   1 + sum_{i<=min(K, L)} c[i] once its L drafts are known;
 - cost, per (rows, K) graph: the verify step's seconds (warm-up measures every captured pair
-  once; later steps update it), plus the host's bookkeeping and the drafter's seconds per
-  request for each K.
+  once; later steps update it) and the host's bookkeeping around it, plus the drafter's
+  seconds per request for each K.
 
 Two choices per step: before drafting (`choose_before`: which K to draft for; 0 skips the
 drafter; a token drafter, ngram or suffix, drafts at K_max unless drafting has stopped paying
@@ -19,7 +19,9 @@ for its own time lately, `choose_before_cheap`) and after it (`choose_after`: th
 more than was drafted). Cutting a draft to a length chosen from the drafts alone keeps
 verification exact, as the confidence budget's cuts do. A step whose K is below K_max is
 replaced by one at K_max every EXPLORE_EVERY steps, so positions past the chosen K keep being
-measured; those steps are not cut after drafting.
+measured; those steps are not cut after drafting. A token drafter verified token by token
+probes instead (`probes`): that step drafts at K_max and chooses as usual, and the engine
+compares its drafts with the tokens the target emits next (npuspec/engine/k_online.py).
 
 The state is a few [slots, K_max] float arrays and a dict of step times; everything is numpy on
 the host (tests/spec_decode/test_k_controller.py checks it against synthetic costs and
@@ -55,10 +57,13 @@ DRAFT_SKIP_BELOW = 0.98
 
 @dataclasses.dataclass
 class Choice:
-    """One step's decision: the K to draft for, the K verified, whether it explores."""
+    """One step's decision: the K to draft for, the K verified, whether it explores (verifies
+    K_max to measure every position) or probes (keeps its K_max drafts to compare with the
+    tokens the target emits next; OnlineK)."""
     k_draft: int
     k: int = 0
     explore: bool = False
+    probe: bool = False
 
 
 class KController:
@@ -68,12 +73,16 @@ class KController:
     Python floats: there are at most a handful of K)."""
 
     def __init__(self, ks: Sequence[int], rows_for, explore_every: int = EXPLORE_EVERY,
-                 availability: bool = True, prior=None):
+                 availability: bool = True, prior=None, probes: bool = False):
         """`ks`: the captured K values (ascending, 0 first); `rows_for(batch, k)`: the rows a
         step of `batch` requests runs at K (padded to a captured size); `availability`:
         learn p (only `choose_before` reads it; a token drafter's steps never call it);
         `prior(batch)`: a K of `ks` per batch size (`npuspec tune`'s table), followed for the
-        first PRIOR_STEPS steps while the acceptance estimates are still the generic prior."""
+        first PRIOR_STEPS steps while the acceptance estimates are still the generic prior.
+        `probes`: a token drafter's periodic step measures positions past the chosen K by
+        comparing its drafts with the tokens the target emits next (`Choice.probe`) instead of
+        verifying K_max; only right where acceptance is the target emitting the draft (greedy,
+        or rejection sampling of one-hot drafts; not block or entropy verify)."""
         assert list(ks) == sorted(set(ks)) and ks[0] == 0, ks
         self.ks = tuple(int(k) for k in ks)
         self.k_max = self.ks[-1]
@@ -99,7 +108,10 @@ class KController:
         self.free: list[int] = []
         self.verify_s: dict[tuple[int, int], float] = {}   # (rows, K) -> seconds
         self.draft_s: dict[int, float] = {}                 # K -> seconds per request
-        self.book_s: dict[int, float] = {}                  # K -> the host's, per request
+        self.book_s: dict[tuple[int, int], float] = {}      # (rows, K) -> the host's seconds
+        self.book_per_req: dict[int, float] = {}            # K -> the same per request, for
+        #   a (rows, K) whose host time is not measured yet (part of it is fixed per step, so
+        #   a figure per request from other batch sizes is only a stand-in)
         self._rows: dict[int, tuple[int, ...]] = {}         # batch -> rows at each K
         self._w: dict[int, np.ndarray] = {}
         self._observed = 0
@@ -109,6 +121,7 @@ class KController:
         self.availability = availability
         self.since_explore = 0
         self.prior = prior
+        self.probes = probes
 
     # -- requests ------------------------------------------------------------------------------
     def slots(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -198,11 +211,12 @@ class KController:
         assert k in self.ks, (k, self.ks)
         self._ema(self.draft_s, k, seconds / max(batch, 1))
 
-    def record_book(self, k: int, batch: int, seconds: float) -> None:
-        """The host's seconds around a verify step at K: its inputs, the tokens' bookkeeping
-        (kept per request: on a small model they are a real part of a step)."""
+    def record_book(self, rows: int, k: int, batch: int, seconds: float) -> None:
+        """The host's seconds around a verify step of `rows` rows at K: its inputs, the tokens'
+        bookkeeping (on a small model a real part of a step)."""
         assert k in self.ks, (k, self.ks)
-        self._ema(self.book_s, k, seconds / max(batch, 1))
+        self._ema(self.book_s, (rows, k), seconds)
+        self._ema(self.book_per_req, k, seconds / max(batch, 1))
 
     @staticmethod
     def _ema(table: dict, key, value: float) -> None:
@@ -217,8 +231,11 @@ class KController:
             rows = self._rows[B] = tuple(self.rows_for(B, k) for k in self.ks)
         out = []
         for k, r in zip(self.ks[:n], rows):
-            host = self.book_s.get(k, 0.0) + (self.draft_s.get(k, 0.0) if draft else 0.0)
-            out.append(self.verify_s.get((r, k), math.nan) + B * host)
+            book = self.book_s.get((r, k))
+            if book is None:
+                book = B * self.book_per_req.get(k, 0.0)
+            drafter = B * self.draft_s.get(k, 0.0) if draft else 0.0
+            out.append(self.verify_s.get((r, k), math.nan) + book + drafter)
         return out
 
     # -- choices -------------------------------------------------------------------------------
@@ -260,13 +277,15 @@ class KController:
         drafting has stopped paying for itself lately (`draft_value` < DRAFT_SKIP_BELOW: the
         steps' best choice after drafting, with the drafter's time, got fewer tokens per
         second than a K = 0 step without it); then K = 0 without drafting, except every
-        EXPLORE_EVERY-th step, which drafts and runs K_max."""
+        EXPLORE_EVERY-th step, which drafts and runs K_max (with `probes`: drafts, chooses K
+        as any step, and is a probe)."""
         skip = self.draft_value < DRAFT_SKIP_BELOW
         if skip or self.last_k < self.k_max:
             self.since_explore += 1
             if self.since_explore >= self.explore_every:
                 self.since_explore = 0
-                return Choice(self.k_max, self.k_max, explore=True)
+                return Choice(self.k_max, self.k_max, explore=not self.probes,
+                              probe=self.probes)
         return Choice(0, 0) if skip else Choice(self.k_max, self.k_max)
 
     def _value_of_drafting(self, B: int, gain: list[float], cost: list[float], best: int) -> None:

@@ -10,6 +10,7 @@ import npuspec.engine
 from npuspec import LLM, SamplingParams
 from npuspec._counters import counters
 from npuspec.engine.k_online import OnlineK
+from npuspec.spec_decode.k_controller import PRIOR_C
 
 # one prompt that repeats itself (drafts accepted) and some with little to copy
 PROMPTS = ["def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add(",
@@ -146,3 +147,78 @@ def test_ranks_fed_rank_0s_times_choose_the_same_k():
 
     assert all(run(shared=True))
     assert not all(run(shared=False))
+
+
+class _Out:
+    def __init__(self, rid):
+        self.req_id, self.output = rid, []
+
+
+def test_a_probe_observes_what_a_k_max_step_would_have_accepted():
+    """A probe step keeps its K_max drafts; K_max steps later the leading drafts the target
+    went on to emit are observed, as a K_max step accepting that many would have been. The
+    probe step's own (cut) result is not observed."""
+    ks = (0, 1, 2, 4)
+    online = OnlineK(ks, lambda b, k: b, cheap_drafter=True, probes=True)
+    twin = OnlineK(ks, lambda b, k: b, cheap_drafter=True)   # fed the same by hand
+    for o in (online, twin):
+        o.seed_times({(3, k): 1.0 + 10.0 * k for k in ks})   # K = 0 best: drafts are cut
+    batch = [_Out("a"), _Out("b"), _Out("c")]
+    drafts = np.array([[5, 6, 7, 8], [5, 6, -1, -1], [1, 2, 3, 4]])
+    # what the target emits after the probe, step by step: a matches 3 drafts, b both of its
+    # 2, c none; c then stops (its 4th token is never known)
+    emitted = [[5, 5, 9], [6, 6, 9], [7, 1, 9], [0, 1]]
+    online.ctl.since_explore = online.ctl.explore_every - 1  # the next step probes
+    online.ctl.last_k = 0
+    s = online.ctl.slots(["a", "b", "c"])
+    c0 = online.ctl.c[s].copy()
+    d, _, k = online.draft(batch, lambda reqs, k: (drafts[:, :k], None))
+    assert d.shape[1] == k == 0 and len(online._probes) == 1
+    for i, toks in enumerate(emitted):
+        for r, t in zip(batch, toks + [None] * (3 - len(toks))):
+            if t is not None:
+                r.output.append(t)
+        online.verified(3, 0, np.ones((3, 2), dtype=np.int64), 1.0, 0.0)
+        if i < 3:  # K_max = 4 steps pass before the comparison
+            assert len(online._probes) == 1 and np.array_equal(online.ctl.c[s], c0)
+        if i + 1 < len(emitted):  # the next steps are not probes
+            online.draft(batch, lambda reqs, k: (drafts[:, :k], None))
+    assert not online._probes
+    t = twin.ctl.slots(["a", "b", "c"])
+    # positions known: a 4 (3 matched), b 2 (both), c 3 of 4 drafted (it stopped), none matched
+    twin.ctl.observe(t, 4, np.array([4, 2, 3]), 4, np.array([3, 2, 0]))
+    assert not np.array_equal(twin.ctl.c[t], c0)
+    np.testing.assert_allclose(online.ctl.c[s], twin.ctl.c[t])
+
+
+def test_a_probe_of_a_request_retired_meanwhile_observes_nothing_for_it():
+    ks = (0, 1, 2)
+    online = OnlineK(ks, lambda b, k: b, cheap_drafter=True, probes=True)
+    online.seed_times({(2, k): 1.0 + 10.0 * k for k in ks})
+    batch = [_Out("a"), _Out("b")]
+    online.ctl.since_explore = online.ctl.explore_every - 1
+    online.ctl.last_k = 0
+    online.draft(batch, lambda reqs, k: (np.full((2, k), 3), None))
+    online.ctl.forget("b")
+    newcomer = online.ctl.slots(["z"])[0]     # takes b's row
+    before = online.ctl.c[newcomer].copy()
+    for _ in range(2):
+        batch[0].output.append(3)
+        batch[1].output.append(3)
+        online.verified(2, 0, np.ones((2, 2), dtype=np.int64), 1.0, 0.0)
+    assert not online._probes
+    np.testing.assert_array_equal(online.ctl.c[newcomer], before)
+    assert online.ctl.c[online.ctl.slot["a"], 1] > PRIOR_C   # a's two matches were seen
+
+
+def test_probes_only_where_acceptance_is_emitting_the_draft():
+    """Token drafters verified token by token probe; block verify (which accepts more than
+    the target emits) and model drafters explore at K_max."""
+    def ctl(spec, **kw):
+        return LLM("tiny", speculative_config=dict(spec, k_controller="online"),
+                   enforce_eager=True, max_model_len=128, max_num_seqs=2, **kw).online.ctl
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert ctl(ngram).probes and ctl({**ngram, "method": "suffix"}).probes
+    assert not ctl(ngram, additional_config={
+        "rejection_sampler_config": {"enable_block_verify": True}}).probes
+    assert not ctl({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}).probes
