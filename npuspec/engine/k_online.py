@@ -106,7 +106,8 @@ class OnlineK:
         """After the step and its bookkeeping: res [rows, K+2] (num_emitted last), t_run the
         step's seconds, book_s the host's around it."""
         B = len(self._slots)
-        if not self._probing:  # a probe's tokens are counted when it resolves
+        # a probe's tokens are counted when it resolves; K = 0 teaches only availability
+        if not self._probing and (k > 0 or self.ctl.availability):
             accepted = res[:B, k + 1] - 1                           # [B] (observe clamps)
             self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
         self._n += 1

@@ -311,6 +311,11 @@ class KController:
         if self._prior_on():  # the table's K, no more than the drafts need
             self.last_k = min(self.prior(len(slots)), self.ks[n - 1])
             return self.last_k
+        if n == 1:  # no drafts: K = 0, and the drafting that found none is weighed
+            if choice.k_draft == self.k_max:
+                self._value_of_drafting(B, [float(B)], self._cost(B, 1, draft=False), 0)
+            self.last_k = 0
+            return 0
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
         per_pos = (self._rows_of(slots)[1] * self._upto[lengths]).sum(0)     # [K_max]
         gain, cost = self._gains(B, per_pos, n), self._cost(B, n, draft=False)
@@ -330,8 +335,8 @@ class KController:
         verified at K <= K_draft, accepted drafts [B] (clamped to min(drafted, K)). Availability learns from the drafts
         before the cut (a step cut to K = 0 for lack of drafts still says so); acceptance from
         the positions verified."""
-        if k_draft == 0 or len(slots) == 0:
-            return
+        if k_draft == 0 or len(slots) == 0 or (k == 0 and not self.availability):
+            return  # nothing to learn: no position verified, and availability not kept
         L = np.asarray(drafted, dtype=np.int64)                             # [B]
         p, c = self._rows_of(slots)
         if self.availability:
