@@ -16,7 +16,7 @@ bf16 x bf16 on a CPU with AVX512_BF16 runs the dot-product instruction instead o
 (`dot_bf16`; same values, tiles of up to 12 rows: a bf16 verify step's rows cost about one).
 Larger fp32 tiles (9 or 12 rows on AVX-512) were tried: 9 rows 30.5 -> 26-27 ms, but 13 and 17
 rows slower (FMA-bound either way on this 2-core AVX-512 CPU); not kept. A product of many rows
-(prefill, `GEMM_MIN_ROWS`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
+(prefill, `gemm_min_rows`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
 sgemm for fp32 weights, oneDNN's native bf16 GEMM for bf16 x bf16. On the 2-core AVX2 machine
 of earlier measurements this kernel was ahead of MKL at prefill too (~140 GFLOP/s); on the
 AVX-512 machine of the later ones MKL is 1.4-1.9x ahead at 64-256 rows, the unpacking included.
@@ -309,6 +309,11 @@ def dot_bf16(K: int) -> bool:
     return lib is not None and bool(lib.npuspec_linear_packed_dpbf16(K))
 
 
+@functools.lru_cache(maxsize=None)
+def _dot_bf16_cached(K: int) -> bool:
+    return dot_bf16(K)
+
+
 def can_pack() -> bool:
     """Whether to pack now: a compiler is present. The build itself runs in the background
     (`prebuild_cpu_kernels`); if it fails after all, the op logs once and runs the reference."""
@@ -371,11 +376,27 @@ def linear_packed_reference(x: torch.Tensor, wp: torch.Tensor, bias: Optional[to
 
 # From this many rows on (prefill, big batches) a product goes to a vendor GEMM (MKL for fp32,
 # oneDNN for bf16 x bf16 where the CPU has native bf16) over the weight unpacked by one C++
-# copy, which costs what one extra read of the weight does. On this project's AVX-512 CPU, 2
-# threads, SmolLM2's shapes: fp32 at 64-256 rows 110-155 GFLOP/s against 80-110 for this
-# kernel; bf16 275-413 against 145-180 (the kernel widens bf16 to fp32 FMAs). Below it the
-# kernel (memory-bound, one read of the weight) wins.
-GEMM_MIN_ROWS = 64
+# copy, which costs what one extra read of the weight does. Below it the kernel (one read of
+# the weight per tile of rows) wins. Crossovers on this project's AVX-512 CPU, 2 threads,
+# SmolLM2's shapes (576x1536, 1536x576; packed / GEMM time, scratch timing 2026-12-05):
+# - fp32 (FMA-bound from a few rows on): 0.81 at 20 rows, 0.93-1.00 at 24-28, 1.02-1.08 at
+#   32, 1.12-1.46 at 48 (it was 64 before, so 32-63 rows, a verify step of 8-15 requests at
+#   K = 4, ran up to 1.46x slower than the GEMM);
+# - bf16 x bf16 on the dot-product instruction (`dot_bf16`): 0.65-0.79 at 64 rows, 0.74-0.80
+#   at 128, 0.89-0.97 at 256-384, 0.54-1.10 at 512 (noisy): the GEMM never wins clearly below
+#   a full prefill step of the default budget (16 chunks of 32 tokens);
+# - bf16 x bf16 on the widening loop (no AVX512_BF16: FMA-bound): 64, measured when that was
+#   the only bf16 kernel (145-180 GFLOP/s against the GEMM's 275-413).
+GEMM_MIN_ROWS = 32
+BF16_GEMM_MIN_ROWS = 64
+DOT_BF16_GEMM_MIN_ROWS = 512
+
+
+def gemm_min_rows(wp: torch.Tensor, K: int) -> int:
+    """The rows from which a product with these packed weights goes to the GEMM."""
+    if wp.dtype == torch.float32:
+        return GEMM_MIN_ROWS
+    return DOT_BF16_GEMM_MIN_ROWS if _dot_bf16_cached(K) else BF16_GEMM_MIN_ROWS
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,13 +409,14 @@ def _bf16_gemm() -> bool:
 
 
 def takes_gemm(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
-    """Whether `linear_packed_impl` hands this call to `_gemm_rows`."""
-    if x.shape[0] < GEMM_MIN_ROWS:
-        return False
+    """Whether `linear_packed_impl` hands this call to `_gemm_rows` (kernels/native_cpu.py
+    mirrors it)."""
+    M = x.shape[0]
     if wp.dtype == torch.float32:
-        return True
+        return M >= GEMM_MIN_ROWS
     # bf16: no bias, since adding one after the GEMM's bf16 rounding would round twice
-    return bias is None and x.dtype == wp.dtype == torch.bfloat16 and _bf16_gemm()
+    return (bias is None and x.dtype == wp.dtype == torch.bfloat16 and _bf16_gemm()
+            and M >= gemm_min_rows(wp, x.shape[1]))
 
 
 def _gemm_rows(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:

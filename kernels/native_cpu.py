@@ -82,7 +82,10 @@ struct Table {
   RowsFn standard_rows;
   int64_t packed_bw, quant_bw;  // panel widths the kernels were built for
   int64_t gemm_rows;            // this many rows: Python (a vendor GEMM), for fp32 weights and
-  int64_t bf16_gemm;            // for bf16 x bf16 without bias where the CPU has native bf16
+  int64_t bf16_gemm;            // for bf16 x bf16 without bias where the CPU has native bf16,
+  int64_t gemm_rows_bf16;       // from this many rows on the widening loop,
+  int64_t gemm_rows_dot_bf16;   // this many on the dot-product one,
+  int64_t dot_bf16;             // which runs where this is set and K is even
 };
 Table T{};
 std::atomic<int64_t> attention_forced{0};  // paged_attention.use_impl is active
@@ -135,10 +138,12 @@ at::Tensor cut(const at::Tensor& y, int64_t n) {  // [M, NB*BW] -> [M, n]
 
 // linear_packed_cpu.takes_gemm (x is 2-D)
 bool takes_gemm(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias) {
-  return x.size(0) >= T.gemm_rows &&
-         (wp.scalar_type() == at::kFloat ||
-          (T.bf16_gemm && !bias.has_value() && x.scalar_type() == at::kBFloat16 &&
-           wp.scalar_type() == at::kBFloat16));
+  if (wp.scalar_type() == at::kFloat) return x.size(0) >= T.gemm_rows;
+  if (!T.bf16_gemm || bias.has_value() || x.scalar_type() != at::kBFloat16 ||
+      wp.scalar_type() != at::kBFloat16)
+    return false;
+  const bool dot = T.dot_bf16 && x.size(1) % 2 == 0;
+  return x.size(0) >= (dot ? T.gemm_rows_dot_bf16 : T.gemm_rows_bf16);
 }
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& bias,
@@ -309,7 +314,9 @@ _TABLE = [("norm", _P * 3), ("packed", _P * 3), ("packed_x", _P * 3), ("quant", 
           ("attention", _P),
           ("standard_rows", _P),
           ("packed_bw", ctypes.c_int64), ("quant_bw", ctypes.c_int64),
-          ("gemm_rows", ctypes.c_int64), ("bf16_gemm", ctypes.c_int64)]
+          ("gemm_rows", ctypes.c_int64), ("bf16_gemm", ctypes.c_int64),
+          ("gemm_rows_bf16", ctypes.c_int64), ("gemm_rows_dot_bf16", ctypes.c_int64),
+          ("dot_bf16", ctypes.c_int64)]
 
 
 class _Table(ctypes.Structure):
@@ -360,7 +367,9 @@ def _library():
         (_P * 2)(_addr(quant.npuspec_linear_quant_q8), _addr(quant.npuspec_linear_quant_q4)),
         _addr(attention), _addr(rows.npuspec_standard_rows), int(packed.npuspec_linear_packed_block()),
         int(quant.npuspec_linear_quant_block()),
-        linear_packed_cpu.GEMM_MIN_ROWS, int(linear_packed_cpu._bf16_gemm()))
+        linear_packed_cpu.GEMM_MIN_ROWS, int(linear_packed_cpu._bf16_gemm()),
+        linear_packed_cpu.BF16_GEMM_MIN_ROWS, linear_packed_cpu.DOT_BF16_GEMM_MIN_ROWS,
+        int(linear_packed_cpu.dot_bf16(2)))  # an even K
     lib.npuspec_native_set(ctypes.byref(table))
     if _bypass_depth[0]:  # installed inside a `bypassed()` block
         lib.npuspec_native_bypass(1)

@@ -35,21 +35,26 @@ def test_kernel_equals_reference(dtype, M, N, K):
                                    atol=1e-5 * K ** 0.5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("M", [lp.GEMM_MIN_ROWS - 1, lp.GEMM_MIN_ROWS, 300])
-def test_many_bf16_rows_take_the_bf16_gemm_and_equal_the_kernel(monkeypatch, M):
-    g = torch.Generator().manual_seed(M)
-    w = torch.randn(70, 96, generator=g).bfloat16()
-    x = torch.randn(M, 96, generator=g).bfloat16()
+@pytest.mark.parametrize("K", [96, 95])   # 95: odd, so never the dot-product kernel
+@pytest.mark.parametrize("edge", [-1, 0, 200])
+def test_many_bf16_rows_take_the_bf16_gemm_and_equal_the_kernel(monkeypatch, K, edge):
+    g = torch.Generator().manual_seed(edge + K)
+    w = torch.randn(70, K, generator=g).bfloat16()
     wp = lp.pack_weight(w)
+    rows = lp.gemm_min_rows(wp, K)
+    assert rows == (lp.DOT_BF16_GEMM_MIN_ROWS if lp.dot_bf16(K) else lp.BF16_GEMM_MIN_ROWS)
+    M = rows + edge
+    x = torch.randn(M, K, generator=g).bfloat16()
     taken = []
     real = lp._gemm_rows
     monkeypatch.setattr(lp, "_gemm_rows", lambda *a: taken.append(1) or real(*a))
     y = lp.linear_packed_impl(x, wp, None, 70)
-    assert bool(taken) == (M >= lp.GEMM_MIN_ROWS and lp._bf16_gemm())
+    assert bool(taken) == (edge >= 0 and lp._bf16_gemm())
     # both accumulate in fp32 and the caller rounds to bf16 once: equal after that rounding
     # up to summation order (one bf16 ulp)
     ref = lp.linear_packed_reference(x.float(), wp, None, 70).bfloat16().float()
-    torch.testing.assert_close(y.bfloat16().float(), ref, atol=0.05, rtol=1 / 128)
+    torch.testing.assert_close(y.bfloat16().float(), ref, atol=0.05 * (K / 96) ** 0.5,
+                               rtol=1 / 128)
     # fp32 rows and a bias stay on the kernel
     taken.clear()
     lp.linear_packed_impl(x.float(), wp, None, 70)
@@ -69,7 +74,7 @@ def test_many_fp32_rows_take_the_sgemm_and_equal_the_reference(monkeypatch, M, w
     real = lp._gemm_rows
     monkeypatch.setattr(lp, "_gemm_rows", lambda *a: taken.append(1) or real(*a))
     y = lp.linear_packed_impl(x, wp, b, 70)
-    assert bool(taken) == (M >= lp.GEMM_MIN_ROWS)
+    assert bool(taken) == (M >= lp.GEMM_MIN_ROWS) and lp.gemm_min_rows(wp, 96) == lp.GEMM_MIN_ROWS
     assert y.shape == (M, 70) and y.dtype == torch.float32
     torch.testing.assert_close(y, lp.linear_packed_reference(x, wp, b, 70), atol=1e-4, rtol=1e-5)
 

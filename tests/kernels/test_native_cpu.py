@@ -69,16 +69,20 @@ def test_linear_packed(wdtype, xdtype, M, N):
     assert _equal(got, lp.linear_packed_impl(x, wp, b, N))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_packed_hands_prefill_gemms_to_python(monkeypatch, dtype):
-    w = torch.randn(70, 96).to(dtype)
-    x = torch.randn(lp.GEMM_MIN_ROWS, 96).to(dtype)
+@pytest.mark.parametrize("dtype,K", [(torch.float32, 96), (torch.bfloat16, 96),
+                                     (torch.bfloat16, 95)])   # 95: not the dot-product kernel
+@pytest.mark.parametrize("edge", [-1, 0])
+def test_linear_packed_hands_prefill_gemms_to_python(monkeypatch, dtype, K, edge):
+    """The C++ dispatch hands exactly the calls Python's `takes_gemm` takes, on either side of
+    each dtype's row threshold."""
+    w = torch.randn(70, K).to(dtype)
     wp = lp.pack_weight(w)
+    x = torch.randn(lp.gemm_min_rows(wp, K) + edge, K).to(dtype)
     taken = []
     real = lp._gemm_rows
     monkeypatch.setattr(lp, "_gemm_rows", lambda *a: taken.append(1) or real(*a))
     got, fast = _served(lambda: torch.ops.npuspec.linear_packed(x, wp, None, 70), "linear_packed")
-    gemm = dtype == torch.float32 or lp._bf16_gemm()
+    gemm = edge == 0 and (dtype == torch.float32 or lp._bf16_gemm())
     assert fast != gemm and bool(taken) == gemm == lp.takes_gemm(x, wp, None)
     assert _equal(got, lp.linear_packed_impl(x, wp, None, 70))
 

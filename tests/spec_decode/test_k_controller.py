@@ -171,6 +171,19 @@ def test_a_drafter_that_costs_next_to_nothing_keeps_drafting_through_dry_spells(
     assert all(p[0] == 4 for p in picks)
 
 
+def test_host_time_is_kept_per_graph_not_per_request():
+    """The host's time around a step is mostly fixed per step: measured at one request it must
+    not be charged 64 times at 64 requests. A (rows, K) pair whose host time is unmeasured
+    takes its K's figure per request."""
+    ctl = make(batches=(1, 64))
+    ctl.record_book(1, 0, 1, 0.5)      # 0.5 s at one request ...
+    ctl.record_book(64, 0, 64, 0.5)    # ... and at 64: fixed
+    assert ctl._cost(64, 1, draft=False) == [1.0 + 0.5]
+    assert ctl._cost(1, 1, draft=False) == [1.0 + 0.5]
+    ctl.record_book(1, 1, 1, 0.25)     # K = 1 measured at one request only
+    assert ctl._cost(64, 2, draft=False)[1] == 1.0 + 64 * 0.25
+
+
 def test_draft_cost_counts_before_drafting():
     """A drafter costing 1 s per request per step at K = 4 (and nothing at K = 2) moves the
     choice from 4 to 2 under a flat verify cost."""
