@@ -26,6 +26,7 @@ SIGNATURES = {
     "npuspec_suffix_add_response": (_I, [_P, _I]),
     "npuspec_suffix_remove_response": (None, [_P, _I]),
     "npuspec_suffix_extend": (None, [_P, _I, _P, _I]),
+    "npuspec_suffix_extend_many": (None, [_P, _P, _I, _P, _P]),
     "npuspec_suffix_stop": (None, [_P, _I]),
     "npuspec_suffix_propose": (_I, [_P, _P, _P, _I, _I, _P, _P, _P]),
 }

@@ -764,6 +764,13 @@ void npuspec_suffix_extend(void* h, int64_t r, const uint32_t* toks, int64_t n) 
   if (R.cached != kNil) P.global.append(R.cached, toks, n);
 }
 
+// npuspec_suffix_extend for n requests in order: request rs[i] gets toks[offs[i]:offs[i+1]]
+void npuspec_suffix_extend_many(void* h, const int64_t* rs, int64_t n, const uint32_t* toks,
+                                const int64_t* offs) {
+  for (int64_t i = 0; i < n; ++i)
+    npuspec_suffix_extend(h, rs[i], toks + offs[i], offs[i + 1] - offs[i]);
+}
+
 void npuspec_suffix_stop(void* h, int64_t r) {
   auto& P = *static_cast<Proposer*>(h);
   if (P.reqs[r]->cached != kNil) P.global.seqs[P.reqs[r]->cached].owner = kNil;

@@ -367,14 +367,15 @@ class LLM:
         now = time.perf_counter()
         outs = []
         rows = res[:len(batch)].tolist()  # one conversion, not two numpy reads per request
+        kept = []
         for r, row in zip(batch, rows):
             n = len(r.output)
-            kept = r.append(row[:row[k + 1]])
-            if self.proposer is not None:  # a finishing step too: the suffix cache keeps it
-                self.proposer.extend(r.req_id, kept)
+            kept.append(r.append(row[:row[k + 1]]))
             if n == 0 and r.output:
                 r.stats.first_token_s = now - r.arrival_time
             outs.append(StepOutput(r, r.output[n:], r.finished))
+        if self.proposer is not None:  # a finishing step too: the suffix cache keeps it
+            self.proposer.extend_batch([r.req_id for r in batch], kept)
         return outs
 
     def _draft_first_pass(self, batch: list[Request], k: int, drafts, res, inputs) -> None:

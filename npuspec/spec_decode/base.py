@@ -6,7 +6,8 @@ The engine calls, per request:
     start_request(id, prompt)      once, before the first step
     draft_batch(batch) -> Drafts   each step (token-only drafters: propose())
     extend(id, emitted_tokens)     after each verify step (accepted drafts + 1 target token),
-                                   the request's last step included
+                                   the request's last step included; the engine calls it
+                                   through extend_batch, once per step for the whole batch
     stop_request(id)               once, when the request finishes or is aborted
 and per engine step or call the optional hooks below. A subclass overrides what it uses;
 tests/spec_decode checks that the engine calls nothing but these hooks and that every
@@ -127,6 +128,12 @@ class Proposer(metaclass=abc.ABCMeta):
         raise NotImplementedError(f"{type(self).__name__}.stop_request")
 
     # -- per step -----------------------------------------------------------------------------
+    def extend_batch(self, req_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
+        """`extend` for each request of a step, in batch order. Default: one call each; a
+        drafter whose call has a fixed cost (a native library) overrides it with one."""
+        for rid, toks in zip(req_ids, tokens):
+            self.extend(rid, toks)
+
     def draft_batch(self, batch: DraftBatch) -> Drafts:
         """The step's drafts. Default: propose() up to each cap, -1 padded, no probabilities
         (the verify step then treats the drafts as one-hot) and no confidences."""

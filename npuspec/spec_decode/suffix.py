@@ -79,6 +79,7 @@ class SuffixProposer(Proposer):
         self._add = lib.npuspec_suffix_add_response
         self._remove = lib.npuspec_suffix_remove_response
         self._extend = lib.npuspec_suffix_extend
+        self._extend_many = lib.npuspec_suffix_extend_many
         self._stop = lib.npuspec_suffix_stop
         self._propose = lib.npuspec_suffix_propose
         self._slots: dict[str, int] = {}   # active req_id -> native request slot
@@ -132,6 +133,27 @@ class SuffixProposer(Proposer):
                    new_tokens if type(new_tokens) is list else _as_list(new_tokens))
         self._extend(self._h, r, buf.buffer_info()[0], len(buf))
 
+    def extend_batch(self, req_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
+        """One native call for the step's requests (a call costs more than a few tokens'
+        work: ~1.5 us of ctypes and buffers each, at every step of every request)."""
+        if self._ref is not None:
+            return super().extend_batch(req_ids, tokens)
+        slots = self._slots
+        try:
+            rs = array("q", [slots[r] for r in req_ids])
+        except KeyError:
+            raise unknown_request("SuffixProposer.extend",
+                                  next(r for r in req_ids if r not in slots)) from None
+        flat, offs, n = [], array("q", [0]), 0
+        for toks in tokens:
+            t = toks if type(toks) is list else _as_list(toks)
+            flat += t
+            n += len(t)
+            offs.append(n)
+        buf = _u32("SuffixProposer.extend", flat)
+        self._extend_many(self._h, rs.buffer_info()[0], len(rs), buf.buffer_info()[0],
+                          offs.buffer_info()[0])
+
     def stop_request(self, req_id: str) -> None:
         r = self._slots.pop(req_id, None)
         if r is None:
@@ -159,7 +181,7 @@ class SuffixProposer(Proposer):
 
     # -- drafting ----------------------------------------------------------------------------
     def propose(self, req_ids: Sequence[str], max_tokens: int | Sequence[int]) -> list[list[int]]:
-        n, total = self._run(req_ids, max_tokens, 0)
+        n, total = self._run(req_ids, max_tokens, with_probs=False)
         flat = self._toks[:total].tolist()
         offs = self._offs[:n + 1].tolist()
         return [flat[offs[i]:offs[i + 1]] for i in range(n)]
@@ -167,7 +189,7 @@ class SuffixProposer(Proposer):
     def propose_batch_with_probs(self, req_ids: Sequence[str], max_tokens: int | Sequence[int]
                                  ) -> list[tuple[list[int], list[float]]]:
         """`propose_with_probs` for each request, in one native call: [(tokens, probs), ...]."""
-        n, total = self._run(req_ids, max_tokens, self._probs_ptr)
+        n, total = self._run(req_ids, max_tokens, with_probs=True)
         flat, probs = self._toks[:total].tolist(), self._probs[:total].tolist()
         offs = self._offs[:n + 1].tolist()
         return [(flat[offs[i]:offs[i + 1]], probs[offs[i]:offs[i + 1]]) for i in range(n)]
@@ -186,8 +208,9 @@ class SuffixProposer(Proposer):
                               self._probs_ptr, self._offs_ptr)
         return self._toks[:total].tolist(), self._probs[:total].tolist()
 
-    def _run(self, req_ids, max_tokens, probs_ptr) -> tuple[int, int]:
-        """One native propose over the batch -> (requests, draft tokens written)."""
+    def _run(self, req_ids, max_tokens, with_probs: bool) -> tuple[int, int]:
+        """One native propose over the batch -> (requests, draft tokens written). The output
+        pointers are read after `_grow`, which may replace the buffers."""
         n = len(req_ids)
         if type(max_tokens) is int and max_tokens >= 0:
             ks, k0, cap = None, max_tokens, n * max_tokens
@@ -205,7 +228,8 @@ class SuffixProposer(Proposer):
         self._grow(min(cap, n * self.max_tree_depth), n)
         total = self._propose(self._h, rs.buffer_info()[0],
                               None if ks is None else ks.buffer_info()[0], k0, n,
-                              self._toks_ptr, probs_ptr, self._offs_ptr)
+                              self._toks_ptr, self._probs_ptr if with_probs else None,
+                              self._offs_ptr)
         return n, total
 
 

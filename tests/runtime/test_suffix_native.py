@@ -359,3 +359,46 @@ def test_fallback_is_logged_once_counted_and_equal(monkeypatch, caplog):
         monkeypatch.undo()
         suffix_cpu.library.cache_clear()
     assert SuffixProposer().native
+
+
+def test_extend_batch_equals_one_extend_per_request():
+    """The engine's one call per step (`extend_batch`) leaves the proposer as `extend` per
+    request in batch order does: the same drafts and probabilities afterwards, shared
+    responses included; an unknown id raises as `extend` does, before anything is added."""
+    rng = random.Random(11)
+    a, b = SuffixProposer(max_cached_requests=50), SuffixProposer(max_cached_requests=50)
+    ids = [f"q{i}" for i in range(12)]
+    for rid in ids:
+        prompt = [rng.randrange(5) for _ in range(rng.randrange(1, 120))]
+        a.start_request(rid, prompt)
+        b.start_request(rid, list(prompt))
+    for step in range(30):
+        toks = [[rng.randrange(5) for _ in range(rng.randrange(0, 6))] for _ in ids]
+        a.extend_batch(ids, toks)
+        for rid, t in zip(ids, toks):
+            b.extend(rid, t)
+        assert a.propose_batch_with_probs(ids, 12) == b.propose_batch_with_probs(ids, 12), step
+    assert any(a.propose(ids, 12))
+    with pytest.raises(KeyError, match="nope") as e:
+        a.extend_batch(ids[:2] + ["nope"], [[1], [2], [3]])
+    with pytest.raises(KeyError) as want:
+        b.extend("nope", [3])
+    assert str(e.value) == str(want.value)
+    assert a.propose(ids, 12) == b.propose(ids, 12)   # nothing was added by the failed call
+
+
+def test_batch_probabilities_land_in_the_buffer_read_back():
+    """A first batch larger than the output buffers grows them before the native call; the
+    call must write into the new ones (it wrote into the freed old ones: a heap corruption,
+    and probabilities read back as zeros)."""
+    rng = random.Random(3)
+    prompts = {f"r{i}": [rng.randrange(3) for _ in range(200)] for i in range(16)}
+    a, b = SuffixProposer(), SuffixProposer()
+    for rid, p in prompts.items():
+        a.start_request(rid, p)
+        b.start_request(rid, list(p))
+    ids = list(prompts)
+    got = a.propose_batch_with_probs(ids, 16)             # up to 256 tokens: the buffers grow
+    assert sum(len(t) for t, _ in got) > 64
+    assert got == [b.propose_with_probs(r, 16) for r in ids]
+    assert all(p > 0 for _, ps in got for p in ps)
