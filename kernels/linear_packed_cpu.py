@@ -419,21 +419,52 @@ def takes_gemm(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor]) 
             and M >= gemm_min_rows(wp, x.shape[1]))
 
 
+# The GEMM path unpacks at most this much weight at a time, into one buffer reused per chunk of
+# panels: an LM head (SmolLM2's 576 x 49152, 113 MB in fp32) unpacked whole into a fresh
+# buffer cost ~100 ms of page faults per call, and its copy went to memory and back.
+GEMM_CHUNK_BYTES = 4 << 20
+
+
+def _unpack(lib, wp: torch.Tensor, p0: int, p1: int, out: torch.Tensor) -> None:
+    """Panels p0..p1 of wp [NB, K, BW] (contiguous) -> out [K, (p1 - p0) * BW]."""
+    K, bw = wp.shape[1], wp.shape[2]
+    if lib is None:  # a strided torch copy: slower, same values
+        out.copy_(wp[p0:p1].permute(1, 0, 2).reshape(K, (p1 - p0) * bw))
+        return
+    fn = lib.npuspec_packed_to_kn_4byte if wp.element_size() == 4 else lib.npuspec_packed_to_kn_2byte
+    fn(wp[p0].data_ptr(), out.data_ptr(), p1 - p0, K)
+
+
 def _gemm_rows(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """x [M, K] @ unpack(wp)[:n].T (+ bias) in one vendor GEMM with fp32 accumulation -> fp32
-    [M, n]. bf16: one rounding to bf16, which the bf16 model's output gets anyway."""
+    """x [M, K] @ unpack(wp)[:n].T (+ bias) in vendor GEMMs with fp32 accumulation -> fp32
+    [M, n], over chunks of panels of at most GEMM_CHUNK_BYTES. bf16: one rounding to bf16 per
+    output, which the bf16 model's output gets anyway."""
     nb, K, bw = wp.shape
     lib = _kernel_for(bw)
-    if lib is None:  # a strided torch copy: slower, same values
-        wt = wp.permute(1, 0, 2).reshape(K, nb * bw)
-    else:
-        wt = torch.empty(K, nb * bw, dtype=wp.dtype)                     # w^T [K, NB*BW]
-        fn = lib.npuspec_packed_to_kn_4byte if wp.element_size() == 4 else lib.npuspec_packed_to_kn_2byte
-        fn(wp.contiguous().data_ptr(), wt.data_ptr(), nb, K)
-    if wp.dtype == torch.float32:
+    wp = wp.contiguous()
+    fp32 = wp.dtype == torch.float32
+    if fp32:
         x = x.float()
+    panels = -(-n // bw)
+    step = max(1, GEMM_CHUNK_BYTES // (K * bw * wp.element_size()))   # panels per chunk
+    buf = torch.empty(K * min(step, panels) * bw, dtype=wp.dtype)
+    if step >= panels:  # one chunk: the GEMM's output is the result
+        wt = buf.view(K, panels * bw)
+        _unpack(lib, wp, 0, panels, wt)
+        if not fp32:
+            return torch.mm(x, wt[:, :n]).float()
         return torch.mm(x, wt[:, :n]) if bias is None else torch.addmm(bias.float(), x, wt[:, :n])
-    return torch.mm(x, wt[:, :n]).float()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for p0 in range(0, panels, step):
+        p1 = min(nb, p0 + step)
+        c0, c1 = p0 * bw, min(p1 * bw, n)
+        wt = buf[:K * (p1 - p0) * bw].view(K, (p1 - p0) * bw)            # w^T [K, cols]
+        _unpack(lib, wp, p0, p1, wt)
+        if fp32 and bias is not None:
+            y[:, c0:c1] = torch.addmm(bias[c0:c1].float(), x, wt[:, :c1 - c0])
+        else:
+            y[:, c0:c1] = torch.mm(x, wt[:, :c1 - c0])
+    return y
 
 
 def linear_packed_impl(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor],

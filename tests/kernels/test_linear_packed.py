@@ -246,3 +246,25 @@ def _cpu_has_avx512_bf16() -> bool:
             return " avx512_bf16" in f.read()
     except OSError:
         return False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_panels", [1, 2, 3])
+def test_the_gemm_over_chunks_of_panels_equals_one_gemm(monkeypatch, dtype, chunk_panels):
+    """A weight larger than GEMM_CHUNK_BYTES (an LM head) is unpacked a chunk of panels at a
+    time into one reused buffer; the columns (a partial last panel, a bias) come out as one
+    GEMM over the whole unpacked weight gives them, to summation order."""
+    bw = lp.block_width()
+    N, K, M = 3 * bw + 5, 40, 70
+    g = torch.Generator().manual_seed(chunk_panels)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g) if dtype == torch.float32 else None
+    wp = lp.pack_weight(w)
+    whole = lp._gemm_rows(x, wp, b, N)                      # one chunk at the default size
+    monkeypatch.setattr(lp, "GEMM_CHUNK_BYTES", chunk_panels * K * bw * wp.element_size())
+    got = lp._gemm_rows(x, wp, b, N)
+    assert got.shape == (M, N) and got.dtype == torch.float32
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=1 / 128)
+    torch.testing.assert_close(got, whole, **tol)
+    torch.testing.assert_close(got, lp.linear_packed_reference(x.float(), wp, b, N), **tol)
