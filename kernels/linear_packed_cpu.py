@@ -379,15 +379,18 @@ def linear_packed_reference(x: torch.Tensor, wp: torch.Tensor, bias: Optional[to
 # copy, which costs what one extra read of the weight does. Below it the kernel (one read of
 # the weight per tile of rows) wins. Crossovers on this project's AVX-512 CPU, 2 threads,
 # SmolLM2's shapes (576x1536, 1536x576; packed / GEMM time, scratch timing 2026-12-05):
-# - fp32 (FMA-bound from a few rows on): 0.81 at 20 rows, 0.93-1.00 at 24-28, 1.02-1.08 at
-#   32, 1.12-1.46 at 48 (it was 64 before, so 32-63 rows, a verify step of 8-15 requests at
-#   K = 4, ran up to 1.46x slower than the GEMM);
-# - bf16 x bf16 on the dot-product instruction (`dot_bf16`): 0.65-0.79 at 64 rows, 0.74-0.80
-#   at 128, 0.89-0.97 at 256-384, 0.54-1.10 at 512 (noisy): the GEMM never wins clearly below
-#   a full prefill step of the default budget (16 chunks of 32 tokens);
+# - fp32: 64. In isolation the kernel crosses the GEMM at 24-32 rows on one weight (1.12-1.46
+#   at 48), but in a model step every layer's weight comes from memory once, and the GEMM's
+#   unpacking then copies it there and back: SmolLM2 fp32, 16 requests at K = 1 (32 rows),
+#   the steps took 7.9 s with the hand-off at 32 against 5.4 s at 64 (medians of 3
+#   interleaved runs, same tokens); at K = 4 (80 rows) 9.0 s with it at 64, 8.8 s at 160;
+# - bf16 x bf16 on the dot-product instruction (`dot_bf16`): 512. In isolation 0.65-0.79 at
+#   64 rows, 0.74-0.80 at 128, 0.89-0.97 at 256-384, 0.54-1.10 at 512 (noisy): the GEMM never
+#   wins clearly below a full prefill step of the default budget (16 chunks of 32 tokens);
+#   SmolLM2 bf16 prefill of one prompt 1,044-1,145 -> 1,273-1,385 tokens/s with it;
 # - bf16 x bf16 on the widening loop (no AVX512_BF16: FMA-bound): 64, measured when that was
 #   the only bf16 kernel (145-180 GFLOP/s against the GEMM's 275-413).
-GEMM_MIN_ROWS = 32
+GEMM_MIN_ROWS = 64
 BF16_GEMM_MIN_ROWS = 64
 DOT_BF16_GEMM_MIN_ROWS = 512
 
