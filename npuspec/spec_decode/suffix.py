@@ -138,12 +138,7 @@ class SuffixProposer(Proposer):
         work: ~1.5 us of ctypes and buffers each, at every step of every request)."""
         if self._ref is not None:
             return super().extend_batch(req_ids, tokens)
-        slots = self._slots
-        try:
-            rs = array("q", [slots[r] for r in req_ids])
-        except KeyError:
-            raise unknown_request("SuffixProposer.extend",
-                                  next(r for r in req_ids if r not in slots)) from None
+        rs = self._slots_of(req_ids, "SuffixProposer.extend")
         flat, offs, n = [], array("q", [0]), 0
         for toks in tokens:
             t = toks if type(toks) is list else _as_list(toks)
@@ -208,6 +203,14 @@ class SuffixProposer(Proposer):
                               self._probs_ptr, self._offs_ptr)
         return self._toks[:total].tolist(), self._probs[:total].tolist()
 
+    def _slots_of(self, req_ids, where: str) -> array:
+        """The requests' native slots, or the reference's error for the first unknown one."""
+        slots = self._slots
+        try:
+            return array("q", [slots[r] for r in req_ids])
+        except KeyError:
+            raise unknown_request(where, next(r for r in req_ids if r not in slots)) from None
+
     def _run(self, req_ids, max_tokens, with_probs: bool) -> tuple[int, int]:
         """One native propose over the batch -> (requests, draft tokens written). The output
         pointers are read after `_grow`, which may replace the buffers."""
@@ -219,12 +222,7 @@ class SuffixProposer(Proposer):
             k0, cap = 0, sum(ks)
         if not n:
             return 0, 0
-        slots = self._slots
-        try:
-            rs = array("q", [slots[r] for r in req_ids])
-        except KeyError:
-            raise unknown_request("SuffixProposer.propose",
-                                  next(r for r in req_ids if r not in slots)) from None
+        rs = self._slots_of(req_ids, "SuffixProposer.propose")
         self._grow(min(cap, n * self.max_tree_depth), n)
         total = self._propose(self._h, rs.buffer_info()[0],
                               None if ks is None else ks.buffer_info()[0], k0, n,
