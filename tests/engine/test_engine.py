@@ -280,22 +280,24 @@ def test_json_speculative_config_and_synthetic_acceptance(ckpt, plain):
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_proposer_sees_every_emitted_token(ckpt, method):
-    """extend() gets each verify step's kept tokens, the finishing step's too (issue 34, item
-    3: the suffix cache missed up to K+1 tokens of every response)."""
+    """The drafter gets each verify step's kept tokens, the finishing step's too (issue 34,
+    item 3: the suffix cache missed up to K+1 tokens of every response), through
+    `extend_batch`, the engine's one call per step."""
     llm = LLM(ckpt, enforce_eager=True, max_model_len=128, max_num_seqs=2,
               speculative_config=spec_for(method))
     seen, stopped = {}, []
-    real_extend, real_stop = llm.proposer.extend, llm.proposer.stop_request
+    real_extend, real_stop = llm.proposer.extend_batch, llm.proposer.stop_request
 
-    def extend(req_id, toks):
-        seen.setdefault(req_id, []).extend(toks)
-        real_extend(req_id, toks)
+    def extend_batch(req_ids, tokens):
+        for req_id, toks in zip(req_ids, tokens):
+            seen.setdefault(req_id, []).extend(toks)
+        real_extend(req_ids, tokens)
 
     def stop(req_id):
         stopped.append((req_id, list(seen.get(req_id, []))))
         real_stop(req_id)
 
-    llm.proposer.extend, llm.proposer.stop_request = extend, stop
+    llm.proposer.extend_batch, llm.proposer.stop_request = extend_batch, stop
     out = llm.generate(PROMPTS, GREEDY)
     assert len(stopped) == len(PROMPTS)
     by_id = dict(stopped)
