@@ -302,16 +302,12 @@ def block_width() -> int:
     return 2 * (isa.nelements(torch.float) if isa else 8)
 
 
+@functools.lru_cache(maxsize=None)
 def dot_bf16(K: int) -> bool:
     """Whether bf16 x bf16 products over K inputs run on AVX512_BF16's dot-product instruction
     (same values as the widening loop but for subnormals, which it flushes to zero)."""
     lib = _library()
     return lib is not None and bool(lib.npuspec_linear_packed_dpbf16(K))
-
-
-@functools.lru_cache(maxsize=None)
-def _dot_bf16_cached(K: int) -> bool:
-    return dot_bf16(K)
 
 
 def can_pack() -> bool:
@@ -399,7 +395,7 @@ def gemm_min_rows(wp: torch.Tensor, K: int) -> int:
     """The rows from which a product with these packed weights goes to the GEMM."""
     if wp.dtype == torch.float32:
         return GEMM_MIN_ROWS
-    return DOT_BF16_GEMM_MIN_ROWS if _dot_bf16_cached(K) else BF16_GEMM_MIN_ROWS
+    return DOT_BF16_GEMM_MIN_ROWS if dot_bf16(K) else BF16_GEMM_MIN_ROWS
 
 
 @functools.lru_cache(maxsize=None)
