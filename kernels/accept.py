@@ -7,7 +7,7 @@ of these ops instead of the whole `npuspec::rejection_sample`:
     greedy_accept(draft_ids, target_ids)            -> int64 [...]   accepted-prefix length
     ratio_accept(p, q, draft_ids, uniforms, mode)   -> int64 [...]   standard test, prefix length
     residual_probs(p, q, normalize, nonneg, floor)  -> float [..., V] clamp(p - q, floor) (normalised)
-    residual_sample(p, q, noise, normalize, sampler, nonneg, floor)
+    residual_sample(p, q, noise, normalize, sampler, nonneg, floor, guard, fill)
                                                     -> int64 [...]   exponential race / Gumbel-max
 
 Every op is a pure function of its tensor inputs (random draws come in as tensors, so the user's
@@ -37,6 +37,9 @@ SAMPLERS = ("race", "gumbel", "race_mul")
 # how max(d, 0) is written, d = p - q: torch.clamp(d, min=0) keeps a NaN (and -0.0);
 # torch.where(d > 0, d, 0.0) makes both +0.0 (gpt-fast, romsto, feifeibear write it so)
 NONNEG = ("clamp", "where")
+# draws the race leaves out: "zero_inf" scores `fill` wherever E == 0 or E is infinite, as
+# vllm-ascend's sample_recovered_tokens_pytorch guards its q (1e-10 divisor, then -1e10)
+GUARDS = ("none", "zero_inf")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,16 +189,18 @@ def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clam
     return r
 
 
-@torch.library.custom_op("npuspec::residual_sample", mutates_args=())
-def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
-                    nonneg: str = "clamp", floor: float = 0.0) -> Tensor:
-    """One token per row from the residual max(p - q, 0) using the caller's draws:
-    sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "race_mul": argmax(r * W) with
-    W = 1 / E; "gumbel": argmax(log(r) + G) with G ~ Gumbel(0, 1) [..., V]; nonneg: how
-    max(., 0) is spelled (NONNEG); floor: clamp's min. -> int64 [...]"""
+def residual_score(r: Tensor, noise: Tensor, sampler: str, guard: str = "none",
+                   fill: float = 0.0) -> Tensor:
+    """The race's score from a residual r (consumed when the shapes allow): r / E, r * W or
+    log(r) + G; guard "zero_inf": `fill` where E == 0 or isinf(E). Its argmax is the token; the
+    recovered-token proof (passes/residual_proof.py) compares this score with the user's."""
     if sampler not in SAMPLERS:
         raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
-    r = _residual(p, q, normalize, nonneg, floor)  # [..., V]
+    if guard not in GUARDS:
+        raise ValueError(f"npuspec.kernels.residual_sample: guard={guard!r} must be one of {GUARDS}")
+    if guard != "none" and sampler != "race":
+        raise ValueError(f"npuspec.kernels.residual_sample: guard={guard!r} needs sampler='race' "
+                         f"(got {sampler!r}); pass guard='none'")
     if r.shape != torch.broadcast_shapes(r.shape, noise.shape) or r.dtype != torch.promote_types(
             r.dtype, noise.dtype):
         score = {"race": lambda: r / noise, "race_mul": lambda: r * noise,
@@ -206,25 +211,46 @@ def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler
         score = r.mul_(noise)
     else:
         score = r.log_().add_(noise)
-    return score.argmax(-1)
+    if guard == "zero_inf":
+        score = torch.where(noise.eq(0) | noise.isinf(), fill, score)
+    return score
+
+
+@torch.library.custom_op("npuspec::residual_sample", mutates_args=())
+def residual_sample(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
+                    nonneg: str = "clamp", floor: float = 0.0, guard: str = "none",
+                    fill: float = 0.0) -> Tensor:
+    """One token per row from the residual max(p - q, 0) using the caller's draws:
+    sampler "race": argmax(r / E) with E ~ Exp(1) [..., V]; "race_mul": argmax(r * W) with
+    W = 1 / E; "gumbel": argmax(log(r) + G) with G ~ Gumbel(0, 1) [..., V]; nonneg: how
+    max(., 0) is spelled (NONNEG); floor: clamp's min; guard/fill: draws scored `fill`
+    (GUARDS). -> int64 [...]"""
+    r = _residual(p, q, normalize, nonneg, floor)  # [..., V]
+    return residual_score(r, noise, sampler, guard, fill).argmax(-1)
 
 
 @residual_sample.register_fake
-def _(p, q, noise, normalize, sampler, nonneg="clamp", floor=0.0):
+def _(p, q, noise, normalize, sampler, nonneg="clamp", floor=0.0, guard="none", fill=0.0):
     shape = torch.broadcast_shapes(p.shape, q.shape, noise.shape)
     return p.new_empty(shape[:-1], dtype=torch.int64)
 
 
 def residual_sample_ref(p: Tensor, q: Tensor, noise: Tensor, normalize: str, sampler: str,
-                        nonneg: str = "clamp", floor: float = 0.0) -> Tensor:
+                        nonneg: str = "clamp", floor: float = 0.0, guard: str = "none",
+                        fill: float = 0.0) -> Tensor:
     r = residual_probs_ref(p, q, normalize, nonneg, floor)
     if sampler == "race":
-        return torch.argmax(r / noise, dim=-1)
+        score = r / noise
+        if guard == "zero_inf":  # vllm-ascend's spelling: a safe divisor, then the fill
+            safe = torch.where(noise == 0, 1e-10, noise)
+            safe = torch.where(torch.isinf(noise), 1e-10, safe)
+            score = torch.where((noise == 0) | torch.isinf(noise), fill, r / safe)
+        return torch.argmax(score, dim=-1)
     if sampler == "race_mul":
         return torch.argmax(r * noise, dim=-1)
     return torch.argmax(r.log() + noise, dim=-1)
 
 
-__all__ = ["greedy_accept", "ratio_accept", "residual_probs", "residual_sample",
+__all__ = ["greedy_accept", "ratio_accept", "residual_probs", "residual_sample", "residual_score",
            "greedy_accept_ref", "ratio_accept_ref", "residual_probs_ref", "residual_sample_ref",
            "prefix_len_ref"]

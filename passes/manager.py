@@ -55,8 +55,8 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from npuspec import counters, envs
-from npuspec.passes import (bare_masks, canonical, picks, prefix, rewrites, rowlocal, shared,
-                            unmatched)
+from npuspec.passes import (bare_masks, canonical, picks, prefix, residual_proof, rewrites,
+                            rowlocal, shared, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 
@@ -244,6 +244,9 @@ class PassManager:
             self._apply_families(graph, flavor, found)
         self._bare_mask_round(graph, flavor, found)
         self._shared_round(graph, flavor, found)
+        proven = residual_proof.prove_recovered(graph)  # what no residual spelling took
+        if proven:
+            found["residual_proof"] = proven
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
             # later (an RNG draw after the ratio test) moves down after it (see
@@ -287,6 +290,7 @@ class PassManager:
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
+                                       residual_proof,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

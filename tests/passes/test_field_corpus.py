@@ -54,6 +54,8 @@ FUSED_NOW = {
     "lmdeploy_recovered_tokens",      # residual_sample, race_mul sampler (* E.reciprocal())
     "lmdeploy_rejection_sample",      # residual_sample (race_mul), the graph after `.item()`
     "feifeibear_max_fn_sample",       # residual_probs (probs spelling), the graph before `.item()`
+    "vllm_ascend_random",             # residual_sample: its guarded race found by the check set
+    "vllm_ascend_block_verify",       # likewise (passes/residual_proof.py)
 }
 
 # run under the inductor lowering in the quick suite; the rest are marked slow
