@@ -35,8 +35,10 @@ NORMALIZE = ("none", "row", "all")  # residual normalisation: none, r / r.sum(-1
 # multiplies by E.reciprocal(), which rounds differently from dividing by E)
 SAMPLERS = ("race", "gumbel", "race_mul")
 # how max(d, 0) is written, d = p - q: torch.clamp(d, min=0) keeps a NaN (and -0.0);
-# torch.where(d > 0, d, 0.0) makes both +0.0 (gpt-fast, romsto, feifeibear write it so)
-NONNEG = ("clamp", "where")
+# torch.where(d > 0, d, 0.0) makes both +0.0 (gpt-fast, romsto, feifeibear write it so);
+# "none": d as it is (a one-hot draft's residual, p with the draft's entry zeroed by the user,
+# raced as p - 0.0, which is p bit for bit)
+NONNEG = ("clamp", "where", "none")
 # draws the race leaves out: "zero_inf" scores `fill` wherever E == 0 or E is infinite, as
 # vllm-ascend's sample_recovered_tokens_pytorch guards its q (1e-10 divisor, then -1e10)
 GUARDS = ("none", "zero_inf")
@@ -149,13 +151,13 @@ def _residual(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp",
         raise ValueError(f"npuspec.kernels.residual: normalize={normalize!r} must be one of {NORMALIZE}")
     if nonneg not in NONNEG:
         raise ValueError(f"npuspec.kernels.residual: nonneg={nonneg!r} must be one of {NONNEG}")
-    if nonneg == "where" and floor != 0:
+    if nonneg != "clamp" and floor != 0:
         raise ValueError(f"npuspec.kernels.residual: floor={floor!r} needs nonneg='clamp' (the "
                          "where form writes 0.0); pass floor=0.0 or nonneg='clamp'")
     r = torch.sub(p, q)  # [..., V]
     if nonneg == "clamp":
         r.clamp_min_(floor)
-    else:
+    elif nonneg == "where":
         r.masked_fill_(r.gt(0).logical_not_(), 0.0)
     if normalize == "row":
         r.div_(r.sum(-1, keepdim=True))
@@ -181,7 +183,8 @@ def _(p, q, normalize, nonneg="clamp", floor=0.0):
 def residual_probs_ref(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp",
                        floor: float = 0.0) -> Tensor:
     d = p - q
-    r = d.clamp(min=floor) if nonneg == "clamp" else torch.where(d > 0, d, torch.zeros_like(d))
+    r = (d.clamp(min=floor) if nonneg == "clamp" else d if nonneg == "none"
+         else torch.where(d > 0, d, torch.zeros_like(d)))
     if normalize == "row":
         r = r / r.sum(dim=-1, keepdim=True)
     elif normalize == "all":

@@ -8,9 +8,10 @@ things no spelling list foresees: vllm-ascend's PyTorch sampler guards its expon
 
 `prove_recovered` takes every `argmax` over the last dim still in the graph after the families,
 walks back through the pointwise ops feeding it (the *region*: at most MAX_NODES, constants
-inside it allowed) to the tensors it reads (the *leaves*; exactly three, float, the last dim
-V), and evaluates the region on a check set: every combination of a grid of values for the
-three leaves (both zeros, a subnormal, values around 1, the largest finite float, both
+inside it allowed) to the tensors it reads (the *leaves*: three float tensors over V, or two
+of which one the user zeroed at the drafts, an n-gram draft's one-hot residual, raced with
+q = 0.0), and evaluates the region on a check set: every combination of a grid of values for
+the leaves (both zeros, a subnormal, values around 1, the largest finite float, both
 infinities, NaN, every constant the region holds and its float neighbours) plus seeded random
 draws of several magnitudes. For each assignment of the leaves to (p, q, E) and each
 configuration of `npuspec::residual_sample` (sampler, nonneg, floor, guard, fill: the floors
@@ -169,9 +170,12 @@ def _evaluate(order: list[Node], env: dict) -> torch.Tensor:
     return env[order[-1]]
 
 
-def _configs(consts: list[float]):
-    """residual_sample's (sampler, nonneg, floor, guard, fill), the plainest first."""
-    for nonneg, floor in [("clamp", 0.0), ("where", 0.0)] + [("clamp", c) for c in consts if c]:
+def _configs(consts: list[float], one_hot: bool):
+    """residual_sample's (sampler, nonneg, floor, guard, fill), the plainest first. Only a
+    one-hot residual (p zeroed at the draft by the user) may skip max(., 0): with three leaves
+    a region without it is a difference raced, not a residual."""
+    kinds = [("clamp", 0.0), ("where", 0.0)] + [("clamp", c) for c in consts if c]
+    for nonneg, floor in kinds + ([("none", 0.0)] if one_hot else []):
         for sampler in accept.SAMPLERS:
             yield sampler, nonneg, floor, "none", 0.0
             if sampler == "race":
@@ -182,6 +186,18 @@ def _configs(consts: list[float]):
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(
         ((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _zeroed(x: Node) -> bool:
+    return x.op == "call_function" and _name(x.target) in _ZEROING
+
+
+def _roles(leaves: list[Node]) -> list[tuple]:
+    """(p, q, E) as indices into the leaves; with two leaves p is the zeroed one and q is 0.0
+    (p - 0.0 is p exactly: a one-hot draft's residual raced against E)."""
+    if len(leaves) == 3:
+        return list(itertools.permutations(range(3)))
+    return [(i, None, 1 - i) for i in range(2) if _zeroed(leaves[i])]
 
 
 def _find(order, leaves) -> Optional[tuple]:
@@ -197,9 +213,10 @@ def _find(order, leaves) -> Optional[tuple]:
             return None
         if not want.is_floating_point():
             return None
-        for roles in itertools.permutations(range(3)):
-            p, q, e = (cols[i] for i in roles)
-            for cfg in _configs(consts):
+        zero = torch.zeros((), dtype=cols[0].dtype)
+        for roles in _roles(leaves):
+            p, q, e = (zero if i is None else cols[i] for i in roles)
+            for cfg in _configs(consts, len(leaves) == 2):
                 sampler, nonneg, floor, guard, fill = cfg
                 try:
                     r = accept._residual(p, q, "none", nonneg, floor)
@@ -225,12 +242,27 @@ def _candidate(n: Node) -> Optional[int]:
     return int(bool(keep))
 
 
+# how a one-hot draft's residual is made: p with the drafted entries set to 0
+_ZEROING = {"index_put", "index_put_", "scatter", "masked_fill", "_unsafe_index_put"}
+
+
 def _leaves_ok(leaves: list[Node], out: Node) -> bool:
+    """Three float tensors over V, or two of which one is a one-hot residual (a tensor the
+    user zeroed at the drafts): a plain race of the target (`(p / E).argmax(-1)`, the bonus
+    token, vLLM's random_sample) is sampling, not a recovered token, and stays as written."""
     vals = [_val(x) for x in leaves]
-    if len(vals) != 3 or any(v is None or not v.is_floating_point() or v.dim() < 1 for v in vals):
+    if len(vals) == 2 and not any(_zeroed(x) for x in leaves):
+        return False
+    if len(vals) not in (2, 3) or any(v is None or not v.is_floating_point() or v.dim() < 1 for v in vals):
         return False
     V = _val(out).shape[-1]
     return isinstance(V, int) and all(v.shape[-1] in (1, V) for v in vals)
+
+
+def _zero(graph: Graph, like: Node) -> Node:
+    v = _val(like)
+    return _fake_meta(graph.call_function(aten.scalar_tensor.default, (0.0,),
+                                          {"dtype": v.dtype, "device": v.device}), v)
 
 
 def prove_recovered(graph: Graph) -> int:
@@ -250,8 +282,8 @@ def prove_recovered(graph: Graph) -> int:
         if hit is None:
             continue
         roles, (sampler, nonneg, floor, guard, fill) = hit
-        p, q, e = (leaves[i] for i in roles)
         with graph.inserting_before(n):
+            p, q, e = (_zero(graph, leaves[0]) if i is None else leaves[i] for i in roles)
             tok = _fake_meta(graph.call_function(
                 torch.ops.npuspec.residual_sample.default,
                 (p, q, e, "none", sampler, nonneg, floor, guard, fill)))

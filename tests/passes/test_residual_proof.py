@@ -136,3 +136,27 @@ def test_guard_needs_the_race():
         accept.residual_sample(p, p, p, "none", "gumbel", "clamp", 0.0, "zero_inf", -1.0)
     with pytest.raises(ValueError, match="guard='nan'"):
         accept.residual_sample(p, p, p, "none", "race", "clamp", 0.0, "nan", -1.0)
+
+
+def ascend_ngram_recovered(target_probs, draft_ids, q_rows):
+    # vllm-ascend's n-gram branch: the draft's own token zeroed in the target, then the race
+    prob = target_probs.clone()
+    prob[torch.arange(draft_ids.shape[0]), draft_ids] = 0
+    return _ascend_guarded(prob, q_rows)
+
+
+def plain_race(p, e):
+    return (p / e).argmax(-1)  # sampling the target (a bonus token), not a recovered token
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_one_hot_residual_races_against_zero(lowering, no_fx_cache):
+    p, _, e = _inputs()
+    ids = torch.tensor([3, 0, 12, 5, 5, 1])
+    three_way(ascend_ngram_recovered, (p, ids, e), lowering=lowering, matched=1,
+              family="residual_proof", appear=("npuspec.residual_sample",))
+
+
+def test_a_plain_race_is_sampling_and_stays(no_fx_cache):
+    p, _, e = _inputs(zeros=False)
+    three_way(plain_race, (p, e), matched=0, gone=("npuspec.residual_sample",))
