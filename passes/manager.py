@@ -78,11 +78,17 @@ def decomp_table(flavor: str) -> dict:
 
 
 def trace_canonical(fn, args, *, get_decomp_fn=None, **_):
-    """Inductor's `fwd_only` trace, then canonical literals (the trace_fn of every pattern)."""
+    """Inductor's `fwd_only` trace, then canonical literals (the trace_fn of every pattern).
+
+    The module is lazy: the matcher reads its graph, never its code, and each match traces
+    its spelling twice (the search at the user's shapes, then the replacement), so generating
+    Python for the three recompiles of each trace was ~20 % of the passes' time."""
     from torch._inductor.pattern_matcher import fwd_only
-    gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn or (lambda: {}))
-    canonical.canonicalize(gm.graph)
-    gm.recompile()
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+    with _use_lazy_graph_module(True):
+        gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn or (lambda: {}))
+        canonical.canonicalize(gm.graph)
+        gm.recompile()
     return gm
 
 
@@ -151,10 +157,12 @@ def _has_anchor(graph: torch.fx.Graph) -> bool:
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.GraphModule:
-    """A copy of `graph` (node meta included) to dry-run the patterns on."""
+    """A copy of `graph` (node meta included) to dry-run the patterns on; lazy, since it is
+    never run (its nodes go back into `graph`), so no Python is generated for it."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
     g = torch.fx.Graph()
     g.output(g.graph_copy(graph, {}))
-    return torch.fx.GraphModule(graph.owning_module or torch.nn.Module(), g)
+    return _LazyGraphModule(graph.owning_module or torch.nn.Module(), g)
 
 
 def _transplant(graph: torch.fx.Graph, src: torch.fx.Graph) -> None:
