@@ -130,8 +130,12 @@ def compiled(pattern: VerifyPattern, flavor: str) -> _Compiled:
 
 
 # The last few runs as (flavor, {family: count}, graph text after the passes), newest last:
-# what tests and `npuspec` debugging look at to see which ops a compile produced.
+# what tests and `npuspec` debugging look at to see which ops a compile produced. A graph
+# nothing matched is the graph as it came; its text is kept only up to HISTORY_TEXT_NODES
+# nodes ("" past it): printing a model forward (SmolLM2's: 2,791 nodes) took ~50-90 ms of
+# every compile, for a text nothing reads outside tests.
 HISTORY: collections.deque = collections.deque(maxlen=32)
+HISTORY_TEXT_NODES = 1000
 # Runs and seconds spent in them, totals over the process (`npuspec bench passes` reports the
 # time a compile added beside Inductor's compile time for the same graph): the copy, the
 # rewrites, the replacements and the copy back together.
@@ -231,7 +235,8 @@ class PassManager:
             unmatched.note_unmatched(graph)
         if seq:
             _dump(graph, "2_after", seq)
-        HISTORY.append((flavor, dict(found), str(graph)))
+        text = str(graph) if found or len(graph.nodes) <= HISTORY_TEXT_NODES else ""
+        HISTORY.append((flavor, dict(found), text))
         TOTALS["runs"] += 1
         TOTALS["seconds"] += time.perf_counter() - t0
         log.info("npuspec passes (%s): %s", flavor, found or "no verify pattern matched")
