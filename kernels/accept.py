@@ -153,7 +153,7 @@ def _residual(p: Tensor, q: Tensor, normalize: str, nonneg: str = "clamp",
         raise ValueError(f"npuspec.kernels.residual: nonneg={nonneg!r} must be one of {NONNEG}")
     if nonneg != "clamp" and floor != 0:
         raise ValueError(f"npuspec.kernels.residual: floor={floor!r} needs nonneg='clamp' (the "
-                         "where form writes 0.0); pass floor=0.0 or nonneg='clamp'")
+                         f"{nonneg!r} form takes no floor); pass floor=0.0 or nonneg='clamp'")
     r = torch.sub(p, q)  # [..., V]
     if nonneg == "clamp":
         r.clamp_min_(floor)
@@ -196,7 +196,7 @@ def residual_score(r: Tensor, noise: Tensor, sampler: str, guard: str = "none",
                    fill: float = 0.0) -> Tensor:
     """The race's score from a residual r (consumed when the shapes allow): r / E, r * W or
     log(r) + G; guard "zero_inf": `fill` where E == 0 or isinf(E). Its argmax is the token; the
-    recovered-token proof (passes/residual_proof.py) compares this score with the user's."""
+    recovered-token check (passes/residual_proof.py) compares this score with the user's."""
     if sampler not in SAMPLERS:
         raise ValueError(f"npuspec.kernels.residual_sample: sampler={sampler!r} must be one of {SAMPLERS}")
     if guard not in GUARDS:

@@ -133,6 +133,8 @@ def test_opcheck_fake_impls():
              (torch.ops.npuspec.ratio_accept.default, (p, q, d, u)),
              (torch.ops.npuspec.ratio_accept.default, (p, None, d, u)),
              (torch.ops.npuspec.residual_probs.default, (p, q, "row")),
-             (torch.ops.npuspec.residual_sample.default, (p, q, e, "all", "race"))]
+             (torch.ops.npuspec.residual_sample.default, (p, q, e, "all", "race")),
+             (torch.ops.npuspec.residual_sample.default,
+              (p, q, e, "none", "race", "none", 0.0, "zero_inf", -1e10))]
     for op, args in cases:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
