@@ -32,6 +32,14 @@ threads idle and per-call overheads count.
 What differs from `reference_paged_attention`: the order of the sums (per chunk, then the
 merge) and exp's last bits, so results agree to fp32 rounding, not bitwise (measured against
 an fp64 computation, the kernel's error is no larger than the fp32 reference's).
+
+Not batch-invariant: the chunks are sized per call and the score layout follows R, so a query
+row's output depends on the other rows in the call. Measured (fp32, SmolLM2's 9/3 heads, D =
+64, 2 threads, one scratch run): the last query of a T = 5 verify call against the same query
+alone (T = 1) differs by up to 1.2e-7 to 4.8e-7 at 40, 300 and 500 positions, and a row
+beside a second 480-position row by up to 1.3e-7; rounded to bf16 those outputs were equal.
+Such differences are why speculative greedy decoding can leave plain greedy decoding's tokens
+at a near tie (README: bf16 speculation equals bf16 plain decoding on 4-5 of 6 outputs).
 """
 from __future__ import annotations
 
