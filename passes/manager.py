@@ -157,8 +157,69 @@ _ANCHORS = ("sum", "argmax", "multinomial", "where", "squeeze", "gather", "index
 
 
 def _has_anchor(graph: torch.fx.Graph) -> bool:
-    return any(n.op == "call_function" and getattr(n.target, "__name__", "").split(".")[0]
-               in _ANCHORS for n in graph.nodes)
+    return any(n.op == "call_function" and _op_name(n) in _ANCHORS for n in graph.nodes)
+
+
+def _op_name(n: torch.fx.Node) -> str:
+    return getattr(n.target, "__name__", "").split(".")[0]
+
+
+# What every replacement needs in the graph as it comes, one of (a model forward has none, so
+# its compiles skip the copy, the no-op removal and the rewrites: SmolLM2's forward under
+# Inductor's decompositions, 2,885 nodes, cost 0.25-0.37 s a compile with nothing to match):
+# - argmax/argmin or multinomial (every token, k_one's argmax), a cumprod (every product
+#   tail, vllm-ascend's running products), or a cumsum/cummin/cummax of a mask that compares
+#   two tensors (through casts, views, negations and `&`/`|`: the count tails
+#   `(~ok).cumsum(-1) < 1`, `.long().cummin(-1)`); HF's forward takes a cumsum of
+#   `attention_mask != 0`, a compare with a literal, which is none;
+# - a bool [B] or [B, K <= prefix.MAX_K] tensor: the prefix proof's flags, the columns rule's
+#   per-column compares, an accept test's mask;
+# - max(d, 0) for a residual read without a race (residual_probs): clamp, clamp_min, maximum,
+#   relu, or a where whose condition is an order comparison (`d > 0`, before canonical order).
+_SIGNALS = ("cumprod", "argmax", "argmin", "multinomial", "clamp", "clamp_min", "maximum", "relu")
+_SCANS = ("cumsum", "cummin", "cummax")
+_ORDER = ("gt", "ge", "lt", "le")
+_COMPARES = ("eq", "ne", "gt", "ge", "lt", "le")
+_THROUGH = ("_to_copy", "convert_element_type", "view", "reshape", "unsqueeze", "squeeze",
+            "slice", "select", "expand", "clone", "bitwise_not", "logical_not", "bitwise_and",
+            "logical_and", "bitwise_or", "logical_or", "neg", "rsub", "sub", "permute",
+            "_unsafe_view", "alias")
+
+
+def _from_compare(x, depth: int = 8) -> bool:
+    """x is, through casts, views, negations and `&`/`|`, a comparison of two tensors of rank
+    >= 1 (an accept test: drafts == target, ratio >= u), not of a tensor with a literal."""
+    if not isinstance(x, torch.fx.Node) or x.op != "call_function" or depth == 0:
+        return False
+    name = _op_name(x)
+    if name in _COMPARES:
+        vals = [a.meta.get("val") for a in x.args[:2] if isinstance(a, torch.fx.Node)]
+        return len(vals) == 2 and all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in vals)
+    if name not in _THROUGH:
+        return False
+    return any(_from_compare(a, depth - 1) for a in x.args if isinstance(a, torch.fx.Node))
+
+
+def _signal(n: torch.fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    name = _op_name(n)
+    if name in _SIGNALS:
+        return True
+    if name in _SCANS:
+        return _from_compare(n.args[0])
+    if name == "where" and isinstance(n.args[0], torch.fx.Node) and _op_name(n.args[0]) in _ORDER:
+        return True
+    v = n.meta.get("val")
+    return (isinstance(v, torch.Tensor) and v.dtype == torch.bool
+            and (v.dim() == 1 or v.dim() == 2 and isinstance(v.shape[1], int)
+                 and v.shape[1] <= prefix.MAX_K))
+
+
+def could_match(graph: torch.fx.Graph) -> bool:
+    """A cheap necessary condition for any replacement (see _SIGNALS); a graph without it is
+    lowered exactly as it came, without the copy and the rewrites."""
+    return _has_anchor(graph) and any(_signal(n) for n in graph.nodes)
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.GraphModule:
@@ -218,7 +279,7 @@ class PassManager:
         if seq:
             _dump(graph, "1_before", seq)
         found = {}
-        if _has_anchor(graph):  # rewritten on a copy: a graph nothing matched stays as it came
+        if could_match(graph):  # rewritten on a copy: a graph nothing matched stays as it came
             trial = _copy(graph)
             found = self._rewrite(trial.graph, flavor)
             if found:

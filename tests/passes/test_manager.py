@@ -121,6 +121,44 @@ def test_a_matched_graph_is_rewritten_once_on_a_copy_and_taken_over_in_place(fla
     assert all(torch.equal(a, b) for a, b in zip(gm(*args), step(*args)))
 
 
+def _forward_like(x, w, attention_mask):
+    # what a model forward holds: a cumsum of its mask compared with a literal (HF's position
+    # ids), masks of the sequence's length, a softmax; no accept test, no race, no max(d, 0)
+    pos = (attention_mask != 0).cumsum(-1) - 1                       # [1, S]
+    causal = torch.arange(x.shape[1])[None, :] <= torch.arange(x.shape[1])[:, None]
+    h = x @ w + pos[..., None].float()                               # [1, S, D]
+    s = (h @ h.transpose(1, 2)).masked_fill(~causal, float("-inf"))  # [1, S, S]
+    return torch.softmax(s, -1) @ h
+
+
+@pytest.mark.parametrize("flavor", ["aten", "inductor"])
+def test_a_graph_that_cannot_match_is_neither_copied_nor_rewritten(flavor, monkeypatch):
+    args = (torch.randn(1, 20, 8), torch.randn(8, 8), torch.ones(1, 20, dtype=torch.long))
+    gm = aten_graph(_forward_like, *args)
+    assert not manager.could_match(gm.graph)
+    monkeypatch.setattr(manager, "_copy", lambda g: pytest.fail("copied a graph that cannot match"))
+    before = str(gm.graph)
+    assert PassManager().run(gm, flavor=flavor) == {}
+    assert str(gm.graph) == before
+
+
+@pytest.mark.parametrize("fn", [count, step])
+def test_verify_steps_pass_the_cheap_filter(fn):
+    assert manager.could_match(aten_graph(fn, *_args()).graph)
+
+    def loop_count(logits, drafts):  # a count of `&` and `+` only: its [B, K] mask is the signal
+        ok = drafts == logits.argmax(-1)[:, :-1]
+        alive, n = torch.ones_like(ok[:, 0]), torch.zeros(ok.shape[0], dtype=torch.long)
+        for i in range(ok.shape[1]):
+            alive = alive & ok[:, i]
+            n = n + alive.long()
+        return n
+
+    gm = aten_graph(loop_count, *_args())
+    assert manager.could_match(gm.graph)
+    assert PassManager().run(gm, flavor="aten") == {"greedy_accept": 1}
+
+
 def test_bad_flavor_names_the_value():
     with pytest.raises(ValueError, match="flavor='torchair'"):
         PassManager().run(aten_graph(count, *_args()), flavor="torchair")
