@@ -21,7 +21,9 @@ traced with the same table as the graph they run on:
   the manager runs as Inductor's `joint_custom_pre_pass` (see `InductorVerifyPass`).
 - "aten": no decompositions; used by the eager lowering on the graph from AOT autograd.
 
-Before matching, in this order: `canonicalize` rewrites dim/slice literals into one form (both
+A graph without a cheap necessary condition for any replacement (`could_match`: an argmax or
+multinomial, a cumprod, a scan of an accept mask, a small bool mask, a max(d, 0) form) is left
+exactly as it came, unread. Before matching, in this order: `canonicalize` rewrites dim/slice literals into one form (both
 in the graph and in the traced patterns); `rewrites.normalize` applies the exact normal forms
 of passes/rewrites/ (one rule per file; `counters["canonical_rewrites.<rule>"]` counts the
 sites of a graph in which a family then matched); `picks.canonical_picks` puts every spelling of
