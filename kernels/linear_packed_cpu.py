@@ -455,7 +455,7 @@ def _gemm_rows(x: torch.Tensor, wp: torch.Tensor, bias: Optional[torch.Tensor], 
         return torch.mm(x, wt[:, :n]) if bias is None else torch.addmm(bias.float(), x, wt[:, :n])
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     for p0 in range(0, panels, step):
-        p1 = min(nb, p0 + step)
+        p1 = min(panels, p0 + step)
         c0, c1 = p0 * bw, min(p1 * bw, n)
         wt = buf[:K * (p1 - p0) * bw].view(K, (p1 - p0) * bw)            # w^T [K, cols]
         _unpack(lib, wp, p0, p1, wt)

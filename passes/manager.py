@@ -56,6 +56,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from npuspec import counters, envs
 from npuspec.passes import (bare_masks, canonical, picks, prefix, residual_proof, rewrites,
@@ -87,7 +88,6 @@ def trace_canonical(fn, args, *, get_decomp_fn=None, **_):
     its spelling twice (the search at the user's shapes, then the replacement), so generating
     Python for the three recompiles of each trace was ~20 % of the passes' time."""
     from torch._inductor.pattern_matcher import fwd_only
-    from torch.fx._lazy_graph_module import _use_lazy_graph_module
     with _use_lazy_graph_module(True):
         gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn or (lambda: {}))
         canonical.canonicalize(gm.graph)
@@ -227,7 +227,6 @@ def could_match(graph: torch.fx.Graph) -> bool:
 def _copy(graph: torch.fx.Graph) -> torch.fx.GraphModule:
     """A copy of `graph` (node meta included) to dry-run the patterns on; lazy, since it is
     never run (its nodes go back into `graph`), so no Python is generated for it."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
     g = torch.fx.Graph()
     g.output(g.graph_copy(graph, {}))
     return _LazyGraphModule(graph.owning_module or torch.nn.Module(), g)

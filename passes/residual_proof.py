@@ -41,6 +41,7 @@ from torch.fx import Graph, Node
 import npuspec.kernels.accept as accept
 from npuspec.passes.prefix import _attr
 from npuspec.passes.rewrites.nodes import _fake_meta, _val
+from npuspec.passes.rowlocal import _name
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -52,10 +53,6 @@ _FILLS = {"full", "zeros", "ones"}  # a size argument first (Inductor's full_lik
 _GRID = (0.0, -0.0, 1e-45, 1e-30, 1e-10, 1e-5, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 1e10,
          3.4028234663852886e38, -1e-10, -0.5, -1.0, math.inf, -math.inf, math.nan)
 RANDOM_DRAWS = 40_000
-
-
-def _name(t) -> str:
-    return t.overloadpacket.__name__ if isinstance(t, torch._ops.OpOverload) else ""
 
 
 def _pointwise(n: Node) -> bool:
