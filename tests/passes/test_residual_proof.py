@@ -160,3 +160,14 @@ def test_one_hot_residual_races_against_zero(lowering, no_fx_cache):
 def test_a_plain_race_is_sampling_and_stays(no_fx_cache):
     p, _, e = _inputs(zeros=False)
     three_way(plain_race, (p, e), matched=0, gone=("npuspec.residual_sample",))
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_one_request_and_one_row(lowering, no_fx_cache):
+    """B = 1 ([1, V] rows) and a single 1-D row (argmax over dim 0, keepdim) fuse alike."""
+    p, dq, e = _inputs()
+    three_way(ascend_recovered, (p[:1], dq[:1], e[:1]), lowering=lowering, matched=1,
+              family="residual_proof", appear=("npuspec.residual_sample",))
+    torch._dynamo.reset()
+    three_way(guarded_full_like, (p[0], dq[0], e[0]), lowering=lowering, matched=1,
+              family="residual_proof", appear=("npuspec.residual_sample",))
