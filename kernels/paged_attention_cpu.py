@@ -5,20 +5,35 @@ the decode/verify regime: a few rows of T = K+1 tokens over a few hundred to a f
 positions, where a call is tens of microseconds, so one (row, kv head) per thread would leave
 threads idle and per-call overheads count.
 
-- Split-K (flash-decoding): each row's live positions are cut into chunks of whole blocks, sized
-  per call for about 8 work items per thread; an item is (row, kv head, chunk), spread over
-  OpenMP threads with dynamic scheduling. The G query heads of a kv head times the row's T
-  tokens form R = T*G query rows that share every K/V read. An item computes its R x n scores,
-  their max m, p = exp(s - m) (at::vec's vectorised `exp_u20`), l = sum p and acc = p @ V,
-  unnormalised. A row that fits in one chunk writes acc / l straight to the output; otherwise,
-  after a barrier, each (row, kv head) merges its chunks' (m, l, acc) with weights
-  exp(m_c - max m).
-- Two score layouts, both with independent accumulators in registers. Few query rows (R <= half
-  a vector, e.g. decode's R = 3): the tiled layout, 3 rows x 4 keys of dot products over D with
-  one horizontal sum per 4 scores. More rows (verify's R = 15): the lanes layout, query rows in
-  the vector lanes (S^T = K Q^T, a broadcast key element times a vector of rows, 6 keys x 2 row
-  vectors), no horizontal sums and about twice the FMA rate. p @ V is 3 rows x 4 vectors of D
-  in both.
+- Split-K (flash-decoding): each row's live positions are cut into chunks of whole blocks; an
+  item is (row, kv head, chunk), spread over OpenMP threads with dynamic scheduling. The G
+  query heads of a kv head times the row's T tokens form R = T*G query rows that share every
+  K/V read. An item computes its R x n scores, their max m, p = exp(s - m) (at::vec's
+  vectorised `exp_u20`), l = sum p and acc = p @ V, unnormalised. A row that fits in one chunk
+  writes acc / l straight to the output; otherwise, after a barrier, each (row, kv head) merges
+  its chunks' (m, l, acc) with weights exp(m_c - max m).
+- Batch-invariant where it matters (T <= INVARIANT_MAX_T: decode and verify calls): chunks of
+  FIXED_CHUNK positions at fixed offsets, and one score layout (tiled), so every value a query
+  row reads (its chunks, each score's sum over D, the softmax sums, p @ V, the merge) is summed
+  in the same order whatever B, T, the other rows' lengths and the thread count. A row pads
+  with p = 0 (adding 0 is exact) where a tile or chunk holds more keys than it sees. The last
+  query of a K+1-token verify call is therefore the same bits as the decode call of that
+  position, which is what makes speculative greedy decoding emit plain greedy decoding's tokens
+  in bf16 as in fp32 (tests/kernels/test_paged_attention_invariance.py). Longer calls (prefill)
+  size their chunks per call for about 8 items per thread and take the lanes layout when R is
+  large; their bits may depend on the call, which both decodings share.
+- Two score layouts, both with independent accumulators in registers. The tiled layout, 3 rows
+  x 4 keys of dot products over D, 4 horizontal sums at a time (on AVX-512 one shuffle tree for
+  the 4). The lanes layout (prefill, R > half a vector): query rows in the vector lanes (S^T =
+  K Q^T, a broadcast key element times a vector of rows, 6 keys x 2 row vectors), no
+  horizontal sums and about twice the FMA rate at R = 15, but each score's sum over D runs in
+  another order, so decode and verify do not use it: a verify call (R = 15) runs at 0.73-0.95x
+  the speed it had with it (`python -m npuspec.bench.attention_cpu --cold --against OLD`,
+  T = 5, B = 1-64, L = 300-2000; decode calls 0.95-1.28x, the fixed chunks). End to end that
+  is inside this machine's noise (SmolLM2 fp32, 16 requests x 64 tokens, fixed K = 4, medians
+  of 3 in 2 processes each: 18.9 and 19.3 s against 17.1 and 21.5 s before). 6-row score tiles
+  (fewer passes over a chunk's keys) measured no faster; not kept. p @ V is 3 rows x 4
+  vectors of D in both.
 - Causal rule: query t of row b sees positions <= seq_lens[b] - T + t; per chunk each query row
   gets its visible count, tiles stop at the longest of their rows and shorter rows are masked
   to -inf (p = 0); rows that see nothing of a chunk get m = -inf, l = 0 and drop out of the
@@ -32,14 +47,6 @@ threads idle and per-call overheads count.
 What differs from `reference_paged_attention`: the order of the sums (per chunk, then the
 merge) and exp's last bits, so results agree to fp32 rounding, not bitwise (measured against
 an fp64 computation, the kernel's error is no larger than the fp32 reference's).
-
-Not batch-invariant: the chunks are sized per call and the score layout follows R, so a query
-row's output depends on the other rows in the call. Measured (fp32, SmolLM2's 9/3 heads, D =
-64, 2 threads, one scratch run): the last query of a T = 5 verify call against the same query
-alone (T = 1) differs by up to 1.2e-7 to 4.8e-7 at 40, 300 and 500 positions, and a row
-beside a second 480-position row by up to 1.3e-7; rounded to bf16 those outputs were equal.
-Such differences are why speculative greedy decoding can leave plain greedy decoding's tokens
-at a near tie (README: bf16 speculation equals bf16 plain decoding on 4-5 of 6 outputs).
 """
 from __future__ import annotations
 
@@ -67,6 +74,11 @@ struct Args {
 static_assert(sizeof(Args) == 19 * 8, "Args must match _ARGS in paged_attention_cpu.py");
 """
 
+# Calls of at most this many tokens per row (decode, verify) are batch-invariant, with chunks of
+# FIXED_CHUNK positions (rounded up to whole blocks); longer ones (prefill) size chunks per call.
+INVARIANT_MAX_T = 32
+FIXED_CHUNK = 128
+
 _SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
 #include <algorithm>
@@ -88,6 +100,10 @@ constexpr int64_t kPad = kL > kKeys ? kL : kKeys;  // tiled score rows padded to
 constexpr int64_t kItemsPerThread = 8;             // split-K target: enough items to balance
 constexpr int64_t kMinChunk = 64, kMaxChunk = 512; // positions per chunk
 constexpr int64_t kMaxScores = 1 << 14;            // R x chunk scores per thread (L1/L2-sized)
+// Decode and verify calls (T <= kInvariantT) are batch-invariant: chunks of a fixed kFixedChunk
+// positions (rounded up to whole blocks) and the tiled layout, whatever B, T, the other rows'
+// lengths and the thread count, so a query's output is the same bits as in any other call.
+constexpr int64_t kInvariantT = INVARIANT_MAX_T, kFixedChunk = FIXED_CHUNK;
 const float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -104,6 +120,18 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   _mm_storeu_ps(s, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#elif defined(CPU_CAPABILITY_AVX512)
+  // Four sums at once (a vec_reduce_all per score cost more than the score's FMAs): halves,
+  // then quarters, then pairs and neighbours within each 128-bit lane. Each score's tree is the
+  // same whichever scores share the call.
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+  y = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
+  y = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+  alignas(64) float t[16];
+  _mm512_store_ps(t, y);
+  s[0] = t[0]; s[1] = t[4]; s[2] = t[8]; s[3] = t[12];
 #else
   s[0] = hsum(a0); s[1] = hsum(a1); s[2] = hsum(a2); s[3] = hsum(a3);
 #endif
@@ -508,8 +536,10 @@ void run(const T* q, float* out, const T* kc, const T* vc, const int32_t* bt, co
   P.stride = P.Hkv * P.D;
   P.dp = round_up(P.D, kL);
   P.nv = P.dp / kL;
-  P.chunk = chunk_size(P, lens, nthreads, forced_chunk);
-  P.lanes = 2 * P.R > kL;  // enough query rows to fill most of a vector's lanes
+  const bool invariant = P.T <= kInvariantT;
+  P.chunk = invariant && forced_chunk <= 0 ? round_up(kFixedChunk, P.bs)
+                                           : chunk_size(P, lens, nthreads, forced_chunk);
+  P.lanes = !invariant && 2 * P.R > kL;  // enough query rows to fill most of a vector's lanes
   P.rp = round_up(P.R, kL);
   P.sst = round_up(P.chunk, kPad);
   const bool widen = !std::is_same<T, float>::value || P.dp != P.D;
@@ -577,7 +607,8 @@ extern "C" void npuspec_paged_attention(const Args* args) {
   else if (a.dtype == 1) dispatch<c10::BFloat16>(a);
   else dispatch<c10::Half>(a);
 }
-""".replace("ARGS_DECL", ARGS_DECL)
+""".replace("ARGS_DECL", ARGS_DECL).replace("INVARIANT_MAX_T", str(INVARIANT_MAX_T)).replace(
+    "FIXED_CHUNK", str(FIXED_CHUNK))
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Positions per split-K chunk, rounded up to whole blocks; 0 (the default) sizes chunks per

@@ -111,13 +111,16 @@ SPLIT_CASES = [  # B, T, H, Hkv, D, bs, lens, positions per chunk
                                                   # queries (see nothing) with live ones
     (2, 3, 7, 1, 16, 8, [90, 9], 8),              # G=7, bs=8, chunk = one block
     (1, 5, 9, 3, 64, 48, [500], 64),              # bs=48: the chunk rounds up to 2 blocks
-    # R = T*G query rows per kv head: few (<= half a vector) take the tiled layout, more the
-    # lanes layout (query rows in the vector lanes); both are above, these add edge cases
+    # decode and verify calls (T <= INVARIANT_MAX_T) take the tiled layout; longer ones with
+    # R = T*G > half a vector the lanes layout (query rows in the vector lanes); both are
+    # above, these add edge cases
     (3, 1, 9, 3, 64, 16, [200, 65, 0], 64),       # decode (R = 3, tiled), split
     (2, 2, 4, 2, 64, 16, [65, 130], 64),          # R = 4 (tiled): a tile mixes a token that sees
                                                   # nothing of the last chunk with one that does
     (1, 100, 9, 3, 64, 16, [150], 32),            # R = 300 (prefill-like, lanes): row vectors that
                                                   # see nothing of a chunk are skipped
+    (2, 33, 8, 2, 40, 16, [300, 47], 32),         # T = 33 (lanes), D off the vector width,
+                                                  # G = 4, a row shorter than its chunk
 ]
 
 
@@ -148,9 +151,11 @@ def test_cpu_kernel_split_k_matches_reference(case, dtype, threads, monkeypatch)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3], indirect=True)
-@pytest.mark.parametrize("lens,T", [([2000, 300, 0, 17], 5), ([300], 1), ([4100], 5)])
+@pytest.mark.parametrize("lens,T", [([2000, 300, 0, 17], 5), ([300], 1), ([4100], 5),
+                                    ([700, 64], 40)])
 def test_cpu_kernel_long_rows_auto_chunks(lens, T, threads):
-    """The decode/verify regime with the chunking the kernel picks (it depends on the threads)."""
+    """The chunking the kernel picks: fixed chunks for decode/verify, per call (depending on
+    the threads) for longer T."""
     _check_cpu(_case(len(lens), T, 9, 3, 64, 16, lens), torch.float32)
 
 
