@@ -12,16 +12,17 @@ threads idle and per-call overheads count.
   vectorised `exp_u20`), l = sum p and acc = p @ V, unnormalised. A row that fits in one chunk
   writes acc / l straight to the output; otherwise, after a barrier, each (row, kv head) merges
   its chunks' (m, l, acc) with weights exp(m_c - max m).
-- Batch-invariant where it matters (T <= INVARIANT_MAX_T = 31: decode and verify calls): chunks of
-  FIXED_CHUNK positions at fixed offsets, and one score layout (tiled), so every value a query
-  row reads (its chunks, each score's sum over D, the softmax sums, p @ V, the merge) is summed
-  in the same order whatever B, T, the other rows' lengths and the thread count. A row pads
-  with p = 0 (adding 0 is exact) where a tile or chunk holds more keys than it sees. The last
-  query of a K+1-token verify call is therefore the same bits as the decode call of that
-  position, which is what makes speculative greedy decoding emit plain greedy decoding's tokens
-  in bf16 as in fp32 (tests/kernels/test_paged_attention_invariance.py). Longer calls (prefill)
-  size their chunks per call for about 8 items per thread and take the lanes layout when R is
-  large; their bits may depend on the call, which both decodings share.
+- Batch-invariant where it matters (T <= INVARIANT_MAX_T = 31: decode and verify calls):
+  chunks of FIXED_CHUNK positions at fixed offsets, and one score layout (tiled), so every
+  value a query row reads (its chunks, each score's sum over D, the softmax sums, p @ V, the
+  merge) is summed in the same order whatever B, T, the other rows' lengths and the thread
+  count. A row pads with p = 0 (adding 0 is exact) where a tile or chunk holds more keys than
+  it sees. The last query of a K+1-token verify call is therefore the same bits as the decode
+  call of that position, which is what makes speculative greedy decoding emit plain greedy
+  decoding's tokens in bf16 as in fp32 (tests/kernels/test_paged_attention_invariance.py).
+  Longer calls (prefill) size their chunks per call for about 8 items per thread and take the
+  lanes layout when R is large; their bits may depend on the call, which both decodings
+  share.
 - Two score layouts, both with independent accumulators in registers. The tiled layout, 3 rows
   x 4 keys of dot products over D, 4 horizontal sums at a time (on AVX-512 one shuffle tree for
   the 4). The lanes layout (prefill, R > half a vector): query rows in the vector lanes (S^T =
@@ -127,9 +128,12 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
   // Four sums at once (a vec_reduce_all per score cost more than the score's FMAs): halves,
   // then quarters, then pairs and neighbours within each 128-bit lane. Each score's tree is the
   // same whichever scores share the call.
-  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
+  const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44),
+                                    _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44),
+                                    _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88),
+                           _mm512_shuffle_f32x4(x01, x23, 0xDD));
   y = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
   y = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
   alignas(64) float t[16];
@@ -614,8 +618,9 @@ extern "C" void npuspec_paged_attention(const Args* args) {
     "FIXED_CHUNK", str(FIXED_CHUNK))
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Positions per split-K chunk, rounded up to whole blocks; 0 (the default) sizes chunks per
-# call. Tests set it to force many chunks on short sequences.
+# Positions per split-K chunk, rounded up to whole blocks; 0 (the default): FIXED_CHUNK for
+# calls of at most INVARIANT_MAX_T tokens a row, sized per call for longer ones. Tests set it to
+# force many chunks on short sequences (a forced size applies to every call).
 FORCED_CHUNK = [0]
 
 

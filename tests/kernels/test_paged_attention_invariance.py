@@ -1,7 +1,8 @@
-"""The CPU kernel is batch-invariant in the decode/verify regime (T <= INVARIANT_MAX_T): a query's output is
-the same bits whatever else shares the call. That is what lets speculative greedy decoding
-emit exactly plain greedy decoding's tokens in bf16 too: the last query of a K+1-token verify
-call must equal the one-token decode call that plain decoding makes at that position."""
+"""The CPU kernel is batch-invariant in the decode/verify regime (T <= INVARIANT_MAX_T): a
+query's output is the same bits whatever else shares the call. That is what lets speculative
+greedy decoding emit exactly plain greedy decoding's tokens in bf16 too: the last query of a
+K+1-token verify call must equal the one-token decode call that plain decoding makes at that
+position."""
 import pytest
 import torch
 
