@@ -31,3 +31,18 @@ def test_bf16_speculative_greedy_equals_bf16_plain(spec, seqs):
     llm = LLM("tiny", speculative_config=spec, **kw)
     assert _tokens(llm) == plain
     assert llm.metrics.num_accepted > 0
+
+
+
+
+def test_bf16_captured_speculative_greedy_equals_captured_plain():
+    """The path users run: both engines compiled (the default lowering) and captured, the
+    online K controller running verify graphs of several K. (This configuration happened to
+    match with the old kernel too; the uncaptured cases above are the ones that did not.)"""
+    kw = dict(dtype="bfloat16", max_model_len=256, max_num_seqs=3)
+    plain = _tokens(LLM("tiny", **kw))
+    llm = LLM("tiny", speculative_config={"method": "suffix", "num_speculative_tokens": "auto"},
+              **kw)
+    assert _tokens(llm) == plain
+    assert llm.metrics.num_accepted > 0
+    assert len([k for k in llm.metrics.steps_by_k if k]) >= 2, llm.metrics.steps_by_k
