@@ -1,4 +1,11 @@
-"""Time the engine's decode/verify step: eager vs compiled (backend="npuspec"), one process.
+"""Time a decode/verify step: eager vs compiled (backend="npuspec"), one process.
+
+What it builds is the step over the model as `load_model` returns it, with plain
+`nn.Linear` weights: it compares the npuspec lowering's small-M linear rewrite (`linear_rows`)
+with Inductor's extern mm. The engine (`LLM`) packs the weights at load and runs
+`npuspec::linear_packed` instead, so these figures are not the engine's step time (its K = 0
+step on SmolLM2 fp32 read ~30 ms here against ~17 ms in the engine, 2026-12-06); for that,
+see `npuspec bench peers`, `bench dynk` or `python -m npuspec.bench.linear`.
 
     python -m npuspec.bench.step --model /tmp/smollm2-hf [--ks 0,4] [--threads 2]
         [--context 300] [--max-model-len 512] [--repeats 30] [--no-baseline] [--profile]
