@@ -63,6 +63,7 @@ from npuspec.passes import (bare_masks, canonical, picks, prefix, residual_proof
                             rowlocal, shared, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
+from npuspec.passes.rowlocal import _name
 
 log = logging.getLogger("npuspec.passes")
 
@@ -159,11 +160,7 @@ _ANCHORS = ("sum", "argmax", "multinomial", "where", "squeeze", "gather", "index
 
 
 def _has_anchor(graph: torch.fx.Graph) -> bool:
-    return any(n.op == "call_function" and _op_name(n) in _ANCHORS for n in graph.nodes)
-
-
-def _op_name(n: torch.fx.Node) -> str:
-    return getattr(n.target, "__name__", "").split(".")[0]
+    return any(n.op == "call_function" and _name(n.target) in _ANCHORS for n in graph.nodes)
 
 
 # What every replacement needs in the graph as it comes, one of (a model forward has none, so
@@ -193,7 +190,7 @@ def _from_compare(x, depth: int = 8) -> bool:
     >= 1 (an accept test: drafts == target, ratio >= u), not of a tensor with a literal."""
     if not isinstance(x, torch.fx.Node) or x.op != "call_function" or depth == 0:
         return False
-    name = _op_name(x)
+    name = _name(x.target)
     if name in _COMPARES:
         vals = [a.meta.get("val") for a in x.args[:2] if isinstance(a, torch.fx.Node)]
         return len(vals) == 2 and all(isinstance(v, torch.Tensor) and v.dim() >= 1 for v in vals)
@@ -205,12 +202,13 @@ def _from_compare(x, depth: int = 8) -> bool:
 def _signal(n: torch.fx.Node) -> bool:
     if n.op != "call_function":
         return False
-    name = _op_name(n)
+    name = _name(n.target)
     if name in _SIGNALS:
         return True
     if name in _SCANS:
         return _from_compare(n.args[0])
-    if name == "where" and isinstance(n.args[0], torch.fx.Node) and _op_name(n.args[0]) in _ORDER:
+    cond = n.args[0] if name == "where" else None
+    if isinstance(cond, torch.fx.Node) and _name(cond.target) in _ORDER:
         return True
     v = n.meta.get("val")
     return (isinstance(v, torch.Tensor) and v.dtype == torch.bool
