@@ -220,6 +220,120 @@ void run(const uint16_t* x, const uint16_t* wp, const float* bias, float* y, int
 }  // namespace dp
 #endif
 
+// bf16 x bf16 on AMX tiles (Sapphire Rapids and later), where the CPU has them and the OS grants
+// the tile state (`amx::enabled`, set from Python): TDPBF16PS multiplies a 16-row x 32-k tile of
+// x by a 32-k x 16-column tile of the weights in one instruction. The weights' tile must hold k
+// in pairs per column (VNNI), so each thread re-lays one [K, 32] panel at a time into a buffer
+// (the unpacks the dot-product kernel does in registers, done once per panel and call), then
+// runs every 32-row block of x over it: 2 x 2 accumulator tiles, the x tiles read in place.
+// Every row goes through the same instructions in the same order whatever M is, so a row has
+// the same bits at any row count from kMinRows on; they are not the dot-product kernel's bits
+// (the tile unit sums each 32-k block in its own order). Below kMinRows the dot-product
+// kernel, which streams a panel without the re-layout, is faster (one row: ~3x).
+#if defined(NPUSPEC_DPBF16) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define NPUSPEC_AMX 1
+#include <algorithm>
+namespace amx {
+bool enabled = false;
+int64_t kMinRows = 12;   // set from Python (AMX_MIN_ROWS)
+
+bool usable(int64_t M, int64_t K) { return enabled && kBW == 32 && K % 32 == 0 && M >= kMinRows; }
+
+struct alignas(64) TileCfg {
+  uint8_t palette_id; uint8_t start_row; uint8_t reserved[14];
+  uint16_t colsb[16]; uint8_t rows[16];
+};
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw")
+// tiles 0-3: y for rows 0-15 / 16-31 x columns 0-15 / 16-31; 4, 5: x rows; 6, 7: weight halves
+inline void configure(int r0, int r1) {
+  TileCfg c{};
+  c.palette_id = 1;
+  const int rows[8] = {r0, r0, r1, r1, r0, r1, 16, 16};
+  for (int t = 0; t < 8; ++t) { c.rows[t] = static_cast<uint8_t>(std::max(rows[t], 1)); c.colsb[t] = 64; }
+  _tile_loadconfig(&c);
+}
+
+// panel [K, 32] -> buf [K/32][2][16][32]: for each 32-k block, two tiles (columns 0-15, 16-31)
+// whose row p holds (w[2p][c], w[2p+1][c]) for their 16 columns c
+inline void to_pairs(const uint16_t* wp, int64_t K, uint16_t* buf) {
+  const __m512i lanes0 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i lanes1 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const __m512i r0 = _mm512_loadu_si512(wp + 2 * p * kBW);
+    const __m512i r1 = _mm512_loadu_si512(wp + (2 * p + 1) * kBW);
+    const __m512i lo = _mm512_unpacklo_epi16(r0, r1), hi = _mm512_unpackhi_epi16(r0, r1);
+    uint16_t* row = buf + ((p / 16) * 2 * 16 + p % 16) * 32;
+    _mm512_storeu_si512(row, _mm512_permutex2var_epi64(lo, lanes0, hi));
+    _mm512_storeu_si512(row + 16 * 32, _mm512_permutex2var_epi64(lo, lanes1, hi));
+  }
+}
+
+void panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, const float* bias,
+           float* y, int64_t ldy, uint16_t* buf, int* shape) {
+  to_pairs(wp, K, buf);
+  const int64_t nkb = K / 32, ldx = K * 2, ldc = ldy * 4;
+  for (int64_t m = 0; m < M; m += 32) {
+    const int r0 = static_cast<int>(std::min<int64_t>(16, M - m));
+    const int r1 = static_cast<int>(std::min<int64_t>(16, std::max<int64_t>(0, M - m - 16)));
+    if (r0 != shape[0] || r1 != shape[1]) { configure(r0, r1); shape[0] = r0; shape[1] = r1; }
+    const uint16_t* xm = x + m * K;
+    _tile_zero(0); _tile_zero(1);
+    if (r1) {
+      _tile_zero(2); _tile_zero(3);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        _tile_loadd(4, xm + kb * 32, ldx);
+        _tile_loadd(5, xm + 16 * K + kb * 32, ldx);
+        _tile_loadd(6, buf + kb * 1024, 64);
+        _tile_loadd(7, buf + kb * 1024 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+      }
+    } else {
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        _tile_loadd(4, xm + kb * 32, ldx);
+        _tile_loadd(6, buf + kb * 1024, 64);
+        _tile_loadd(7, buf + kb * 1024 + 512, 64);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+      }
+    }
+    float* ym = y + m * ldy;
+    _tile_stored(0, ym, ldc); _tile_stored(1, ym + 16, ldc);
+    if (r1) { _tile_stored(2, ym + 16 * ldy, ldc); _tile_stored(3, ym + 16 * ldy + 16, ldc); }
+    if (bias) {
+      const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
+      for (int i = 0; i < r0 + r1; ++i) {
+        _mm512_storeu_ps(ym + i * ldy, _mm512_add_ps(_mm512_loadu_ps(ym + i * ldy), b0));
+        _mm512_storeu_ps(ym + i * ldy + 16, _mm512_add_ps(_mm512_loadu_ps(ym + i * ldy + 16), b1));
+      }
+    }
+  }
+}
+
+void release() { _tile_release(); }
+#pragma GCC pop_options
+
+void run(const uint16_t* x, const uint16_t* wp, const float* bias, float* y, int64_t M,
+         int64_t NB, int64_t K) {
+  const int64_t ldy = NB * kBW;
+#pragma omp parallel
+  {
+    // the tile configuration is per thread, and other libraries' kernels (oneDNN's) set their
+    // own between our calls: each thread configures on its first block and releases at the end
+    static thread_local std::vector<uint16_t> buf;
+    buf.resize(static_cast<size_t>(K * kBW));
+    int shape[2] = {-1, -1};
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < NB; ++b)
+      panel(x, M, K, wp + b * K * kBW, bias ? bias + b * kBW : nullptr, y + b * kBW, ldy,
+            buf.data(), shape);
+    if (shape[0] >= 0) release();
+  }
+}
+}  // namespace amx
+#endif
+
 extern "C" int64_t npuspec_linear_packed_block() { return kBW; }
 extern "C" void npuspec_linear_packed_f32(const float* x, const float* wp, const float* bias,
                                           float* y, int64_t M, int64_t NB, int64_t K) {
@@ -248,11 +362,25 @@ void packed_to_kn(const E* wp, E* out, int64_t NB, int64_t K) {
 extern "C" void npuspec_linear_packed_bf16_x(const at::BFloat16* x, const at::BFloat16* wp,
                                              const float* bias, float* y, int64_t M, int64_t NB,
                                              int64_t K) {
+#ifdef NPUSPEC_AMX
+  if (amx::usable(M, K)) return amx::run(reinterpret_cast<const uint16_t*>(x),
+                                         reinterpret_cast<const uint16_t*>(wp), bias, y, M, NB, K);
+#endif
 #ifdef NPUSPEC_DPBF16
   if (dp::usable(K)) return dp::run(reinterpret_cast<const uint16_t*>(x),
                                     reinterpret_cast<const uint16_t*>(wp), bias, y, M, NB, K);
 #endif
   run(x, wp, bias, y, M, NB, K);
+}
+// on < 0: ask; 0 / 1: turn the AMX path off / on (Python turns it on once the OS has granted
+// the tile state). Returns whether it is on; 0 where the kernel was built without it.
+extern "C" int64_t npuspec_linear_packed_amx(int64_t on, int64_t min_rows) {
+#ifdef NPUSPEC_AMX
+  if (on >= 0) { amx::enabled = on != 0; amx::kMinRows = min_rows; }
+  return amx::enabled;
+#else
+  return 0;
+#endif
 }
 extern "C" int64_t npuspec_linear_packed_dpbf16(int64_t K) {
 #ifdef NPUSPEC_DPBF16
@@ -280,12 +408,37 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
     sig = {"npuspec_linear_packed_block": (ctypes.c_int64, []),
-           "npuspec_linear_packed_dpbf16": (ctypes.c_int64, [ctypes.c_int64])}
+           "npuspec_linear_packed_dpbf16": (ctypes.c_int64, [ctypes.c_int64]),
+           "npuspec_linear_packed_amx": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64])}
     for n in (2, 4):
         sig[f"npuspec_packed_to_kn_{n}byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
     sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
                 for s in (*_SUFFIX.values(), "bf16_x", "f16_x")})
-    return load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)", sig)
+    lib = load_library(_SOURCE, "packed CPU linear kernel", "weights stay unpacked (torch.mm)", sig)
+    if lib is not None:
+        _enable_amx(lib)
+    return lib
+
+
+# bf16 x bf16 calls of at least this many rows run on AMX tiles where the CPU has them (the
+# kernel's `amx` path). A 2-core Xeon with AMX, 2 threads, SmolLM2's shapes, tiles / dot-product
+# kernel time (2026-12-06): 3-4x slower at 1 row, 1.5-1.8x slower at 5, then 1.4-1.5x faster at
+# 12, 2.0-2.3x at 16-25, 2.7-2.9x at 32, 3.3-3.6x at 64, 4.7-5.1x at 256.
+AMX_MIN_ROWS = 12
+
+
+def _enable_amx(lib) -> None:
+    """Turn the kernel's AMX path on where the CPU has AMX-BF16 and the OS grants this process
+    the tile state (`torch._C._cpu._init_amx`: the arch_prctl request oneDNN makes too)."""
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    if amx_bf16() and init is not None and init():
+        lib.npuspec_linear_packed_amx(1, AMX_MIN_ROWS)
+
+
+def amx_tiles() -> bool:
+    """Whether bf16 x bf16 calls of >= AMX_MIN_ROWS rows with K % 32 == 0 run on AMX tiles."""
+    lib = _library()
+    return lib is not None and bool(lib.npuspec_linear_packed_amx(-1, 0))
 
 
 def available() -> bool:
@@ -386,16 +539,39 @@ def linear_packed_reference(x: torch.Tensor, wp: torch.Tensor, bias: Optional[to
 #   SmolLM2 bf16 prefill of one prompt 1,044-1,145 -> 1,273-1,385 tokens/s with it;
 # - bf16 x bf16 on the widening loop (no AVX512_BF16: FMA-bound): 64, measured when that was
 #   the only bf16 kernel (145-180 GFLOP/s against the GEMM's 275-413).
+# - bf16 x bf16 where the CPU also has AMX-BF16 tiles (Sapphire Rapids and later), which
+#   oneDNN's bf16 GEMM runs on, and this kernel was built without its AMX path: 32. A 2-core Xeon with AMX, 2 threads, SmolLM2's three shapes
+#   (576x1536, 1536x576, the 49152x576 LM head), packed / GEMM time with the unpacking
+#   included (2026-12-06): 0.44-0.71 at 12 rows, 0.79-1.43 at 25, 1.33-1.42 at 32, 1.78-2.15 at
+#   64, 3.0-5.7 at 128-256 (the kernel runs ~120 GFLOP/s at any row count there, the GEMM
+#   600-1000 at 128-256 rows). One bf16 prefill of the 6 code-edit prompts: 2.92 s -> 1.10 s.
 GEMM_MIN_ROWS = 64
 BF16_GEMM_MIN_ROWS = 64
 DOT_BF16_GEMM_MIN_ROWS = 512
+AMX_BF16_GEMM_MIN_ROWS = 32
+
+
+@functools.lru_cache(maxsize=None)
+def amx_bf16() -> bool:
+    """The CPU has AMX-BF16 tiles (oneDNN's bf16 GEMM runs on them)."""
+    caps = getattr(torch.cpu, "get_capabilities", None)
+    return bool(caps is not None and caps().get("amx_bf16", False))
+
+
+def dot_bf16_gemm_min_rows() -> int:
+    """The hand-off for bf16 x bf16 on the dot-product kernel: lower where AMX runs the GEMM
+    and not this kernel (the kernel's AMX path holds its own against the GEMM with its
+    unpacking: 256 rows 0.63 / 0.84 ms, 0.62 / 0.59, 21.7 / 34.6 on the three shapes)."""
+    if amx_bf16() and not amx_tiles():
+        return AMX_BF16_GEMM_MIN_ROWS
+    return DOT_BF16_GEMM_MIN_ROWS
 
 
 def gemm_min_rows(wp: torch.Tensor, K: int) -> int:
     """The rows from which a product with these packed weights goes to the GEMM."""
     if wp.dtype == torch.float32:
         return GEMM_MIN_ROWS
-    return DOT_BF16_GEMM_MIN_ROWS if dot_bf16(K) else BF16_GEMM_MIN_ROWS
+    return dot_bf16_gemm_min_rows() if dot_bf16(K) else BF16_GEMM_MIN_ROWS
 
 
 @functools.lru_cache(maxsize=None)

@@ -368,7 +368,7 @@ def _library():
         _addr(attention), _addr(rows.npuspec_standard_rows), int(packed.npuspec_linear_packed_block()),
         int(quant.npuspec_linear_quant_block()),
         linear_packed_cpu.GEMM_MIN_ROWS, int(linear_packed_cpu._bf16_gemm()),
-        linear_packed_cpu.BF16_GEMM_MIN_ROWS, linear_packed_cpu.DOT_BF16_GEMM_MIN_ROWS,
+        linear_packed_cpu.BF16_GEMM_MIN_ROWS, linear_packed_cpu.dot_bf16_gemm_min_rows(),
         int(linear_packed_cpu.dot_bf16(2)))  # an even K
     lib.npuspec_native_set(ctypes.byref(table))
     if _bypass_depth[0]:  # installed inside a `bypassed()` block
