@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 
+from npuspec import envs
 from npuspec._counters import counters
 from npuspec.kernels.cpp_build import load_library, toolchain_present, vec_isa
 
@@ -429,9 +430,10 @@ AMX_MIN_ROWS = 12
 
 def _enable_amx(lib) -> None:
     """Turn the kernel's AMX path on where the CPU has AMX-BF16 and the OS grants this process
-    the tile state (`torch._C._cpu._init_amx`: the arch_prctl request oneDNN makes too)."""
+    the tile state (`torch._C._cpu._init_amx`: the arch_prctl request oneDNN makes too), unless
+    NPUSPEC_CPU_AMX=0."""
     init = getattr(torch._C._cpu, "_init_amx", None)
-    if amx_bf16() and init is not None and init():
+    if envs.cpu_amx() and amx_bf16() and init is not None and init():
         lib.npuspec_linear_packed_amx(1, AMX_MIN_ROWS)
 
 
@@ -560,9 +562,9 @@ def amx_bf16() -> bool:
 
 def dot_bf16_gemm_min_rows() -> int:
     """The hand-off for bf16 x bf16 on the dot-product kernel: lower where AMX runs the GEMM
-    and not this kernel (the kernel's AMX path holds its own against the GEMM with its
+    and not this kernel, unless NPUSPEC_CPU_AMX=0 (the kernel's AMX path holds its own against the GEMM with its
     unpacking: 256 rows 0.63 / 0.84 ms, 0.62 / 0.59, 21.7 / 34.6 on the three shapes)."""
-    if amx_bf16() and not amx_tiles():
+    if envs.cpu_amx() and amx_bf16() and not amx_tiles():
         return AMX_BF16_GEMM_MIN_ROWS
     return DOT_BF16_GEMM_MIN_ROWS
 

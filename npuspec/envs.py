@@ -252,6 +252,16 @@ def native_ops() -> bool:
     return _bool("NPUSPEC_NATIVE_OPS", True)
 
 
+def cpu_amx() -> bool:
+    """NPUSPEC_CPU_AMX: bf16 x bf16 projections of >= 12 rows on AMX tiles where the CPU has
+    them, and oneDNN's bf16 GEMM from 32 rows where only it has them (kernels/
+    linear_packed_cpu.py); on unless 0. Off keeps bf16 x bf16 on the dot-product kernel up to
+    512 rows, as on a CPU without AMX, so a verify step's rows round as the one-row decode
+    step's (greedy speculation bit-identical to plain greedy decoding in bf16 at one request,
+    docs/verify.md), without the tiles' speed-up."""
+    return _bool("NPUSPEC_CPU_AMX", True)
+
+
 def debug() -> bool:
     """NPUSPEC_DEBUG: extra runtime assertions (e.g. static buffer addresses on replay)."""
     return _bool("NPUSPEC_DEBUG", False)
@@ -302,6 +312,7 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_TP_CPU_COMM": tp_cpu_comm,
     "NPUSPEC_K_CONTROLLER": k_controller,
     "NPUSPEC_NATIVE_OPS": native_ops,
+    "NPUSPEC_CPU_AMX": cpu_amx,
 }
 
 

@@ -44,6 +44,7 @@ BAD_ENV = [  # (variable, value, what the message says): each names the variable
     ("NPUSPEC_DEVICE", "tpu", "must be one of npu, cuda, cpu"),
     ("NPUSPEC_CAPTURE_SIZES", "4,x", "is not an integer"),
     ("NPUSPEC_DEBUG", "maybe", "expected 1/0"),
+    ("NPUSPEC_CPU_AMX", "tiles", "expected 1/0"),
 ]
 ENV_IDS = [f"{n}={v}" for n, v, _ in BAD_ENV]
 
@@ -67,6 +68,7 @@ def test_bad_variable_named_with_fix(monkeypatch, name, value, what):
 @pytest.mark.parametrize("name,value,want", [
     ("NPUSPEC_CACHE_LOCK_TIMEOUT", "0", 0.0), ("NPUSPEC_CACHE_LOCK_TIMEOUT", "86400", 86400.0),
     ("NPUSPEC_CACHE_TRUSTED_GROUP", "0", "0"), ("NPUSPEC_CACHE_TRUSTED_GROUP", "+0", "0"),
+    ("NPUSPEC_CPU_AMX", "0", False), ("NPUSPEC_CPU_AMX", "on", True),
 ])
 def test_good_variables_accepted(monkeypatch, name, value, want):
     monkeypatch.setenv(name, value)

@@ -3,6 +3,10 @@
 It runs only where the CPU has AMX-BF16 (Sapphire Rapids and later) and the OS grants the tile
 state; elsewhere these tests are skipped for that reason and the dot-product kernel, tested in
 test_linear_packed.py, takes the same calls."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -67,3 +71,13 @@ def test_the_tiles_take_the_calls_of_many_bf16_rows_only():
             lib.npuspec_linear_packed_amx(1, lp.AMX_MIN_ROWS)
         torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-5)
         assert torch.equal(on, off) != tiles, (K, M)
+
+
+def test_npuspec_cpu_amx_0_keeps_the_dot_product_kernel():
+    # a fresh process: the path is chosen once, when the kernel library loads
+    code = ("from npuspec.kernels import linear_packed_cpu as lp; "
+            "print(lp.amx_tiles(), lp.dot_bf16_gemm_min_rows())")
+    env = dict(os.environ, NPUSPEC_CPU_AMX="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", str(lp.DOT_BF16_GEMM_MIN_ROWS)], out
