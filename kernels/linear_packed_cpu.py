@@ -14,10 +14,15 @@ Weights may be float32, bfloat16 or float16 (converted to fp32 in registers: a b
 is half the bytes to read); the accumulation and y are fp32, x is fp32 or the weights' dtype.
 bf16 x bf16 on a CPU with AVX512_BF16 runs the dot-product instruction instead of widening
 (`dot_bf16`; same values, tiles of up to 12 rows: a bf16 verify step's rows cost about one).
+Where the CPU also has AMX-BF16 tiles (Sapphire Rapids and later), calls of >= AMX_MIN_ROWS
+(12) rows with K % 32 == 0 run on the tiles instead (`amx_tiles`; 1.4x the dot-product
+kernel's speed at 12 rows, ~2x at 16-25, ~5x at 256; other values than the dot-product
+kernel's, to fp32 rounding; NPUSPEC_CPU_AMX=0 turns it off).
 Larger fp32 tiles (9 or 12 rows on AVX-512) were tried: 9 rows 30.5 -> 26-27 ms, but 13 and 17
 rows slower (FMA-bound either way on this 2-core AVX-512 CPU); not kept. A product of many rows
 (prefill, `gemm_min_rows`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
-sgemm for fp32 weights, oneDNN's native bf16 GEMM for bf16 x bf16. On the 2-core AVX2 machine
+sgemm for fp32 weights, oneDNN's native bf16 GEMM for bf16 x bf16 (from 512 rows; from 32
+where AMX runs oneDNN's GEMM but this kernel was built without its tiles). On the 2-core AVX2 machine
 of earlier measurements this kernel was ahead of MKL at prefill too (~140 GFLOP/s); on the
 AVX-512 machine of the later ones MKL is 1.4-1.9x ahead at 64-256 rows, the unpacking included.
 
@@ -229,7 +234,8 @@ void run(const uint16_t* x, const uint16_t* wp, const float* bias, float* y, int
 // runs every 32-row block of x over it: 2 x 2 accumulator tiles, the x tiles read in place.
 // Every row goes through the same instructions in the same order whatever M is, so a row has
 // the same bits at any row count from kMinRows on; they are not the dot-product kernel's bits
-// (the tile unit sums each 32-k block in its own order). Below kMinRows the dot-product
+// (the tile unit rounds its sums its own way: neither the k-ordered sum nor per-32-k-block sums,
+// emulated, reproduced them; both are fp32-accurate). Below kMinRows the dot-product
 // kernel, which streams a panel without the re-layout, is faster (one row: ~3x).
 #if defined(NPUSPEC_DPBF16) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define NPUSPEC_AMX 1
