@@ -15,9 +15,9 @@ is half the bytes to read); the accumulation and y are fp32, x is fp32 or the we
 bf16 x bf16 on a CPU with AVX512_BF16 runs the dot-product instruction instead of widening
 (`dot_bf16`; same values, tiles of up to 12 rows: a bf16 verify step's rows cost about one).
 Where the CPU also has AMX-BF16 tiles (Sapphire Rapids and later), calls of >= AMX_MIN_ROWS
-(12) rows with K % 32 == 0 run on the tiles instead (`amx_tiles`; 1.4x the dot-product
-kernel's speed at 12 rows, ~2x at 16-25, ~5x at 256; other values than the dot-product
-kernel's, to fp32 rounding; NPUSPEC_CPU_AMX=0 turns it off).
+(5) rows with K % 32 == 0 run on the tiles instead (`amx_tiles`; 1.3-1.8x the dot-product
+kernel's speed at 5 rows, 2.5-3.7x at 12, 4.5-7.5x at 16-32; other values than the
+dot-product kernel's, to fp32 rounding; NPUSPEC_CPU_AMX=0 turns it off).
 Larger fp32 tiles (9 or 12 rows on AVX-512) were tried: 9 rows 30.5 -> 26-27 ms, but 13 and 17
 rows slower (FMA-bound either way on this 2-core AVX-512 CPU); not kept. A product of many rows
 (prefill, `gemm_min_rows`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
@@ -236,13 +236,13 @@ void run(const uint16_t* x, const uint16_t* wp, const float* bias, float* y, int
 // the same bits at any row count from kMinRows on; they are not the dot-product kernel's bits
 // (the tile unit rounds its sums its own way: neither the k-ordered sum nor per-32-k-block sums,
 // emulated, reproduced them; both are fp32-accurate). Below kMinRows the dot-product
-// kernel, which streams a panel without the re-layout, is faster (one row: ~3x).
+// kernel, which streams a panel without the re-layout, is faster (one row: ~1.5x).
 #if defined(NPUSPEC_DPBF16) && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
 #define NPUSPEC_AMX 1
 #include <algorithm>
 namespace amx {
 bool enabled = false;
-int64_t kMinRows = 12;   // set from Python (AMX_MIN_ROWS)
+int64_t kMinRows = 5;   // set from Python (AMX_MIN_ROWS)
 
 bool usable(int64_t M, int64_t K) { return enabled && kBW == 32 && K % 32 == 0 && M >= kMinRows; }
 
@@ -279,7 +279,10 @@ inline void to_pairs(const uint16_t* wp, int64_t K, uint16_t* buf) {
 
 void panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, const float* bias,
            float* y, int64_t ldy, uint16_t* buf, int* shape) {
-  to_pairs(wp, K, buf);
+  // one block of rows: each 32-k block is re-laid just before its tiles load it (from L1); a
+  // whole panel re-laid first and read back took ~2x as long at 8-32 rows. More rows: once.
+  const bool per_block = M <= 32;
+  if (!per_block) to_pairs(wp, K, buf);
   const int64_t nkb = K / 32, ldx = K * 2, ldc = ldy * 4;
   for (int64_t m = 0; m < M; m += 32) {
     const int r0 = static_cast<int>(std::min<int64_t>(16, M - m));
@@ -290,6 +293,7 @@ void panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, const fl
     if (r1) {
       _tile_zero(2); _tile_zero(3);
       for (int64_t kb = 0; kb < nkb; ++kb) {
+        if (per_block) to_pairs(wp + kb * 32 * kBW, 32, buf + kb * 1024);
         _tile_loadd(4, xm + kb * 32, ldx);
         _tile_loadd(5, xm + 16 * K + kb * 32, ldx);
         _tile_loadd(6, buf + kb * 1024, 64);
@@ -299,6 +303,7 @@ void panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, const fl
       }
     } else {
       for (int64_t kb = 0; kb < nkb; ++kb) {
+        if (per_block) to_pairs(wp + kb * 32 * kBW, 32, buf + kb * 1024);
         _tile_loadd(4, xm + kb * 32, ldx);
         _tile_loadd(6, buf + kb * 1024, 64);
         _tile_loadd(7, buf + kb * 1024 + 512, 64);
@@ -389,6 +394,13 @@ extern "C" int64_t npuspec_linear_packed_amx(int64_t on, int64_t min_rows) {
   return 0;
 #endif
 }
+extern "C" int64_t npuspec_linear_packed_amx_built() {
+#ifdef NPUSPEC_AMX
+  return 1;
+#else
+  return 0;
+#endif
+}
 extern "C" int64_t npuspec_linear_packed_dpbf16(int64_t K) {
 #ifdef NPUSPEC_DPBF16
   return dp::usable(K);
@@ -416,7 +428,8 @@ def _library():
     """The compiled library, or None (logged once) when no C++ toolchain works here."""
     sig = {"npuspec_linear_packed_block": (ctypes.c_int64, []),
            "npuspec_linear_packed_dpbf16": (ctypes.c_int64, [ctypes.c_int64]),
-           "npuspec_linear_packed_amx": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64])}
+           "npuspec_linear_packed_amx": (ctypes.c_int64, [ctypes.c_int64, ctypes.c_int64]),
+           "npuspec_linear_packed_amx_built": (ctypes.c_int64, [])}
     for n in (2, 4):
         sig[f"npuspec_packed_to_kn_{n}byte"] = (None, [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2)
     sig.update({f"npuspec_linear_packed_{s}": (None, [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3)
@@ -428,10 +441,13 @@ def _library():
 
 
 # bf16 x bf16 calls of at least this many rows run on AMX tiles where the CPU has them (the
-# kernel's `amx` path). A 2-core Xeon with AMX, 2 threads, SmolLM2's shapes, tiles / dot-product
-# kernel time (2026-12-06): 3-4x slower at 1 row, 1.5-1.8x slower at 5, then 1.4-1.5x faster at
-# 12, 2.0-2.3x at 16-25, 2.7-2.9x at 32, 3.3-3.6x at 64, 4.7-5.1x at 256.
-AMX_MIN_ROWS = 12
+# kernel's `amx` path). A 2-core Xeon with AMX, 2 threads, SmolLM2's shapes, dot-product kernel /
+# tiles time (2026-12-06, medians of 50, one weight; the 49152x576 head read from memory):
+# projections 0.62-0.64 at 1 row, 0.86-0.89 at 2, 1.08-1.18 at 3, 1.38-1.45 at 4, 1.78-1.80 at
+# 5, 2.6-2.7 at 8, 3.4-3.7 at 12, 4.5-7.5 at 16-32; the head 0.72 at 1, 0.94-0.95 at 3-4, 1.34
+# at 5, 2.5 at 12, 5.0 at 25-32. (With each panel re-laid whole before its tiles ran, the
+# first version: 1.4-1.5 at 12, 2.0-2.3 at 16-25.)
+AMX_MIN_ROWS = 5
 
 
 def _enable_amx(lib) -> None:
@@ -441,6 +457,12 @@ def _enable_amx(lib) -> None:
     init = getattr(torch._C._cpu, "_init_amx", None)
     if envs.cpu_amx() and amx_bf16() and init is not None and init():
         lib.npuspec_linear_packed_amx(1, AMX_MIN_ROWS)
+
+
+def amx_built() -> bool:
+    """The kernel was compiled with its AMX path (a compiler with the AMX intrinsics)."""
+    lib = _library()
+    return lib is not None and bool(lib.npuspec_linear_packed_amx_built())
 
 
 def amx_tiles() -> bool:
@@ -570,7 +592,7 @@ def dot_bf16_gemm_min_rows() -> int:
     """The hand-off for bf16 x bf16 on the dot-product kernel: lower where AMX runs the GEMM
     and not this kernel, unless NPUSPEC_CPU_AMX=0 (the kernel's AMX path holds its own against the GEMM with its
     unpacking: 256 rows 0.63 / 0.84 ms, 0.62 / 0.59, 21.7 / 34.6 on the three shapes)."""
-    if envs.cpu_amx() and amx_bf16() and not amx_tiles():
+    if envs.cpu_amx() and amx_bf16() and not amx_built():
         return AMX_BF16_GEMM_MIN_ROWS
     return DOT_BF16_GEMM_MIN_ROWS
 

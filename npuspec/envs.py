@@ -253,7 +253,7 @@ def native_ops() -> bool:
 
 
 def cpu_amx() -> bool:
-    """NPUSPEC_CPU_AMX: bf16 x bf16 projections of >= 12 rows on AMX tiles where the CPU has
+    """NPUSPEC_CPU_AMX: bf16 x bf16 projections of >= 5 rows on AMX tiles where the CPU has
     them, and oneDNN's bf16 GEMM from 32 rows where only it has them (kernels/
     linear_packed_cpu.py); on unless 0. Off keeps bf16 x bf16 on the dot-product kernel up to
     512 rows, as on a CPU without AMX, so a verify step's rows round as the one-row decode

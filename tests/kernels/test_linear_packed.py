@@ -65,10 +65,10 @@ def test_many_bf16_rows_take_the_bf16_gemm_and_equal_the_kernel(monkeypatch, K, 
 @pytest.mark.parametrize("amx", [False, True])
 def test_the_dot_product_hand_off_is_lower_where_amx_runs_the_gemm(monkeypatch, amx):
     # oneDNN's bf16 GEMM on AMX tiles overtakes the dot-product kernel from ~32 rows (the
-    # unpacking included); without AMX the kernel holds up to a full prefill step
-    # (where the kernel runs the tiles itself, it keeps the calls up to a full prefill step)
+    # unpacking included), so where the kernel was built without its own tiles the hand-off is
+    # there; without AMX, or with the kernel's tiles, the kernel holds up to a full prefill step
     monkeypatch.setattr(lp, "amx_bf16", lambda: amx)
-    monkeypatch.setattr(lp, "amx_tiles", lambda: False)
+    monkeypatch.setattr(lp, "amx_built", lambda: False)
     assert lp.dot_bf16_gemm_min_rows() == (lp.AMX_BF16_GEMM_MIN_ROWS if amx
                                            else lp.DOT_BF16_GEMM_MIN_ROWS)
     assert lp.AMX_BF16_GEMM_MIN_ROWS < lp.DOT_BF16_GEMM_MIN_ROWS
@@ -77,6 +77,12 @@ def test_the_dot_product_hand_off_is_lower_where_amx_runs_the_gemm(monkeypatch, 
         assert lp.gemm_min_rows(wp, 96) == lp.dot_bf16_gemm_min_rows()
         x = torch.randn(lp.AMX_BF16_GEMM_MIN_ROWS, 96).bfloat16()
         assert lp.takes_gemm(x, wp, None) == (amx and lp._bf16_gemm())
+
+
+def test_the_kernels_own_tiles_keep_the_hand_off_at_512(monkeypatch):
+    monkeypatch.setattr(lp, "amx_bf16", lambda: True)
+    monkeypatch.setattr(lp, "amx_built", lambda: True)
+    assert lp.dot_bf16_gemm_min_rows() == lp.DOT_BF16_GEMM_MIN_ROWS
 
 
 def test_amx_bf16_reads_the_cpu_capabilities():
@@ -228,9 +234,22 @@ def test_a_failed_build_after_packing_takes_the_reference(monkeypatch):
     torch.testing.assert_close(y, x @ w.t(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture
+def no_amx():
+    """The AMX path off: it takes bf16 calls of >= AMX_MIN_ROWS rows where the CPU has tiles and
+    rounds its own way (test_linear_packed_amx.py), so the tests using this see the dot-product
+    and widening kernels."""
+    on = lp.amx_tiles()
+    if on:
+        lp._library().npuspec_linear_packed_amx(0, lp.AMX_MIN_ROWS)
+    yield
+    if on:
+        lp._library().npuspec_linear_packed_amx(1, lp.AMX_MIN_ROWS)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [1, 5, 9])
-def test_half_x_is_read_as_is_and_equals_the_fp32_x(dtype, M):
+def test_half_x_is_read_as_is_and_equals_the_fp32_x(dtype, M, no_amx):
     """x in the weights' 2-byte dtype goes to the kernel unconverted; widening it in the kernel
     is exact, so the result equals the fp32-x call bit for bit."""
     g = torch.Generator().manual_seed(M)
@@ -242,7 +261,7 @@ def test_half_x_is_read_as_is_and_equals_the_fp32_x(dtype, M):
 
 @pytest.mark.parametrize("M", [1, 5, 9, 12, 13, 17, 30])
 @pytest.mark.parametrize("N,K", [(100, 576), (37, 20), (37, 19)])
-def test_bf16_activations_equal_the_fp32_activation_call_bit_for_bit(M, N, K, request):
+def test_bf16_activations_equal_the_fp32_activation_call_bit_for_bit(M, N, K, no_amx):
     """bf16 x with bf16 weights: read as they are (and, on an AVX512_BF16 CPU with K even, the
     dot-product instruction's path, tiles of up to 12 rows) gives exactly the values of the
     widening kernel on x.float(): exact products, added in k order. Covers tiles of 12, the
@@ -252,12 +271,6 @@ def test_bf16_activations_equal_the_fp32_activation_call_bit_for_bit(M, N, K, re
     x = torch.randn(M, K, generator=g).bfloat16()
     b = torch.randn(N, generator=g)
     wp = lp.pack_weight(w)
-    # the AMX path, which takes >= AMX_MIN_ROWS rows where the CPU has tiles, rounds its own way
-    # (test_linear_packed_amx.py): off here, so these calls test the dot-product kernel
-    was_on = lp.amx_tiles()
-    if was_on:
-        lp._library().npuspec_linear_packed_amx(0, lp.AMX_MIN_ROWS)
-        request.addfinalizer(lambda: lp._library().npuspec_linear_packed_amx(1, lp.AMX_MIN_ROWS))
     for bias in (None, b):
         y = lp.linear_packed_impl(x, wp, bias, N)
         assert torch.equal(y, lp.linear_packed_impl(x.float(), wp, bias, N))
