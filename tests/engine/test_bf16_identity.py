@@ -11,7 +11,7 @@ All of it holds while the verify steps and the plain steps run the same kernel f
 projection: below the GEMM hand-off (`linear_packed_cpu.gemm_min_rows`: 512 rows for bf16, 32
 where the CPU has AMX tiles and the kernel was built without its AMX path), so these engines
 run at most 27 rows a step; and, where the kernel runs AMX tiles, below AMX_MIN_ROWS (the tiles
-round their sums their own way): steps of more rows than that run here with the AMX path off."""
+round their sums their own way): cases whose steps reach it run here with the AMX path off."""
 import contextlib
 
 import pytest
