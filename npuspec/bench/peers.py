@@ -39,6 +39,9 @@ import functools
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from typing import Optional
 
@@ -79,6 +82,31 @@ def require_llama_cpp():
     except ImportError:
         raise MissingExtra("llama_cpp", "peers", "npuspec bench peers (the llama.cpp rows)") from None
     return llama_cpp
+
+
+_TRIAL = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, "
+          "n_threads=int(sys.argv[2]), verbose=False); m.eval([1, 2, 3, 4])")
+
+
+def llama_fails(path: str, threads: int) -> Optional[str]:
+    """None when llama.cpp evaluates a few tokens of `path` in a child process, else why not.
+    The timed rows run llama.cpp in this process, where a crash (seen: SIGILL in a build's Q4_1
+    kernels on a Xeon with AMX) would end the whole benchmark with no row printed."""
+    p = subprocess.run([sys.executable, "-c", _TRIAL, path, str(threads)], capture_output=True,
+                       text=True)
+    return _failure(p.returncode, p.stderr)
+
+
+def _failure(returncode: int, stderr: str) -> Optional[str]:
+    if returncode == 0:
+        return None
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    last = (stderr or "").strip().splitlines()
+    return f"exited with status {returncode}" + (f" ({last[-1]})" if last else "")
 
 
 def llama_runner(path: str, prompt_ids, max_tokens: int, eos, n_ctx: int, threads: int,
@@ -161,7 +189,12 @@ def _runners(args, path, ids, eos, n_ctx, threads, work) -> tuple[list[Runner], 
                 print(f"writing llama.cpp's {llama_file} copy of {os.path.basename(path)} to {f}",
                       flush=True)
                 converted_copy(path, f, llama_file)
-            for method, lk in (("plain", 0), ("prompt lookup", k)):
+            why = llama_fails(f, threads)
+            if why is not None:
+                missing.append(f"llama.cpp {prec}: not run (llama.cpp {why} evaluating "
+                               f"{os.path.basename(f)} in a trial process; its build does not "
+                               f"run that type on this CPU)")
+            for method, lk in (("plain", 0), ("prompt lookup", k)) if why is None else ():
                 runners.append(Runner(f"llama.cpp {prec}", method, lk,
                                       llama_runner(f, ids, args.max_tokens, eos, n_ctx, threads, lk)))
         quantized = prec in QUANTIZED

@@ -85,3 +85,26 @@ def test_precisions_flag_and_ratios():
     assert r == {"npuspec fp32 plain / llama.cpp fp32 plain": 0.5,
                  "npuspec bf16 plain / npuspec fp32 plain": 1.5,
                  "npuspec bf16 suffix / npuspec bf16 plain": 2.0}
+
+
+def test_a_llama_cpp_that_crashes_on_a_file_loses_its_rows_not_the_run(monkeypatch, tmp_path):
+    # llama.cpp runs in-process for the timed rows; a build that dies on a type (SIGILL) is
+    # found in a trial process first, and its rows are reported as not run
+    seen = []
+    monkeypatch.setattr(peers, "llama_fails", lambda f, t: seen.append(f) or "was killed by SIGILL")
+    args = peers.build_parser().parse_args(["--precisions", "q4_1", "--no-hf"])
+    path = str(_source(tmp_path / "src.gguf"))
+    runners, missing = peers._runners(args, path, [[1, 2]], [0], 64, 1, str(tmp_path))
+    assert seen == [path]
+    assert [r.system for r in runners] == ["npuspec q4_1"] * 3
+    assert missing == ["llama.cpp q4_1: not run (llama.cpp was killed by SIGILL evaluating "
+                       "src.gguf in a trial process; its build does not run that type on this "
+                       "CPU)"]
+
+
+@pytest.mark.parametrize("code,err,want", [
+    (0, "", None), (-4, "", "was killed by SIGILL"), (-11, "", "was killed by SIGSEGV"),
+    (1, "Traceback\nValueError: bad file", "exited with status 1 (ValueError: bad file)"),
+    (2, "", "exited with status 2")])
+def test_trial_failures_are_named(code, err, want):
+    assert peers._failure(code, err) == want
