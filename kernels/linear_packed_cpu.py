@@ -22,15 +22,17 @@ Larger fp32 tiles (9 or 12 rows on AVX-512) were tried: 9 rows 30.5 -> 26-27 ms,
 rows slower (FMA-bound either way on this 2-core AVX-512 CPU); not kept. A product of many rows
 (prefill, `gemm_min_rows`) goes to a vendor GEMM over the weight unpacked for the call: MKL's
 sgemm for fp32 weights, oneDNN's native bf16 GEMM for bf16 x bf16 (from 512 rows; from 32
-where AMX runs oneDNN's GEMM but this kernel was built without its tiles). On the 2-core AVX2 machine
-of earlier measurements this kernel was ahead of MKL at prefill too (~140 GFLOP/s); on the
-AVX-512 machine of the later ones MKL is 1.4-1.9x ahead at 64-256 rows, the unpacking included.
+where AMX runs oneDNN's GEMM but this kernel was built without its tiles). On the 2-core AVX2
+machine of earlier measurements this kernel was ahead of MKL at prefill too (~140 GFLOP/s); on
+the AVX-512 machine of the later ones MKL is 1.4-1.9x ahead at 64-256 rows, the unpacking
+included.
 
 `linear_packed_reference` is the PyTorch reference; it unpacks and calls torch.mm in fp32.
 Results equal it to fp32 rounding (the K-sum runs in k order, 1 FMA per k).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -290,24 +292,16 @@ void panel(const uint16_t* x, int64_t M, int64_t K, const uint16_t* wp, const fl
     if (r0 != shape[0] || r1 != shape[1]) { configure(r0, r1); shape[0] = r0; shape[1] = r1; }
     const uint16_t* xm = x + m * K;
     _tile_zero(0); _tile_zero(1);
-    if (r1) {
-      _tile_zero(2); _tile_zero(3);
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        if (per_block) to_pairs(wp + kb * 32 * kBW, 32, buf + kb * 1024);
-        _tile_loadd(4, xm + kb * 32, ldx);
+    if (r1) { _tile_zero(2); _tile_zero(3); }
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      if (per_block) to_pairs(wp + kb * 32 * kBW, 32, buf + kb * 1024);
+      _tile_loadd(4, xm + kb * 32, ldx);
+      _tile_loadd(6, buf + kb * 1024, 64);
+      _tile_loadd(7, buf + kb * 1024 + 512, 64);
+      _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+      if (r1) {
         _tile_loadd(5, xm + 16 * K + kb * 32, ldx);
-        _tile_loadd(6, buf + kb * 1024, 64);
-        _tile_loadd(7, buf + kb * 1024 + 512, 64);
-        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
         _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-      }
-    } else {
-      for (int64_t kb = 0; kb < nkb; ++kb) {
-        if (per_block) to_pairs(wp + kb * 32 * kBW, 32, buf + kb * 1024);
-        _tile_loadd(4, xm + kb * 32, ldx);
-        _tile_loadd(6, buf + kb * 1024, 64);
-        _tile_loadd(7, buf + kb * 1024 + 512, 64);
-        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
       }
     }
     float* ym = y + m * ldy;
@@ -459,6 +453,7 @@ def _enable_amx(lib) -> None:
         lib.npuspec_linear_packed_amx(1, AMX_MIN_ROWS)
 
 
+@functools.lru_cache(maxsize=None)
 def amx_built() -> bool:
     """The kernel was compiled with its AMX path (a compiler with the AMX intrinsics)."""
     lib = _library()
@@ -469,6 +464,21 @@ def amx_tiles() -> bool:
     """Whether bf16 x bf16 calls of >= AMX_MIN_ROWS rows with K % 32 == 0 run on AMX tiles."""
     lib = _library()
     return lib is not None and bool(lib.npuspec_linear_packed_amx(-1, 0))
+
+
+@contextlib.contextmanager
+def amx_paused():
+    """Inside the block bf16 x bf16 calls stay off the tiles (where they run on them): for
+    comparisons with the dot-product kernel, as `native_cpu.bypassed()` is for the Python ops.
+    The GEMM hand-off does not move (it follows the build, `amx_built`)."""
+    on = amx_tiles()
+    if on:
+        _library().npuspec_linear_packed_amx(0, AMX_MIN_ROWS)
+    try:
+        yield
+    finally:
+        if on:
+            _library().npuspec_linear_packed_amx(1, AMX_MIN_ROWS)
 
 
 def available() -> bool:
@@ -570,8 +580,9 @@ def linear_packed_reference(x: torch.Tensor, wp: torch.Tensor, bias: Optional[to
 # - bf16 x bf16 on the widening loop (no AVX512_BF16: FMA-bound): 64, measured when that was
 #   the only bf16 kernel (145-180 GFLOP/s against the GEMM's 275-413).
 # - bf16 x bf16 where the CPU also has AMX-BF16 tiles (Sapphire Rapids and later), which
-#   oneDNN's bf16 GEMM runs on, and this kernel was built without its AMX path: 32. A 2-core Xeon with AMX, 2 threads, SmolLM2's three shapes
-#   (576x1536, 1536x576, the 49152x576 LM head), packed / GEMM time with the unpacking
+#   oneDNN's bf16 GEMM runs on, and this kernel was built without its AMX path: 32. A 2-core
+#   Xeon with AMX, 2 threads, SmolLM2's three shapes (576x1536, 1536x576, the 49152x576 LM
+#   head), packed / GEMM time with the unpacking
 #   included (2026-12-06): 0.44-0.71 at 12 rows, 0.79-1.43 at 25, 1.33-1.42 at 32, 1.78-2.15 at
 #   64, 3.0-5.7 at 128-256 (the kernel runs ~120 GFLOP/s at any row count there, the GEMM
 #   600-1000 at 128-256 rows). One bf16 prefill of the 6 code-edit prompts: 2.92 s -> 1.10 s.
@@ -590,8 +601,9 @@ def amx_bf16() -> bool:
 
 def dot_bf16_gemm_min_rows() -> int:
     """The hand-off for bf16 x bf16 on the dot-product kernel: lower where AMX runs the GEMM
-    and not this kernel, unless NPUSPEC_CPU_AMX=0 (the kernel's AMX path holds its own against the GEMM with its
-    unpacking: 256 rows 0.63 / 0.84 ms, 0.62 / 0.59, 21.7 / 34.6 on the three shapes)."""
+    and not this kernel, unless NPUSPEC_CPU_AMX=0 (the kernel's AMX path holds its own against
+    the GEMM with its unpacking: 256 rows 0.63 / 0.84 ms, 0.62 / 0.59, 21.7 / 34.6 on the three
+    shapes)."""
     if envs.cpu_amx() and amx_bf16() and not amx_built():
         return AMX_BF16_GEMM_MIN_ROWS
     return DOT_BF16_GEMM_MIN_ROWS

@@ -33,14 +33,8 @@ def _tokens(llm):
 @contextlib.contextmanager
 def _one_kernel_family(max_rows: int):
     """The AMX path off while the engines run steps of `max_rows` rows, if that reaches it."""
-    off = lp.amx_tiles() and max_rows >= lp.AMX_MIN_ROWS
-    if off:
-        lp._library().npuspec_linear_packed_amx(0, lp.AMX_MIN_ROWS)
-    try:
+    with lp.amx_paused() if max_rows >= lp.AMX_MIN_ROWS else contextlib.nullcontext():
         yield
-    finally:
-        if off:
-            lp._library().npuspec_linear_packed_amx(1, lp.AMX_MIN_ROWS)
 
 
 @pytest.mark.parametrize("seqs", [1, 3])

@@ -239,12 +239,8 @@ def no_amx():
     """The AMX path off: it takes bf16 calls of >= AMX_MIN_ROWS rows where the CPU has tiles and
     rounds its own way (test_linear_packed_amx.py), so the tests using this see the dot-product
     and widening kernels."""
-    on = lp.amx_tiles()
-    if on:
-        lp._library().npuspec_linear_packed_amx(0, lp.AMX_MIN_ROWS)
-    yield
-    if on:
-        lp._library().npuspec_linear_packed_amx(1, lp.AMX_MIN_ROWS)
+    with lp.amx_paused():
+        yield
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

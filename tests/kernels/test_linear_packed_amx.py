@@ -58,17 +58,13 @@ def test_the_tiles_take_the_calls_of_many_bf16_rows_only():
     # rounds its sums its own way (their values differ from the dot-product kernel's); fewer
     # rows, or a K the tiles do not cover, stay on the dot-product kernel
     g = torch.Generator().manual_seed(0)
-    lib = lp._library()
     for K, M, tiles in ((64, lp.AMX_MIN_ROWS, True), (64, lp.AMX_MIN_ROWS - 1, False),
                         (66, 20, False)):
         wp = lp.pack_weight(torch.randn(64, K, generator=g).bfloat16())
         x = torch.randn(M, K, generator=g).bfloat16()
         on = _call(x, wp, None, 64)
-        lib.npuspec_linear_packed_amx(0, lp.AMX_MIN_ROWS)
-        try:
+        with lp.amx_paused():
             off = _call(x, wp, None, 64)
-        finally:
-            lib.npuspec_linear_packed_amx(1, lp.AMX_MIN_ROWS)
         torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-5)
         assert torch.equal(on, off) != tiles, (K, M)
 
