@@ -117,6 +117,13 @@ def ratio_accept(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Te
     Position k is accepted iff ACCEPT_MODES[mode](p(x)/q(x), u) (q None: p(x) in place of
     the ratio), evaluated exactly as the user's expression is in eager: one float division,
     one comparison. With the default "ge", NaN ratios (0/0) reject."""
+    return accept_len(p, q, draft_ids, uniforms, mode)
+
+
+def accept_len(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor,
+               mode: str = "ge") -> Tensor:
+    """`ratio_accept`'s arithmetic, callable inside other ops (rejection_sample's composed
+    mode) -> int64 [...]."""
     assert draft_ids.dtype == torch.int64, draft_ids.dtype
     assert mode in ACCEPT_MODES, mode
     px = _at_ids(p, draft_ids)  # [..., K]

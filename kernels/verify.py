@@ -44,6 +44,7 @@ from torch import Tensor
 
 from npuspec.kernels import verify_cpu
 from npuspec.kernels.verify_checks import _check_finite, _check_values, _validate
+from npuspec.kernels.verify_composed import RESIDUAL_DEFAULTS, check_composed, composed_verify
 from npuspec.kernels.verify_probs import (ACCEPT_MODES, _check_accept_mode, _check_probs_mode,
                                           probs_verify)
 from npuspec.kernels.verify_rows import (RowStats, _leading, _padded_drafts, draw_exponentials,
@@ -319,14 +320,34 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
                          uniforms: Optional[Tensor], exponentials: Optional[Tensor],
                          block_verify: bool, posterior_threshold: Optional[float],
                          posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor],
+                         bonus_token_ids: Optional[Tensor] = None,
+                         accept_draft_probs: Optional[Tensor] = None,
                          *, target_is_probs: bool = False, accept_mode: str = "ge",
-                         ratio_cap: bool = False, accept_rule: str = "prefix"
+                         ratio_cap: bool = False, accept_rule: str = "prefix",
+                         residual_normalize: str = "none", residual_sampler: str = "race",
+                         residual_nonneg: str = "clamp", residual_floor: float = 0.0,
+                         residual_guard: str = "none", residual_fill: float = 0.0
                          ) -> tuple[Tensor, Tensor]:
     """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
 
     Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
     calls); missing draws come from the default generator."""
     _check_accept_mode(accept_mode, ratio_cap, target_is_probs, accept_rule)
+    residual = dict(residual_normalize=residual_normalize, residual_sampler=residual_sampler,
+                    residual_nonneg=residual_nonneg, residual_floor=residual_floor,
+                    residual_guard=residual_guard, residual_fill=residual_fill)
+    if bonus_token_ids is not None:  # the composed mode (kernels/verify_composed.py)
+        _check_composed_call(target_logits, draft_token_ids, draft_probs, temperature, top_k,
+                             top_p, uniforms, exponentials, block_verify, posterior_threshold,
+                             synthetic_rates, bonus_token_ids, accept_draft_probs, residual,
+                             target_is_probs, ratio_cap, accept_rule)
+        return composed_verify(target_logits, draft_token_ids, draft_probs, uniforms,
+                               exponentials, bonus_token_ids, accept_draft_probs, accept_mode,
+                               **residual)
+    if accept_draft_probs is not None or residual != RESIDUAL_DEFAULTS:
+        raise ValueError("accept_draft_probs and the residual_* arguments belong to the "
+                         "composed mode; pass bonus_token_ids (with target_is_probs=True) or "
+                         "leave them at their defaults")
     if target_is_probs:  # plain PyTorch on every device (probs_verify is its own reference)
         B, K1, V = target_logits.shape
         _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
@@ -341,6 +362,21 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
                    synthetic_rates, impl)
 
 
+def _check_composed_call(target, drafts, draft_probs, temperature, top_k, top_p, uniforms,
+                         exponentials, block_verify, posterior_threshold, synthetic_rates, bonus,
+                         accept_q, residual, target_is_probs, ratio_cap, accept_rule) -> None:
+    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                    ("synthetic_rates", synthetic_rates), ("entropy_verify", posterior_threshold)):
+        if v is not None:
+            raise ValueError(f"{name} given with bonus_token_ids: the composed mode verifies on "
+                             f"your finished probabilities; apply {name} to p yourself")
+    if block_verify:
+        raise ValueError("block_verify=True with bonus_token_ids: the composed mode runs "
+                         "standard verification only; leave bonus_token_ids out")
+    check_composed(target, drafts, draft_probs, uniforms, exponentials, bonus, accept_q,
+                   residual, target_is_probs, ratio_cap, accept_rule)
+
+
 # The op. kernels/native_cpu.py adds a C++ CPU kernel for the all-greedy step, which outranks
 # this Python one (custom_op registers it as CompositeExplicitAutograd) and hands it the rest.
 _rejection_sample_op = torch.library.custom_op("npuspec::rejection_sample", mutates_args=())(
@@ -349,9 +385,15 @@ _rejection_sample_op = torch.library.custom_op("npuspec::rejection_sample", muta
 
 @_rejection_sample_op.register_fake
 def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
-      exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates, *,
-      target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix"):
-    B, K1, _ = target_logits.shape
+      exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates,
+      bonus_token_ids=None, accept_draft_probs=None, *,
+      target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix",
+      residual_normalize="none",
+      residual_sampler="race", residual_nonneg="clamp", residual_floor=0.0,
+      residual_guard="none", residual_fill=0.0):
+    B, K1 = target_logits.shape[0], target_logits.shape[1]
+    if bonus_token_ids is not None:  # composed: p may lack the bonus row
+        K1 = draft_token_ids.shape[1] + 1
     return (target_logits.new_empty((B, K1), dtype=torch.int32),
             target_logits.new_empty((B,), dtype=torch.int32))
 
@@ -365,10 +407,19 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      synthetic_rates: Optional[Tensor] = None,
                      uniforms: Optional[Tensor] = None, exponentials: Optional[Tensor] = None,
                      target_is_probs: bool = False, accept_mode: str = "ge",
-                     ratio_cap: bool = False, accept_rule: str = "prefix"
+                     ratio_cap: bool = False, accept_rule: str = "prefix",
+                     bonus_token_ids: Optional[Tensor] = None,
+                     accept_draft_probs: Optional[Tensor] = None, **residual
                      ) -> tuple[Tensor, Tensor]:
     """Verify K drafts per request (docs/verify.md). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
+
+    bonus_token_ids int [B] (with target_is_probs=True): the composed mode
+    (kernels/verify_composed.py), vLLM v1's step as one call: your bonus tokens are emitted
+    when every draft is accepted (row K of p is not read; p may be [B, K, V]), the test reads
+    `accept_draft_probs` if given (else draft_probs), and the recovered token at the first
+    rejection is `residual_sample`'s under the `residual_*` keywords (normalize, sampler,
+    nonneg, floor, guard, fill). Draws not given: uniforms [B, K], exponentials [B, 1, V].
 
     target_is_probs=True: `target_logits` holds the caller's final target probabilities p
     [B, K+1, V] (their temperature/top-k/top-p already applied); every row is sampled by
@@ -384,6 +435,26 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     exponentials [B, V] (float32 Exp(1)), from `generators[row]` for seeded rows (uniforms
     first, then exponentials) and from the default generator for the others. Then the pure
     custom op `torch.ops.npuspec.rejection_sample` runs."""
+    unknown = set(residual) - set(RESIDUAL_DEFAULTS)
+    if unknown:
+        raise TypeError(f"rejection_sample: unknown keyword(s) {sorted(unknown)}; the residual's "
+                        f"are {sorted(RESIDUAL_DEFAULTS)}")
+    if bonus_token_ids is not None:
+        B, K = draft_token_ids.shape
+        dev = target_logits.device
+        if uniforms is None:
+            uniforms = draw_uniforms(B, K, dev, generators)
+        if exponentials is None:
+            exponentials = draw_exponentials(B, target_logits.shape[-1], dev, generators)[:, None]
+        thr, alpha = (None, None) if entropy_verify is None else entropy_verify
+        return torch.ops.npuspec.rejection_sample(
+            target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
+            exponentials, bool(block_verify), thr, alpha, synthetic_rates, bonus_token_ids,
+            accept_draft_probs, target_is_probs=bool(target_is_probs), accept_mode=accept_mode,
+            ratio_cap=bool(ratio_cap), accept_rule=accept_rule, **{**RESIDUAL_DEFAULTS, **residual})
+    if accept_draft_probs is not None or residual:
+        raise ValueError("accept_draft_probs and the residual_* keywords belong to the composed "
+                         "mode; pass bonus_token_ids (with target_is_probs=True) or leave them out")
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
               target_is_probs, accept_mode, ratio_cap, accept_rule)

@@ -218,3 +218,21 @@ def test_greedy_rejection_sample_hands_bad_values_to_python():
         logits, drafts, None, torch.ones(2), None, None, None, None, False, None, None, None),
         "rejection_sample")
     assert not fast
+
+
+def test_composed_rejection_sample_goes_to_python():
+    """The composed mode (bonus tokens given) passes its arguments through the C++ kernel's
+    hand-off unchanged: the Python op's result, bit for bit, and no fast call."""
+    from npuspec.kernels.verify_composed import composed_verify_ref
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, 4, 20, generator=g), -1)
+    q = torch.softmax(torch.randn(3, 3, 20, generator=g), -1)
+    ids = torch.randint(0, 20, (3, 3), generator=g)
+    u, e = torch.rand(3, 3, generator=g), torch.empty(3, 3, 20).exponential_(generator=g)
+    bonus = torch.randint(0, 20, (3, 1), generator=g)
+    kw = dict(residual_normalize="row", residual_floor=1e-5)
+    got, fast = _served(lambda: torch.ops.npuspec.rejection_sample(
+        p, ids, q, None, None, None, u, e, False, None, None, None, bonus, None,
+        target_is_probs=True, **kw), "rejection_sample")
+    assert not fast
+    assert _equal(got, composed_verify_ref(p, ids, q, u, e, bonus, None, "ge", **kw))
