@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from npuspec.kernels import rejection_sample
-from npuspec.kernels.accept import GUARDS, NONNEG, NORMALIZE, SAMPLERS
+from npuspec.kernels.accept import NONNEG, NORMALIZE, SAMPLERS
 from npuspec.kernels.verify_composed import composed_verify_ref
 
 B, K, V = 6, 4, 37
