@@ -59,7 +59,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from npuspec import counters, envs
-from npuspec.passes import (bare_masks, canonical, picks, prefix, residual_proof, rewrites,
+from npuspec.passes import (bare_masks, canonical, composed, picks, prefix, residual_proof,
+                            rewrites,
                             rowlocal, shared, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
@@ -321,6 +322,9 @@ class PassManager:
         proven = residual_proof.prove_recovered(graph)  # what no residual spelling took
         if proven:
             found["residual_proof"] = proven
+        steps = composed.compose_steps(graph, flavor)  # narrow ops + emission -> one call
+        if steps:
+            found["composed"] = steps
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
             # later (an RNG draw after the ratio test) moves down after it (see
@@ -364,7 +368,7 @@ class PassManager:
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
-                                       residual_proof,
+                                       residual_proof, composed,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

@@ -40,7 +40,8 @@ FUSED_NOW = {
     "eagle_greedy_posterior",         # greedy_accept, likewise
     # issue 37's rewrites and rounds:
     "vllm_v1_native_random",          # ratio_accept (gather_rows, the pad fill moved to q) and
-                                      # residual_sample (its clamp(min=1e-5) as the op's floor)
+                                      # residual_sample (its clamp(min=1e-5) as the op's floor),
+                                      # then with the emission one rejection_sample (composed)
     "vllm_v1_native_ngram",           # likewise
     "vllm_ascend_greedy_spec_len_1",  # greedy_accept (k_one)
     "sglang_tree_greedy_chain",       # greedy_accept (k_one)

@@ -1,0 +1,255 @@
+"""Whole steps composed from the narrow ops: one `npuspec::rejection_sample` call (issue 37,
+point 3; docs/passes.md, "Whole steps from their pieces").
+
+vLLM v1's `forward_native` (random and n-gram drafts) reaches the end of the families as
+
+    n   = ratio_accept(p[:, :K], q_test, ids, u)                     # [B]
+    rec = residual_sample(p[:, :K], q, E, "row", "race", "clamp", 1e-5)  # [B, K]
+    out = <the user's emission from n, rec, ids and their bonus tokens>  # [B, K+1]
+
+(its padded slots write inf into the test's q only, so q_test and q differ). Nothing about the
+emission is spelled the same way twice in the field, so it is matched by what it computes:
+`out`'s region (the nodes between {n, rec} and out, with the constants they read) may read
+only n, rec, the test's own ids and one int [B] or [B, 1] tensor (the bonus), and evaluated
+on every accepted count 0..K in every row, with distinct and with colliding token values, it
+must give exactly `ids before n, rec[n] (or the bonus at n = K) at n, -1 after`. Then `out`
+becomes the op's tokens in composed mode (kernels/verify_composed.py), which reads the same
+inputs, races only row n, and equals the narrow ops' result bit for bit; other readers of n
+read num_emitted - 1. A region that reads anything else, or computes anything else, is left
+as written. As with the recovered-token check, this is an evaluation on a finite set: the
+region is integer indexing and selection, where the set covers every count per row.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from npuspec.passes.residual_proof import _cpu
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
+
+log = logging.getLogger("npuspec.passes")
+aten = torch.ops.aten
+MAX_REGION = 80
+_RESIDUAL_KEYS = ("normalize", "sampler", "nonneg", "floor", "guard", "fill")
+
+
+def _bound(n: Node) -> dict:
+    """An op node's arguments by schema name, defaults filled in."""
+    schema = n.target._schema
+    out = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(n.args):
+            out[a.name] = n.args[i]
+        elif a.name in n.kwargs:
+            out[a.name] = n.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out
+
+
+def _pure(n: Node) -> bool:
+    t = n.target
+    if n.op != "call_function":
+        return False
+    if t is operator.getitem:
+        return True
+    return (isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable
+            and torch.Tag.nondeterministic_seeded not in t.tags)
+
+
+def _same_value(a, b) -> bool:
+    """Two nodes that compute the same value: the same node, or the same pure op on the same
+    values (the two `p[:, :K]` slices AOT makes for the test and the residual)."""
+    if a is b:
+        return True
+    if not (isinstance(a, Node) and isinstance(b, Node)) or not (_pure(a) and _pure(b)):
+        return False
+    if a.target is not b.target or len(a.args) != len(b.args) or a.kwargs != b.kwargs:
+        return False
+    return all(_same_value(x, y) if isinstance(x, Node) else x == y
+               for x, y in zip(a.args, b.args))
+
+
+def _descendants(n: Node, cap: int = 400) -> set:
+    seen, todo = set(), [n]
+    while todo and len(seen) < cap:
+        for u in todo.pop().users:
+            if u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def _constant(n: Node) -> bool:
+    """Made of literals alone (arange, full, scalar_tensor, a lifted attribute)."""
+    if n.op == "get_attr":
+        return True
+    return _pure(n) and all(_constant(a) for a in n.all_input_nodes)
+
+
+def _region(out: Node, n: Node, rec: Node, below: set) -> Optional[tuple[list, list]]:
+    """(the nodes computing `out` from n, rec and constants, in graph order; the other tensors
+    they read), or None when a node is impure or the region is too large."""
+    inside, free, todo = {out}, set(), [out]
+    while todo:
+        m = todo.pop()
+        if not _pure(m):
+            return None
+        for a in m.all_input_nodes:
+            if a in inside or a in free or a is n or a is rec:
+                continue
+            if a in below or _constant(a):
+                inside.add(a)
+                todo.append(a)
+            else:
+                free.add(a)
+        if len(inside) > MAX_REGION:
+            return None
+    order = [m for m in out.graph.nodes if m in inside]
+    return order, [m for m in out.graph.nodes if m in free]
+
+
+def _run(order: list, env: dict) -> torch.Tensor:
+    """The region on real CPU tensors (also inside a fake-tensor trace)."""
+    from npuspec.passes.prefix import _attr
+    tree_map = torch.utils._pytree.tree_map
+    for m in order:
+        if m.op == "get_attr":
+            env[m] = _attr(m).detach().cpu()
+            continue
+        args = tree_map(lambda a: env[a] if isinstance(a, Node) else _cpu(a), m.args)
+        kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else _cpu(a), dict(m.kwargs))
+        env[m] = m.target(*args, **kwargs)
+    return env[order[-1]]
+
+
+def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:
+    """Evaluate the region for every count in every row, tokens distinct per source and then
+    colliding; compare with ids before n, rec[n] or the bonus at n, -1 after."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    bshape = tuple(_val(bonus).shape)
+    with unset_fake_temporarily():
+        gen = torch.Generator().manual_seed(53)
+        pos = torch.arange(K + 1)[None, :]
+        for lo, span in ((0, 1 << 20), (0, 3)):
+            x = torch.randint(lo, lo + span, (B, K), generator=gen)
+            r = torch.randint(lo + span, lo + 2 * span, (B, K), generator=gen) if span > 3 else \
+                torch.randint(lo, lo + span, (B, K), generator=gen)
+            bo = torch.randint(lo, lo + 3 * span, (B,), generator=gen)
+            for t in range(K + 1):
+                cnt = (torch.arange(B) + t) % (K + 1)
+                env = {n: cnt, rec: r.to(_val(rec).dtype), ids: x.to(_val(ids).dtype),
+                       bonus: bo.reshape(bshape).to(_val(bonus).dtype)}
+                try:
+                    got = _run(order, env)
+                except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                    log.debug("npuspec passes: an emission region did not evaluate: %s", e)
+                    return False
+                tok = torch.where(cnt < K, r.gather(1, cnt.clamp_max(K - 1)[:, None])[:, 0]
+                                  if K else bo, bo)
+                want = torch.where(pos < cnt[:, None], torch.cat([x, x[:, :1]], 1), -1)
+                want = torch.where(pos == cnt[:, None], tok[:, None], want)
+                if got.shape != want.shape or got.is_floating_point() or not torch.equal(
+                        got.long(), want):
+                    return False
+    return True
+
+
+def _pairs(graph: Graph):
+    """(ratio_accept node, residual_sample node) reading the same p."""
+    tests = [m for m in graph.nodes if m.target is torch.ops.npuspec.ratio_accept.default]
+    races = [m for m in graph.nodes if m.target is torch.ops.npuspec.residual_sample.default]
+    for t in tests:
+        a = _bound(t)
+        for r in races:
+            if _same_value(_bound(r)["p"], a["p"]):
+                yield t, r
+
+
+def _shapes_ok(t: Node, r: Node) -> Optional[tuple[int, int]]:
+    """(B, K) when the test is over ids [B, K] with q given and the race gives [B, K] from
+    inputs broadcasting to p's [B, K, V]; else None."""
+    a, b = _bound(t), _bound(r)
+    ids, p = _val(a["draft_ids"]), _val(a["p"])
+    if a["q"] is None or ids is None or p is None or ids.dim() != 2 or not _static(p.shape):
+        return None
+    B, K = ids.shape
+    V = p.shape[-1]
+    if tuple(p.shape) != (B, K, V) or tuple(_val(r).shape) != (B, K):
+        return None
+    try:
+        for x in (b["q"], b["noise"], a["q"]):
+            if not isinstance(x, Node) or _val(x) is None or torch.broadcast_shapes(
+                    _val(x).shape, (B, K, V)) != (B, K, V):
+                return None
+    except RuntimeError:
+        return None
+    return B, K
+
+
+def compose_steps(graph: Graph, flavor: str) -> int:
+    """Replace each emission the check shows to be the composed step's. -> replacements."""
+    made = 0
+    for t, r in list(_pairs(graph)):
+        if t.graph is None or r.graph is None:  # erased by an earlier replacement
+            continue
+        bk = _shapes_ok(t, r)
+        if bk is None:
+            continue
+        B, K = bk
+        below = _descendants(t) | _descendants(r)
+        outs = [m for m in graph.nodes if m in below and _is_emission(m, B, K)]
+        for out in reversed(outs):
+            if _replace(graph, t, r, out, below, B, K, flavor):
+                made += 1
+                break
+    return made
+
+
+def _is_emission(m: Node, B: int, K: int) -> bool:
+    v = _val(m)
+    return v is not None and not v.is_floating_point() and v.dtype != torch.bool and tuple(
+        v.shape) == (B, K + 1)
+
+
+def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: int,
+             flavor: str) -> bool:
+    a = _bound(t)
+    # what the emission derives from the ids (the pad column's `full_like(ids[:, :1], -1)`)
+    # is inside too, so the ids themselves are the leaf
+    reg = _region(out, t, r, below | (_descendants(a["draft_ids"]) - {a["draft_ids"]}))
+    if reg is None:
+        return False
+    order, free = reg
+    ids = next((f for f in free if _same_value(f, a["draft_ids"])), None)
+    rest = [f for f in free if f is not ids]
+    if ids is None or len(rest) != 1:
+        return False
+    bonus = rest[0]
+    bv = _val(bonus)
+    if bv is None or bv.is_floating_point() or bv.dtype == torch.bool or tuple(
+            bv.shape) not in ((B,), (B, 1)):
+        return False
+    if not _emission_holds(order, t, r, ids, bonus, B, K):
+        return False
+    b = _bound(r)
+    kw = {f"residual_{k}": b[k] for k in _RESIDUAL_KEYS}
+    q_test = None if _same_value(a["q"], b["q"]) else a["q"]
+    with graph.inserting_before(out):
+        op = _fake_meta(graph.call_function(
+            torch.ops.npuspec.rejection_sample.default,
+            (a["p"], a["draft_ids"], b["q"], None, None, None, a["uniforms"], b["noise"], False,
+             None, None, None, bonus, q_test),
+            {"target_is_probs": True, "accept_mode": a["mode"], **kw}))
+        tok, num = (graph.call_function(operator.getitem, (op, i)) for i in (0, 1))
+        tok.meta["val"], num.meta["val"] = op.meta["val"]
+        new = _fake_meta(_cast(graph, tok, _val(out).dtype, flavor))
+        n_new = _fake_meta(_cast(graph, num, torch.int64, flavor))
+        n_new = _fake_meta(graph.call_function(aten.sub.Tensor, (n_new, 1)))
+    out.replace_all_uses_with(new)
+    t.replace_all_uses_with(n_new, delete_user_cb=lambda u: u is not n_new and u not in order)
+    return True

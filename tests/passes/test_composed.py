@@ -1,0 +1,141 @@
+"""passes/composed.py: whole steps composed from the narrow ops become one rejection_sample.
+
+Three ways through the backend (outputs equal eager's from the same RNG state, one
+`npuspec.rejection_sample` where `ratio_accept` and `residual_sample` were, and
+`verify_patterns_matched.composed` moved), under both lowerings, for vLLM v1's forward_native
+(random and n-gram drafts, transcribed in field_vllm.py) and for an emission written another
+way that also returns the count; near misses (another fill, the token one slot late, a second
+ids tensor) stay as the narrow ops and equal eager. A correct emission the user then rewrites
+(`where(out == -1, -2, out)`) is fused up to the emission, the rewrite kept.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from field_corpus import BY_NAME
+from passes_helpers import three_way
+
+B, K, V = 5, 4, 23
+FAMILY = "verify_patterns_matched.composed"
+
+
+@pytest.fixture(autouse=True)
+def _no_fx_graph_cache():
+    # a cache hit skips the passes (the cached graph holds the op already): compile afresh
+    from torch._inductor import config
+    with config.patch(fx_graph_cache=False):
+        yield
+
+
+def _matched(delta) -> int:
+    return delta.get(FAMILY, 0)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+@pytest.mark.parametrize("name", ["vllm_v1_native_random", "vllm_v1_native_ngram"])
+def test_vllm_v1_forward_native_is_one_call(name, lowering):
+    e = BY_NAME[name]
+    for seed in (3, 4):
+        torch._dynamo.reset()
+        _, graphs = three_way(e.fn, e.make(seed), lowering=lowering, matched=None,
+                              appear=("npuspec.rejection_sample",),
+                              gone=("npuspec.ratio_accept", "npuspec.residual_sample"))
+        assert _matched(three_way.last_delta) == 1, three_way.last_delta
+        assert graphs.count("npuspec.rejection_sample.default]") == 1, graphs
+
+
+def _pieces(p, q, ids, u, e, floor=1e-5):
+    k = ids.shape[1]
+    px = p[:, :k].gather(-1, ids[..., None]).squeeze(-1)
+    qx = q.gather(-1, ids[..., None]).squeeze(-1)
+    n = (px / qx >= u).cumprod(dim=1).sum(dim=1)                          # [B]
+    r = torch.clamp(p[:, :k] - q, min=floor)
+    rec = (r / r.sum(-1, keepdim=True) / e).argmax(-1)                     # [B, K]
+    return n, rec
+
+
+def where_emission(p, q, ids, u, e, bonus):
+    # the emission by comparisons, and the count returned as well
+    n, rec = _pieces(p, q, ids, u, e)
+    k = ids.shape[1]
+    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])        # [B, 1]
+    pos = torch.arange(k + 1)[None, :]
+    padded = torch.cat([ids, torch.full_like(ids[:, :1], -1)], 1)
+    out = torch.where(pos < n[:, None], padded, -1)
+    return torch.where(pos == n[:, None], tok, out), n
+
+
+def other_fill(p, q, ids, u, e, bonus):
+    n, rec = _pieces(p, q, ids, u, e)
+    k = ids.shape[1]
+    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])
+    pos = torch.arange(k + 1)[None, :]
+    padded = torch.cat([ids, torch.full_like(ids[:, :1], -2)], 1)
+    out = torch.where(pos < n[:, None], padded, -2)                       # -2, not -1
+    return torch.where(pos == n[:, None], tok, out), n
+
+
+def token_late(p, q, ids, u, e, bonus):
+    n, rec = _pieces(p, q, ids, u, e)
+    k = ids.shape[1]
+    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])
+    pos = torch.arange(k + 1)[None, :]
+    padded = torch.cat([ids, torch.full_like(ids[:, :1], -1)], 1)
+    out = torch.where(pos <= n[:, None], padded, -1)                      # ids at n too
+    return torch.where(pos == n[:, None] + 1, tok, out), n
+
+
+def other_ids(p, q, ids, u, e, bonus, ids2):
+    n, rec = _pieces(p, q, ids, u, e)
+    k = ids.shape[1]
+    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])
+    pos = torch.arange(k + 1)[None, :]
+    padded = torch.cat([ids2, torch.full_like(ids[:, :1], -1)], 1)       # not the test's ids
+    out = torch.where(pos < n[:, None], padded, -1)
+    return torch.where(pos == n[:, None], tok, out), n
+
+
+def _inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K)
+    ids[0] = p[0, :K].argmax(-1)                       # long accepted prefixes
+    ids[1] = p[1, :K].argmax(-1)
+    u = torch.rand(B, K, generator=g)
+    u[1] = 0.0                                         # every draft accepted: the bonus
+    e = torch.empty(B, K, V).exponential_(generator=g)
+    return p, q, ids, u, e, torch.randint(0, V, (B,), generator=g)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_an_emission_written_otherwise(lowering):
+    torch._dynamo.reset()
+    _, graphs = three_way(where_emission, _inputs(1), lowering=lowering, matched=None,
+                          appear=("npuspec.rejection_sample",),
+                          gone=("npuspec.ratio_accept", "npuspec.residual_sample"))
+    assert _matched(three_way.last_delta) == 1, three_way.last_delta
+
+
+@pytest.mark.parametrize("fn", [other_fill, token_late, other_ids], ids=lambda f: f.__name__)
+def test_near_misses_stay_as_written(fn):
+    args = _inputs(2)
+    if fn is other_ids:
+        args = args + (torch.flip(args[2], [1]),)
+    torch._dynamo.reset()
+    three_way(fn, args, matched=None, appear=("npuspec.ratio_accept", "npuspec.residual_sample"),
+              gone=("npuspec.rejection_sample",))
+    assert _matched(three_way.last_delta) == 0, three_way.last_delta
+
+
+def post_processed(p, q, ids, u, e, bonus):
+    out, n = where_emission(p, q, ids, u, e, bonus)
+    return torch.where(out == -1, -2, out), n
+
+
+def test_a_rewritten_emission_keeps_the_rewrite():
+    torch._dynamo.reset()
+    _, graphs = three_way(post_processed, _inputs(3), matched=None,
+                          appear=("npuspec.rejection_sample", "aten.where"),
+                          gone=("npuspec.ratio_accept", "npuspec.residual_sample"))
+    assert _matched(three_way.last_delta) == 1, three_way.last_delta
