@@ -204,39 +204,73 @@ def _fresh_like(graph: Graph, n: Node) -> Node:
     return new
 
 
-def _filled_pick(n: Node) -> Optional[tuple]:
-    """(q, U, mask, c) when n is index_put(squeeze(gather(q, 2, U), 2), [mask], c): a
-    one-element c written over the picks of the rows where the bool [B, K] mask holds (vLLM
-    v1's `draft_px[pad] = inf`, padded slots never accepted)."""
-    if n.target is not aten.index_put.default or len(n.args) != 3 or n.kwargs:
+# how a fill over the masked picks is written: index_put(x, [mask], c) (vLLM v1's
+# `draft_px[pad] = inf`), x.masked_fill(mask, c), torch.where(mask, c, x)
+_FILLS = {aten.index_put.default: "index_put", aten.masked_fill.Scalar: "masked_fill",
+          aten.masked_fill.Tensor: "masked_fill", aten.where.self: "where"}
+
+
+def _fill_parts(n: Node) -> Optional[tuple]:
+    """(x, mask, c, kind) of a fill of x where mask holds, in one of the _FILLS spellings."""
+    kind = _FILLS.get(n.target)
+    if kind is None or len(n.args) != 3 or n.kwargs:
         return None
-    x, indices, c = n.args
+    if kind == "index_put":
+        x, indices, c = n.args
+        if len(indices) != 1:
+            return None
+        return x, indices[0], c, kind
+    if kind == "masked_fill":
+        x, mask, c = n.args
+        return x, mask, c, kind
+    mask, c, x = n.args
+    return x, mask, c, kind
+
+
+def _filled_pick(n: Node) -> Optional[tuple]:
+    """(q, U, mask, c, kind) when n fills squeeze(gather(q, 2, U), 2) with a one-element c
+    where the bool [B, K] mask holds (vLLM v1's `draft_px[pad] = inf`: padded slots never
+    accepted), as index_put, masked_fill or where (_FILLS)."""
+    parts = _fill_parts(n)
+    if parts is None:
+        return None
+    x, mask, c, kind = parts
     if (not isinstance(x, Node) or x.target is not aten.squeeze.dim or x.args[1] != 2
-            or len(indices) != 1 or not isinstance(indices[0], Node)):
+            or not isinstance(mask, Node)):
         return None
     g = x.args[0]
     if g.target is not aten.gather.default or len(g.args) != 3 or g.args[1] != 2 or g.kwargs:
         return None
-    q, U, mask = g.args[0], g.args[2], indices[0]
-    qv, xv, mv, cv = _val(q), _val(x), _val(mask), _val(c)
-    if any(v is None for v in (qv, xv, mv, cv)) or qv.dim() != 3 or xv.dim() != 2:
+    q, U = g.args[0], g.args[2]
+    qv, xv, mv, nv = _val(q), _val(x), _val(mask), _val(n)
+    cv = _val(c) if isinstance(c, Node) else c
+    if any(v is None for v in (qv, xv, mv, nv, cv)) or qv.dim() != 3 or xv.dim() != 2:
         return None
-    if (mv.dtype != torch.bool or mv.dim() != 2 or cv.dim() != 0 or cv.dtype != qv.dtype
+    if isinstance(cv, torch.Tensor) and (cv.dim() != 0 or cv.dtype != qv.dtype):
+        return None
+    if not isinstance(cv, (torch.Tensor, float, int)) or isinstance(cv, bool):
+        return None
+    if (mv.dtype != torch.bool or mv.dim() != 2 or nv.dtype != qv.dtype
             or not all(prefix._same(a, b) for a, b in zip(mv.shape, xv.shape))):
         return None
-    return q, U, mask, c
+    return q, U, mask, c, kind
 
 
 def _fill_before_pick(graph: Graph, n: Node) -> Optional[Node]:
-    """index_put(q.gather(2, U).squeeze(2), [mask], c) -> index_put(q, [mask], c).gather(2,
-    U).squeeze(2). The bool [B, K] mask selects whole [V] rows of q, so every id picked from a
-    masked row reads c and every other pick reads q: the same values, bit for bit, with q's
-    pick in the families' form. It costs a [B, K, V] copy of q where the fill was [B, K]."""
+    """fill(q.gather(2, U).squeeze(2), mask, c) -> fill(q, mask, c).gather(2, U).squeeze(2),
+    the fill spelled as the user spelled it. The bool [B, K] mask selects whole [V] rows of q,
+    so every id picked from a masked row reads c and every other pick reads q: the same
+    values, bit for bit (the result's dtype is q's, checked), with q's pick in the families'
+    form. It costs a [B, K, V] copy of q where the fill was [B, K]."""
     found = _filled_pick(n)
     if found is None:
         return None
-    q, U, mask, c = found
-    filled = _new(graph, aten.index_put.default, (q, [mask], c), n)
+    q, U, mask, c, kind = found
+    if kind == "index_put":
+        filled = _new(graph, aten.index_put.default, (q, [mask], c), n)
+    else:
+        rows = _new(graph, aten.unsqueeze.default, (mask, 2), n)            # [B, K, 1]
+        filled = _new(graph, n.target, (q, rows, c) if kind == "masked_fill" else (rows, c, q), n)
     g = _new(graph, aten.gather.default, (filled, 2, U), n)
     return _new(graph, aten.squeeze.dim, (g, 2), n)
 

@@ -266,19 +266,39 @@ def masks_from_counts(graph: Graph, flavor: str, made: list) -> int:
     for s in filter(None, map(_sum_of, made)):
         ok = _counted_flags(s)
         pos = {m: i for i, m in enumerate(graph.nodes)}
-        cs = sorted((c for c in ok.users if _cumprod_of(c, ok)), key=pos.__getitem__)
+        cs = sorted(_mask_cumprods(ok), key=pos.__getitem__)
         others = [(c, u) for c in cs for u in c.users if u is not s]
         if not others:
             continue
-        # s reads the earliest cumprod and moves up to it (its only input), so the mask made
-        # right after s comes before every user it takes over
-        s.replace_input_with(s.args[0], cs[0])
+        # s moves up to the earliest cumprod, reading it when it is ok's own (else s's own
+        # cumprod moves with it: both read only ok), so the mask made right after s comes
+        # before every user it takes over
+        if _cumprod_of(cs[0], ok):
+            s.replace_input_with(s.args[0], cs[0])
+        elif s.args[0] is not cs[0]:
+            cs[0].append(s.args[0])
+            cs = [s.args[0]] + cs
         cs[0].append(s)
         mask = _mask_from_count(graph, s, _val(ok).shape[1], flavor)
         for c, u in others:
             u.replace_input_with(c, mask)
         done += 1
     return done
+
+
+def _mask_cumprods(ok: Node) -> list:
+    """`ok.cumprod(1)`, and `ok.long().cumprod(1)` (any integer cast of ok whose cumprod is
+    int64): the same int64 values, 1 before the first False and 0 from it on."""
+    out = [c for c in ok.users if _cumprod_of(c, ok)]
+    for cast in ok.users:
+        v = _val(cast)
+        if (cast.op != "call_function" or len(cast.all_input_nodes) != 1 or v is None
+                or v.dtype not in (torch.int32, torch.int64) or v.shape != _val(ok).shape
+                or cast.target not in (aten._to_copy.default,
+                                       torch.ops.prims.convert_element_type.default)):
+            continue
+        out += [c for c in cast.users if _cumprod_of(c, cast) and _val(c).dtype == torch.int64]
+    return out
 
 
 def _sum_of(new: Node) -> Optional[Node]:

@@ -1,6 +1,7 @@
 """Verify-step pass benchmark: backend="npuspec" vs backend="inductor" vs eager, in one run.
 
     python -m npuspec.bench.passes [--batch 8 64] [--k 4] [--vocab 32000] [--repeats 20]
+                                   [--steps ours vllm_v1]
 
 The step function is plain PyTorch the way users write it: a greedy verify (argmax, cumprod
 accept length, emitted tokens with -1 padding) and a whole standard sampling verify (softmax,
@@ -70,6 +71,33 @@ def verify_step(logits, drafts, draft_probs):
     return (greedy_out, n_greedy) + _sampled(p, drafts, draft_probs, u, e)
 
 
+def vllm_v1_step_draws(probs, drafts, draft_probs, bonus, u, e):
+    """vLLM v1's `forward_native` random path as its authors lay it out (padded drafts, -1 for
+    none; the bonus tokens sampled elsewhere; a residual floored at 1e-5 and normalised per
+    row; one Exp(1) vector per draft position), written here in our words. The backend makes
+    it one `rejection_sample` in composed mode (passes/composed.py)."""
+    B, K = drafts.shape
+    none = drafts == -1
+    x = drafts.masked_fill(none, 0)
+    px = probs[:, :K].gather(2, x[..., None])[..., 0]                    # [B, K]
+    qx = draft_probs.gather(2, x[..., None])[..., 0].masked_fill(none, float("inf"))
+    kept = (u <= px / qx).long().cumprod(dim=1)                          # [B, K] 1 while accepted
+    r = torch.clamp(probs[:, :K] - draft_probs, min=1e-5)                # [B, K, V]
+    rec = (r / r.sum(-1, keepdim=True) / e).argmax(-1)                   # [B, K]
+    n = kept.sum(1)                                                      # [B]
+    out = torch.cat([x * kept - (1 - kept), torch.full_like(x[:, :1], -1)], 1)  # [B, K+1]
+    rows = torch.arange(B, device=probs.device)
+    out[rows, n] = torch.cat([rec, bonus[:, None]], 1)[rows, n]
+    return out
+
+
+def vllm_v1_step(probs, drafts, draft_probs, bonus):
+    B, K = drafts.shape
+    u = torch.rand(B, K, device=probs.device)
+    e = torch.empty(B, K, probs.shape[-1], device=probs.device).exponential_()
+    return vllm_v1_step_draws(probs, drafts, draft_probs, bonus, u, e)
+
+
 def make_inputs(B: int, K: int, V: int, device: str, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     logits = torch.randn(B, K + 1, V, generator=g)
@@ -86,14 +114,22 @@ VARIANTS = ("eager", "inductor", "inductor(fallback_random)", "npuspec", "npuspe
 
 
 def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str,
-             variants=VARIANTS) -> list[dict]:
+             variants=VARIANTS, step_name: str = "ours") -> list[dict]:
     args = make_inputs(B, K, V, device)
     step = verify_step
+    g = torch.Generator().manual_seed(1)
+    e_shape = (B, V)
+    if step_name == "vllm_v1":  # probabilities in, a bonus token per request, E per position
+        step, e_shape = vllm_v1_step, (B, K, V)
+        logits, drafts, draft_probs = args
+        drafts = drafts.clone()
+        drafts[0, K // 2:] = -1                     # a request with fewer drafts than K
+        args = (torch.softmax(logits, -1), drafts, draft_probs,
+                torch.randint(0, V, (B,), generator=g).to(device))
     if draws == "outside":
-        step = verify_step_draws
-        g = torch.Generator().manual_seed(1)
+        step = verify_step_draws if step_name == "ours" else vllm_v1_step_draws
         args = args + (torch.rand(B, K, generator=g).to(device),
-                       torch.empty(B, V).exponential_(generator=g).to(device))
+                       torch.empty(e_shape).exponential_(generator=g).to(device))
     sync = torch.cuda.synchronize if device == "cuda" else None
     torch.manual_seed(0)
     ref = step(*args)
@@ -128,7 +164,7 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str,
         times[name] = median_time(lambda: fn(*args), repeats=repeats, warmup=2, sync=sync)
         compile_s[name] = max(first - times[name], 0.0) if name != "eager" else 0.0
         fr = "inductor(fallback_random)"
-        rows.append({"draws": draws, "B": B, "V": V, "backend": name,
+        rows.append({"step": step_name, "draws": draws, "B": B, "V": V, "backend": name,
                      "median_ms": times[name] * 1e3,
                      "vs_eager": times["eager"] / times[name],
                      "vs_inductor": times["inductor"] / times[name] if "inductor" in times else float("nan"),
@@ -160,6 +196,9 @@ def main(argv=None):
     ap.add_argument("--draws", nargs="+", choices=("outside", "inside"), default=["outside", "inside"],
                     help="outside: u and E are step inputs; inside: the step draws them "
                          "(torch.rand, exponential_), which dominates CPU time")
+    ap.add_argument("--steps", nargs="+", choices=("ours", "vllm_v1"), default=["ours"],
+                    help="ours: a greedy and a standard sampling verify; vllm_v1: vLLM v1's "
+                         "forward_native random path (one rejection_sample in composed mode)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shared-inductor-cache", action="store_true",
                     help="use the user's Inductor cache instead of a fresh temporary one")
@@ -177,10 +216,12 @@ def main(argv=None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="npuspec-bench-")
     print(f"pattern registration (once per process, both flavours): {register_patterns():.2f} s")
     rows = []
-    for draws in a.draws:
-        for B in a.batch:
-            rows += run_case(B, a.k, a.vocab, a.repeats, a.device, draws)
-    cols = ["draws", "B", "V", "backend", "median_ms", "vs_eager", "vs_inductor",
+    for step_name in a.steps:
+        for draws in a.draws:
+            for B in a.batch:
+                rows += run_case(B, a.k, a.vocab, a.repeats, a.device, draws,
+                                 step_name=step_name)
+    cols = ["step", "draws", "B", "V", "backend", "median_ms", "vs_eager", "vs_inductor",
             "vs_inductor_eager_rng", "tokens==eager", "patterns_matched", "compile_s",
             "passes_s", "passes_share"]
     print_table(rows, cols, title=f"verify step, K={a.k}, {a.device}, {torch.get_num_threads()} "

@@ -13,3 +13,12 @@ def test_rows_report_the_passes_time_per_graph():
     # the pass manager ran on the step's graph (a dry run and the real one) and timed itself
     assert 0 < ours["passes_s"] and ours["compile_s"] >= 0
     assert math.isnan(ours["passes_share"])  # no Inductor row to compare with in this run
+
+
+def test_the_vllm_v1_step_is_one_composed_call():
+    rows = passes.run_case(3, 3, 40, 1, "cpu", "inside",
+                           variants=("eager", "npuspec(eager lowering)"), step_name="vllm_v1")
+    ours = rows[1]
+    assert ours["step"] == "vllm_v1" and ours["tokens==eager"] == "yes"
+    # ratio_accept, residual_sample, then the two composed into one call
+    assert ours["patterns_matched"] == 3

@@ -241,3 +241,65 @@ def test_mask_from_count_only_for_proven_counts():
     before = str(gm.graph)
     assert prefix.prove_prefix_counts(gm.graph) == 0
     assert str(gm.graph) == before
+
+
+@pytest.mark.parametrize("spelling", ["masked_fill", "where", "where_tensor"])
+def test_pad_fill_written_otherwise_moves_too(spelling):
+    """x.masked_fill(pad, c) and torch.where(pad, c, x) over the picks, x = q.gather(...)[..., 0]:
+    moved onto q's rows in the same spelling, bit for bit (every c, NaN and -0.0 in q)."""
+    def fill_after(q, ids, pad, c):
+        x = q.gather(2, ids.unsqueeze(2)).squeeze(2)
+        if spelling == "masked_fill":
+            return x.masked_fill(pad, c)
+        if spelling == "where":
+            return torch.where(pad, c, x)
+        return torch.where(pad, torch.tensor(c, dtype=x.dtype), x)
+
+    g, _, q, ids = _probs(8)
+    pad = torch.rand(B, K, generator=g) < 0.5
+    for c in (float("inf"), float("nan"), -0.0, 0.0, 3.5):
+        cq = _nasty(torch.cat([q, q[:, :1]], 1))[:, :K].contiguous()
+        gm = _graph(lambda q, i, m: fill_after(q, i, m, c), cq, ids, pad)
+        assert picks.canonical_picks(gm.graph) >= 1, gm.graph
+        gm.recompile()
+        targets = [n.target for n in gm.graph.nodes]
+        assert targets.index(torch.ops.aten.gather.default) > max(
+            i for i, t in enumerate(targets) if t in (torch.ops.aten.masked_fill.Scalar,
+                                                      torch.ops.aten.masked_fill.Tensor,
+                                                      torch.ops.aten.where.self))
+        want = fill_after(cq, ids, pad, c)
+        assert torch.equal(gm(cq, ids, pad).view(torch.int32), want.view(torch.int32)), c
+
+
+@pytest.mark.parametrize("cast", [torch.long, torch.int32])
+def test_mask_from_count_reads_through_an_integer_cast(cast):
+    """`ok.long().cumprod(1)` (or `.int()`) beside a proven count is the same int64 mask: it
+    is rebuilt from the count as well."""
+    def proven(ok):
+        mask = ok.to(cast).cumprod(dim=1)
+        gen = torch.cat([mask, torch.zeros_like(mask[:, :1])], dim=1)
+        return mask * 7, (gen == 0).int().argmax(dim=1)
+
+    ok = torch.tensor([[1, 1, 0, 1], [1, 1, 1, 1], [0, 0, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    gm = _graph(lambda x: proven(~x), ~ok)
+    assert prefix.prove_prefix_counts(gm.graph) >= 1
+    gm.recompile()
+    assert any(n.target is torch.ops.aten.lt.Tensor for n in gm.graph.nodes), gm.graph
+    got, want = gm(~ok), proven(ok)
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
+def v1_accept_masked_fill(ids, draft_probs, target_probs):
+    # the same test written with masked_fill and a long mask (npuspec bench passes' v1 step)
+    pad = ids == PAD
+    x = ids.masked_fill(pad, 0)
+    px = target_probs[:, :K].gather(2, x[..., None])[..., 0]
+    qx = draft_probs.gather(2, x[..., None])[..., 0].masked_fill(pad, float("inf"))
+    kept = (torch.rand(ids.shape) <= px / qx).long().cumprod(dim=1)
+    return x * kept - (1 - kept), kept.sum(1)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_v1_accept_with_masked_fill_fuses(lowering, no_fx_cache):
+    three_way(v1_accept_masked_fill, _v1_inputs(5), lowering=lowering, family="ratio_accept",
+              appear=["npuspec.ratio_accept"], gone=["cumprod", "aten.div"], seed=5)
