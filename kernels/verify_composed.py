@@ -9,12 +9,12 @@ whole verify step whose pieces are the narrow ops' (kernels/accept.py), as vLLM 
     out  = ids before n, tok at n, -1 after                                     # [B, K+1]
 
 The caller supplies the bonus tokens (vLLM samples them apart), so row K of p is never read.
-Only row n of the residual is scored and raced; with normalize="row" or "all" the residual
-(and its sums) is computed whole first, exactly as the narrow op does, since a sum over one
-row picked out need not add in the same order as the same row's sum inside [B, K, V].
-Elementwise IEEE results and a first-index argmax do not depend on the tensor a row sits in,
-so the tokens equal `composed_verify_ref` (the narrow ops' references, then the emission
-written the plainest way) bit for bit.
+Only row n of the residual is built, scored and raced: O(B V) where the narrow op and the
+eager idiom spend O(B K V). Elementwise IEEE results and a first-index argmax do not depend
+on the tensor a row sits in; a row's sum (normalize="row") does only in one case, which
+`_row_sums` keeps apart. normalize="all" (a sum over everything) computes the whole residual
+as the narrow op does. So the tokens equal `composed_verify_ref` (the narrow ops' references,
+then the emission written the plainest way) bit for bit.
 """
 from __future__ import annotations
 
@@ -96,15 +96,41 @@ def composed_verify(p: Tensor, ids: Tensor, q: Tensor, uniforms: Tensor, exponen
     if K > 0:
         b = torch.arange(B, device=p.device)
         nk = n.clamp_max(K - 1)                                     # a row for n = K too
+        row = lambda t: torch.broadcast_to(t, (B, K, V))[b, nk]      # noqa: E731  [B, V]
         if residual_normalize == "none":  # elementwise: only row n is computed
-            row = lambda t: torch.broadcast_to(t, (B, K, V))[b, nk]  # noqa: E731  [B, V]
             r = _residual(row(pk), row(q), "none", residual_nonneg, residual_floor)
+        elif residual_normalize == "row" and _rows_sum_alike(pk, q):
+            r = _residual(row(pk), row(q), "none", residual_nonneg, residual_floor)
+            r.div_(_row_sums(r, B * K))
         else:  # the sums as the narrow op adds them, then row n
             r = _residual(pk, q, residual_normalize, residual_nonneg, residual_floor)[b, nk]
         e = torch.broadcast_to(exponentials, (B, K, V))[b, nk]      # [B, V]
         rec = residual_score(r, e, residual_sampler, residual_guard, residual_fill).argmax(-1)
         tok = torch.where(n < K, rec, tok)
     return _emit(ids, n, tok)
+
+
+def _rows_sum_alike(pk: Tensor, q: Tensor) -> bool:
+    """On the CPU, where the residual the narrow op builds from pk and q has its [V] rows
+    contiguous (V innermost), as the rows picked here do (a GPU's reduction splits a row by
+    how many rows there are, so there the whole residual is summed)."""
+    return (pk.device.type == "cpu" and pk.stride(-1) == 1
+            and (q.stride(-1) == 1 or q.shape[-1] == 1))
+
+
+def _row_sums(r: Tensor, rows_full: int) -> Tensor:
+    """r [B, V] -> its row sums [B, 1], with the bits `full.sum(-1, keepdim=True)` gives each
+    of these rows inside the narrow op's [B, K, V] residual (`rows_full` = B * K rows).
+
+    PyTorch's CPU sum reduces a contiguous row with one fixed loop whatever the other rows
+    (threads split the rows, not a row), except when the output has a single element: then the row itself is split across
+    threads (a two-pass reduction). So a single row is summed alone exactly when the full
+    residual is a single row, and otherwise alongside a copy, to keep two outputs.
+    tests/kernels/test_composed_mode.py checks this against the full sum at 1, 2 and 4
+    threads and rows long enough to be split."""
+    if r.shape[0] > 1 or rows_full == 1:
+        return r.sum(-1, keepdim=True)
+    return torch.cat([r, r]).sum(-1, keepdim=True)[:1]
 
 
 def _emit(ids: Tensor, n: Tensor, tok: Tensor) -> tuple[Tensor, Tensor]:

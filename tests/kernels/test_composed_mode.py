@@ -124,3 +124,38 @@ def test_composed_keywords_need_bonus():
                          residual_floor=1e-5)
     with pytest.raises(TypeError, match="unknown keyword"):
         rejection_sample(p, ids, q, target_is_probs=True, residual_flor=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_row_normalised_residual_on_row_n_only_keeps_the_sums(threads):
+    """normalize="row" builds and sums only row n (kernels/verify_composed._row_sums): the
+    bits equal the full [B, K, V] residual's sums at every thread count, with rows long enough
+    (V > 32768) that PyTorch would split a lone row across threads; B = 1 and K = 1 too."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b, k in ((1, 1), (1, 3), (2, 1), (3, 4)):
+            g = torch.Generator().manual_seed(b * 10 + k)
+            v = 40_000
+            p = torch.softmax(torch.randn(b, k + 1, v, generator=g) * 3, -1)
+            q = torch.softmax(torch.randn(b, k, v, generator=g) * 3, -1)
+            ids = torch.randint(0, v, (b, k), generator=g)
+            u = torch.rand(b, k, generator=g) * 1e-3          # rejections somewhere
+            e = torch.empty(b, k, v).exponential_(generator=g)
+            bonus = torch.randint(0, v, (b,), generator=g)
+            kw = dict(residual_normalize="row", residual_floor=1e-5)
+            got = rejection_sample(p, ids, q, target_is_probs=True, uniforms=u,
+                                   exponentials=e, bonus_token_ids=bonus, **kw)
+            want = composed_verify_ref(p, ids, q, u, e, bonus, None, "ge", **kw)
+            assert torch.equal(got[0], want[0]), (threads, b, k)
+            # and the sums themselves, not only the tokens they lead to
+            from npuspec.kernels.verify_composed import _row_sums
+            r = torch.clamp(p[:, :k] - q, min=1e-5)                 # [b, k, v]
+            full = r.sum(-1, keepdim=True)
+            for i in range(b):
+                for j in range(k):
+                    one = _row_sums(r[i, j][None].contiguous(), b * k)
+                    assert torch.equal(one.view(-1).view(torch.int32), full[i, j].view(torch.int32)), (
+                        threads, b, k, i, j)
+    finally:
+        torch.set_num_threads(old)
