@@ -97,6 +97,8 @@ def _region(out: Node, n: Node, rec: Node, below: set) -> Optional[tuple[list, l
     inside, free, todo = {out}, set(), [out]
     while todo:
         m = todo.pop()
+        if m.op == "get_attr":  # a constant: nothing to read
+            continue
         if not _pure(m):
             return None
         for a in m.all_input_nodes:
@@ -179,12 +181,12 @@ def _shapes_ok(t: Node, r: Node) -> Optional[tuple[int, int]]:
         return None
     B, K = ids.shape
     V = p.shape[-1]
-    if tuple(p.shape) != (B, K, V) or tuple(_val(r).shape) != (B, K):
+    if not _static(ids.shape) or not _shape_is(p, (B, K, V)) or not _shape_is(_val(r), (B, K)):
         return None
     try:
         for x in (b["q"], b["noise"], a["q"]):
-            if not isinstance(x, Node) or _val(x) is None or torch.broadcast_shapes(
-                    _val(x).shape, (B, K, V)) != (B, K, V):
+            if (not isinstance(x, Node) or _val(x) is None or not _static(_val(x).shape)
+                    or torch.broadcast_shapes(_val(x).shape, (B, K, V)) != (B, K, V)):
                 return None
     except RuntimeError:
         return None
@@ -195,8 +197,6 @@ def compose_steps(graph: Graph, flavor: str) -> int:
     """Replace each emission the check shows to be the composed step's. -> replacements."""
     made = 0
     for t, r in list(_pairs(graph)):
-        if t.graph is None or r.graph is None:  # erased by an earlier replacement
-            continue
         bk = _shapes_ok(t, r)
         if bk is None:
             continue
@@ -210,10 +210,15 @@ def compose_steps(graph: Graph, flavor: str) -> int:
     return made
 
 
+def _shape_is(v, shape: tuple) -> bool:
+    """v's shape is `shape`, read without a guard (a data-dependent size is never equal)."""
+    return v is not None and _static(v.shape) and tuple(v.shape) == shape
+
+
 def _is_emission(m: Node, B: int, K: int) -> bool:
     v = _val(m)
-    return v is not None and not v.is_floating_point() and v.dtype != torch.bool and tuple(
-        v.shape) == (B, K + 1)
+    return (_shape_is(v, (B, K + 1)) and not v.is_floating_point()
+            and v.dtype != torch.bool)
 
 
 def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: int,
@@ -231,8 +236,8 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
         return False
     bonus = rest[0]
     bv = _val(bonus)
-    if bv is None or bv.is_floating_point() or bv.dtype == torch.bool or tuple(
-            bv.shape) not in ((B,), (B, 1)):
+    if (bv is None or bv.is_floating_point() or bv.dtype == torch.bool
+            or not (_shape_is(bv, (B,)) or _shape_is(bv, (B, 1)))):
         return False
     if not _emission_holds(order, t, r, ids, bonus, B, K):
         return False

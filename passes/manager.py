@@ -59,9 +59,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from npuspec import counters, envs
-from npuspec.passes import (bare_masks, canonical, composed, picks, prefix, residual_proof,
-                            rewrites,
-                            rowlocal, shared, unmatched)
+from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, picks, prefix,
+                            residual_proof, rewrites, rowlocal, shared, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 from npuspec.passes.rowlocal import _name
@@ -322,7 +321,8 @@ class PassManager:
         proven = residual_proof.prove_recovered(graph)  # what no residual spelling took
         if proven:
             found["residual_proof"] = proven
-        steps = composed.compose_steps(graph, flavor)  # narrow ops + emission -> one call
+        # the narrow ops and the user's emission -> one call
+        steps = composed.compose_steps(graph, flavor) + composed_greedy.compose_greedy(graph, flavor)
         if steps:
             found["composed"] = steps
         if found:
@@ -368,7 +368,7 @@ class PassManager:
     def uuid(self) -> str:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
-                                       residual_proof, composed,
+                                       residual_proof, composed, composed_greedy,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

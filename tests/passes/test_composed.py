@@ -139,3 +139,76 @@ def test_a_rewritten_emission_keeps_the_rewrite():
                           appear=("npuspec.rejection_sample", "aten.where"),
                           gone=("npuspec.ratio_accept", "npuspec.residual_sample"))
     assert _matched(three_way.last_delta) == 1, three_way.last_delta
+
+
+# --------------------------------------------------------------------------------------------
+# the greedy step (passes/composed_greedy.py)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_vllm_v1_greedy_under_npuspec_compile_is_one_call(lowering):
+    """vLLM v1's greedy forward_native: one graph under npuspec.compile (its mask indexing
+    traced with data-dependent sizes), then one rejection_sample, its size checks gone."""
+    import npuspec
+    from npuspec import counters
+    from npuspec.passes import manager
+    e = BY_NAME["vllm_v1_native_greedy"]
+    for seed in (3, 4):
+        args = e.make(seed)
+        torch._dynamo.reset()
+        manager.HISTORY.clear()
+        f = npuspec.compile(e.fn, options={"lowering": lowering, "capture": False})
+        want = e.fn(*[a.clone() for a in args])
+        before = counters.snapshot()
+        got = f(*[a.clone() for a in args])
+        assert torch.equal(want, got)
+        delta = counters.delta(before)
+        assert _matched(delta) == 1, delta
+        text = "\n".join(t for _, _, t in manager.HISTORY)
+        assert text.count("npuspec.rejection_sample.default]") == 1, text
+        for gone in ("npuspec.greedy_accept", "_assert_scalar", "aten.argmax"):
+            assert gone not in text, (gone, text)
+
+
+def greedy_from_drafts(logits, drafts):
+    # the accepted drafts emitted from the drafts, the token at n from the target
+    target = logits.argmax(-1)                                             # [B, K+1]
+    n = (drafts == target[:, :-1]).cumprod(1).sum(1)
+    k = drafts.shape[1]
+    pos = torch.arange(k + 1)[None, :]
+    padded = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], 1)
+    out = torch.where(pos < n[:, None], padded, -1)
+    return out.scatter(1, n[:, None], target.gather(1, n[:, None])), n
+
+
+def greedy_no_token(logits, drafts):
+    # the accepted drafts only, no target token at n: not the step's emission
+    target = logits.argmax(-1)
+    n = (drafts == target[:, :-1]).cumprod(1).sum(1)
+    pos = torch.arange(drafts.shape[1] + 1)[None, :]
+    padded = torch.cat([drafts, torch.full_like(drafts[:, :1], -1)], 1)
+    return torch.where(pos < n[:, None], padded, -1), n
+
+
+def _greedy_inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, K + 1, V, generator=g)
+    drafts = logits.argmax(-1)[:, :K].clone()
+    drafts[0, 1] = (drafts[0, 1] + 1) % V
+    drafts[2, 0] = (drafts[2, 0] + 1) % V
+    drafts[3, 3] = (drafts[3, 3] + 1) % V
+    return logits, drafts
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_a_greedy_emission_from_the_drafts(lowering):
+    torch._dynamo.reset()
+    three_way(greedy_from_drafts, _greedy_inputs(1), lowering=lowering, matched=None,
+              appear=("npuspec.rejection_sample",), gone=("npuspec.greedy_accept",))
+    assert _matched(three_way.last_delta) == 1, three_way.last_delta
+
+
+def test_a_greedy_near_miss_stays():
+    torch._dynamo.reset()
+    three_way(greedy_no_token, _greedy_inputs(2), matched=None,
+              appear=("npuspec.greedy_accept",), gone=("npuspec.rejection_sample",))
+    assert _matched(three_way.last_delta) == 0, three_way.last_delta
