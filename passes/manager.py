@@ -34,8 +34,11 @@ four rounds: on the graph with repeated views merged; again with them split
 written for each and the mask rebuilt from it (`passes/bare_masks.py`; masks no match took are
 put back); and, for counts still unfused whose mask or pick the user's other code also reads,
 with private copies of what they are computed from (`passes/shared.py`; copies no match took
-merge back); last, `residual_proof.prove_recovered` replaces each argmax left whose pointwise
-region the check set shows to be a residual race. `counters["verify_patterns_matched"]` moves by the number of
+merge back); then `residual_proof.prove_recovered` replaces each argmax left whose pointwise
+region the check set shows to be a residual race; last, `composed.compose_steps` and
+`composed_greedy.compose_greedy` turn a ratio_accept + residual_sample pair (or a greedy_accept)
+whose emission the check shows to be the step's into one rejection_sample
+(`verify_patterns_matched.composed`). `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
 matched but which looks like a verify step is named once per source line
 (`passes/unmatched.py`, `counters["verify_patterns_unmatched"]`). With NPUSPEC_DEBUG_DUMP set,
