@@ -26,8 +26,10 @@ import operator
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+from npuspec.passes.prefix import _attr
 from npuspec.passes.residual_proof import _cpu
 from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
 
@@ -117,7 +119,6 @@ def _region(out: Node, n: Node, rec: Node, below: set) -> Optional[tuple[list, l
 
 def _run(order: list, env: dict) -> torch.Tensor:
     """The region on real CPU tensors (also inside a fake-tensor trace)."""
-    from npuspec.passes.prefix import _attr
     tree_map = torch.utils._pytree.tree_map
     for m in order:
         if m.op == "get_attr":
@@ -137,13 +138,12 @@ def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:
     with unset_fake_temporarily():
         gen = torch.Generator().manual_seed(53)
         pos = torch.arange(K + 1)[None, :]
-        for lo, span in ((0, 1 << 20), (0, 3)):
-            x = torch.randint(lo, lo + span, (B, K), generator=gen)
-            r = torch.randint(lo + span, lo + 2 * span, (B, K), generator=gen) if span > 3 else \
-                torch.randint(lo, lo + span, (B, K), generator=gen)
-            bo = torch.randint(lo, lo + 3 * span, (B,), generator=gen)
+        for span, apart in ((1 << 20, True), (3, False)):  # distinct per source, then colliding
+            x = torch.randint(0, span, (B, K), generator=gen)
+            r = torch.randint(0, span, (B, K), generator=gen) + (span if apart else 0)
+            bo = torch.randint(0, span, (B,), generator=gen) + (2 * span if apart else 0)
             for t in range(K + 1):
-                cnt = (torch.arange(B) + t) % (K + 1)
+                cnt = (torch.arange(B) + t) % (K + 1)           # every count in every row
                 env = {n: cnt, rec: r.to(_val(rec).dtype), ids: x.to(_val(ids).dtype),
                        bonus: bo.reshape(bshape).to(_val(bonus).dtype)}
                 try:
@@ -153,7 +153,7 @@ def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:
                     return False
                 tok = torch.where(cnt < K, r.gather(1, cnt.clamp_max(K - 1)[:, None])[:, 0]
                                   if K else bo, bo)
-                want = torch.where(pos < cnt[:, None], torch.cat([x, x[:, :1]], 1), -1)
+                want = torch.where(pos < cnt[:, None], F.pad(x, (0, 1), value=-1), -1)
                 want = torch.where(pos == cnt[:, None], tok[:, None], want)
                 if got.shape != want.shape or got.is_floating_point() or not torch.equal(
                         got.long(), want):
