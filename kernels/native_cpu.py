@@ -235,12 +235,13 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     const std::optional<at::Tensor>& bonus, const std::optional<at::Tensor>& accept_q,
     bool target_is_probs, c10::string_view accept_mode, bool ratio_cap, c10::string_view accept_rule,
     c10::string_view r_normalize, c10::string_view r_sampler, c10::string_view r_nonneg,
-    double r_floor, c10::string_view r_guard, double r_fill) {
+    double r_floor, c10::string_view r_guard, double r_fill, bool checks) {
   using O = const std::optional<at::Tensor>&;
   using S = c10::string_view;
   using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, O, O, O, O, O, O,
                                                  bool, std::optional<double>, std::optional<double>, O,
-                                                 O, O, bool, S, bool, S, S, S, S, double, S, double);
+                                                 O, O, bool, S, bool, S, S, S, S, double, S, double,
+                                                 bool);
   const int d = dtype_index(logits.scalar_type());
   bool ok = !bypass && !verify_forced && d >= 0 && !draft_probs && !temperature && !top_k &&
             !top_p && !uniforms && !exponentials && !synthetic && !thr && !alpha &&
@@ -271,7 +272,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     return op.call(logits, drafts, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
                    block_verify, thr, alpha, synthetic, bonus, accept_q, target_is_probs,
                    accept_mode, ratio_cap, accept_rule, r_normalize, r_sampler, r_nonneg, r_floor, r_guard,
-                   r_fill);
+                   r_fill, checks);
   };
   if (!ok) return python();
   const auto f32 = logits.options().dtype(at::kFloat), i64 = logits.options().dtype(at::kLong);

@@ -326,8 +326,8 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
                          ratio_cap: bool = False, accept_rule: str = "prefix",
                          residual_normalize: str = "none", residual_sampler: str = "race",
                          residual_nonneg: str = "clamp", residual_floor: float = 0.0,
-                         residual_guard: str = "none", residual_fill: float = 0.0
-                         ) -> tuple[Tensor, Tensor]:
+                         residual_guard: str = "none", residual_fill: float = 0.0,
+                         checks: bool = True) -> tuple[Tensor, Tensor]:
     """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
 
     Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
@@ -348,6 +348,10 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
         raise ValueError("accept_draft_probs and the residual_* arguments belong to the "
                          "composed mode; pass bonus_token_ids (with target_is_probs=True) or "
                          "leave them at their defaults")
+    if not checks:
+        _check_unchecked_call(draft_probs, temperature, block_verify, posterior_threshold,
+                              synthetic_rates, target_is_probs)
+        return _greedy_as_written(target_logits, draft_token_ids)
     if target_is_probs:  # plain PyTorch on every device (probs_verify is its own reference)
         B, K1, V = target_logits.shape
         _check_probs_mode(temperature, top_k, top_p, block_verify, posterior_threshold,
@@ -377,6 +381,41 @@ def _check_composed_call(target, drafts, draft_probs, temperature, top_k, top_p,
                    residual, target_is_probs, ratio_cap, accept_rule)
 
 
+def _check_unchecked_call(draft_probs, temperature, block_verify, entropy, synthetic_rates,
+                          target_is_probs) -> None:
+    for name, v in (("draft_probs", draft_probs), ("temperature", temperature),
+                    ("entropy_verify", entropy), ("synthetic_rates", synthetic_rates)):
+        if v is not None:
+            raise ValueError(f"checks=False with {name}: the unchecked step is the greedy one "
+                             f"(one-hot drafts, no temperature); leave {name} out or keep checks")
+    if block_verify or target_is_probs:
+        raise ValueError("checks=False applies to the greedy step only; pass block_verify=False "
+                         "and target_is_probs=False, or keep checks=True")
+
+
+def _greedy_as_written(logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
+    """The greedy step exactly as the eager idiom computes it, for every input: the C++
+    kernel's rows where they are that (finite rows, ids in [-1, V): its first maximum is
+    torch.argmax's), else plain PyTorch (`greedy_as_written_ref`)."""
+    B, K1, V = logits.shape
+    if logits.device.type == "cpu" and drafts.dtype == torch.int64 and bool(
+            ((drafts >= -1) & (drafts < V)).all()):
+        fused = _cpu_greedy(logits, _padded_drafts(drafts, V))
+        if fused is not None and bool(torch.isfinite(fused[2]).all()):
+            return fused[0], fused[1]
+    return greedy_as_written_ref(logits, drafts)
+
+
+def greedy_as_written_ref(logits: Tensor, drafts: Tensor) -> tuple[Tensor, Tensor]:
+    """target = logits.argmax(-1); n = leading drafts equal to it; target up to n, -1 after."""
+    K = drafts.shape[1]
+    target = logits.argmax(dim=-1)                                   # [B, K+1]
+    n = (drafts == target[:, :K]).to(torch.int64).cumprod(dim=1).sum(dim=1)   # [B]
+    pos = torch.arange(K + 1, device=logits.device)[None, :]
+    out = torch.where(pos <= n[:, None], target, -1)
+    return out.to(torch.int32), (n + 1).to(torch.int32)
+
+
 # The op. kernels/native_cpu.py adds a C++ CPU kernel for the all-greedy step, which outranks
 # this Python one (custom_op registers it as CompositeExplicitAutograd) and hands it the rest.
 _rejection_sample_op = torch.library.custom_op("npuspec::rejection_sample", mutates_args=())(
@@ -390,7 +429,7 @@ def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, un
       target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix",
       residual_normalize="none",
       residual_sampler="race", residual_nonneg="clamp", residual_floor=0.0,
-      residual_guard="none", residual_fill=0.0):
+      residual_guard="none", residual_fill=0.0, checks=True):
     B, K1 = target_logits.shape[0], target_logits.shape[1]
     if bonus_token_ids is not None:  # composed: p may lack the bonus row
         K1 = draft_token_ids.shape[1] + 1
@@ -409,8 +448,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      target_is_probs: bool = False, accept_mode: str = "ge",
                      ratio_cap: bool = False, accept_rule: str = "prefix",
                      bonus_token_ids: Optional[Tensor] = None,
-                     accept_draft_probs: Optional[Tensor] = None, **residual
-                     ) -> tuple[Tensor, Tensor]:
+                     accept_draft_probs: Optional[Tensor] = None, checks: bool = True,
+                     **residual) -> tuple[Tensor, Tensor]:
     """Verify K drafts per request (docs/verify.md). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
 
@@ -420,6 +459,13 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     `accept_draft_probs` if given (else draft_probs), and the recovered token at the first
     rejection is `residual_sample`'s under the `residual_*` keywords (normalize, sampler,
     nonneg, floor, guard, fill). Draws not given: uniforms [B, K], exponentials [B, 1, V].
+
+    checks=False (greedy calls only: no temperature, draft_probs or other mode): no value
+    checks; the step is then exactly the eager greedy idiom on every input (`target =
+    logits.argmax(-1)`, accept while drafts equal it, emit target up to the count), so a row
+    with NaN, +inf or only -inf logits, or a draft id outside [-1, V), gives what
+    torch.argmax and `==` give instead of a ValueError. The passes use it for the greedy
+    steps they replace; the engine keeps the checks.
 
     target_is_probs=True: `target_logits` holds the caller's final target probabilities p
     [B, K+1, V] (their temperature/top-k/top-p already applied); every row is sampled by
@@ -455,6 +501,12 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     if accept_draft_probs is not None or residual:
         raise ValueError("accept_draft_probs and the residual_* keywords belong to the composed "
                          "mode; pass bonus_token_ids (with target_is_probs=True) or leave them out")
+    if not checks:
+        _check_unchecked_call(draft_probs, temperature, block_verify, entropy_verify,
+                              synthetic_rates, target_is_probs)
+        return torch.ops.npuspec.rejection_sample(
+            target_logits, draft_token_ids, None, None, None, None, None, None, False, None,
+            None, None, checks=False)
     _validate(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p,
               entropy_verify, synthetic_rates, uniforms, exponentials, block_verify,
               target_is_probs, accept_mode, ratio_cap, accept_rule)

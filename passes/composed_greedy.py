@@ -166,7 +166,8 @@ def _replace(graph, g, T, drafts, out, below, B, K, flavor) -> bool:
     with graph.inserting_before(out):
         op = _fake_meta(graph.call_function(
             torch.ops.npuspec.rejection_sample.default,
-            (T.args[0], drafts, None, None, None, None, None, None, False, None, None, None)))
+            (T.args[0], drafts, None, None, None, None, None, None, False, None, None, None),
+            {"checks": False}))
         tok, num = (graph.call_function(operator.getitem, (op, i)) for i in (0, 1))
         tok.meta["val"], num.meta["val"] = op.meta["val"]
         new = _fake_meta(_cast(graph, tok, _val(out).dtype, flavor))

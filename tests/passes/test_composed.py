@@ -212,3 +212,28 @@ def test_a_greedy_near_miss_stays():
     three_way(greedy_no_token, _greedy_inputs(2), matched=None,
               appear=("npuspec.greedy_accept",), gone=("npuspec.rejection_sample",))
     assert _matched(three_way.last_delta) == 0, three_way.last_delta
+
+
+def _nan_logits(seed):
+    logits, drafts = _greedy_inputs(seed)
+    logits[0, 1, 3] = float("nan")
+    logits[2, 0] = float("-inf")
+    logits[4, 2, 7] = float("inf")
+    return logits, drafts
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_greedy_replacements_equal_eager_on_nan_logits(lowering):
+    """The fused greedy steps take the op with checks=False: NaN, +inf and all -inf rows give
+    what eager's argmax gives, where the checked op would raise (kernels/verify.py)."""
+    import npuspec
+    torch._dynamo.reset()
+    three_way(greedy_from_drafts, _nan_logits(5), lowering=lowering, matched=None,
+              appear=("npuspec.rejection_sample",))
+    e = BY_NAME["vllm_v1_native_greedy"]
+    drafts, target = e.make(3)
+    target[1, 2, 4] = float("nan")
+    target[0, 0] = float("-inf")
+    torch._dynamo.reset()
+    f = npuspec.compile(e.fn, options={"lowering": lowering, "capture": False})
+    assert torch.equal(f(drafts.clone(), target.clone()), e.fn(drafts.clone(), target.clone()))

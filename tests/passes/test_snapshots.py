@@ -46,7 +46,7 @@ class TestSnapshots(TestCase):
         self.assertExpectedInline(_run(greedy_step, torch.randn(2, 4, 9), torch.randint(0, 9, (2, 3))), """\
 logits_1 = input
 drafts_1 = input
-rejection_sample_default = npuspec.rejection_sample(logits_1, drafts_1, None, None, None, None, None, None, False, None, None, None)
+rejection_sample_default = npuspec.rejection_sample(logits_1, drafts_1, None, None, None, None, None, None, False, None, None, None, checks=False)
 getitem = getitem(rejection_sample_default, 0)
 getitem_1 = getitem(rejection_sample_default, 1)
 _to_copy_default = aten._to_copy(getitem, dtype=torch.int64)
