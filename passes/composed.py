@@ -93,18 +93,19 @@ def _constant(n: Node) -> bool:
     return _pure(n) and all(_constant(a) for a in n.all_input_nodes)
 
 
-def _region(out: Node, n: Node, rec: Node, below: set) -> Optional[tuple[list, list]]:
-    """(the nodes computing `out` from n, rec and constants, in graph order; the other tensors
-    they read), or None when a node is impure or the region is too large."""
+def _region(out: Node, stops: set, below: set, allowed=_pure) -> Optional[tuple[list, list]]:
+    """(the nodes computing `out` from `stops` (n, rec), from nodes in `below` and from
+    constants, in graph order; the other tensors they read), or None when a node is not
+    `allowed` (impure) or the region is too large."""
     inside, free, todo = {out}, set(), [out]
     while todo:
         m = todo.pop()
         if m.op == "get_attr":  # a constant: nothing to read
             continue
-        if not _pure(m):
+        if not allowed(m):
             return None
         for a in m.all_input_nodes:
-            if a in inside or a in free or a is n or a is rec:
+            if a in inside or a in free or a in stops:
                 continue
             if a in below or _constant(a):
                 inside.add(a)
@@ -226,7 +227,7 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
     a = _bound(t)
     # what the emission derives from the ids (the pad column's `full_like(ids[:, :1], -1)`)
     # is inside too, so the ids themselves are the leaf
-    reg = _region(out, t, r, below | (_descendants(a["draft_ids"]) - {a["draft_ids"]}))
+    reg = _region(out, {t, r}, below | (_descendants(a["draft_ids"]) - {a["draft_ids"]}))
     if reg is None:
         return False
     order, free = reg
@@ -256,5 +257,5 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
         n_new = _fake_meta(_cast(graph, num, torch.int64, flavor))
         n_new = _fake_meta(graph.call_function(aten.sub.Tensor, (n_new, 1)))
     out.replace_all_uses_with(new)
-    t.replace_all_uses_with(n_new, delete_user_cb=lambda u: u is not n_new and u not in order)
+    t.replace_all_uses_with(n_new)  # region nodes still read elsewhere read it too
     return True

@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.composed import (MAX_REGION, _bound, _constant, _descendants,
-                                     _is_emission, _pure, _run, _shape_is)
+from npuspec.passes import composed
+from npuspec.passes.composed import _bound, _descendants, _is_emission, _pure, _run, _shape_is
 from npuspec.passes.patterns_common import FLOATS
 from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
 
@@ -62,26 +62,13 @@ def _checkable(m: Node) -> bool:
 
 
 def _region(out: Node, stops: set, below: set) -> Optional[tuple[list, list]]:
-    inside, free, todo = {out}, set(), [out]
-    while todo:
-        m = todo.pop()
-        if m.op == "get_attr":  # a constant: nothing to read
-            continue
-        if not _checkable(m):
-            return None
-        for a in m.all_input_nodes:
-            if a in inside or a in free or a in stops:
-                continue
-            if a in below or _constant(a):
-                inside.add(a)
-                todo.append(a)
-            else:
-                free.add(a)
-        if len(inside) > MAX_REGION:
-            return None
-    # the size checks on the region's values (a size read, compared, asserted) are the
-    # region's too
-    grew = True
+    """composed._region, plus the size checks on the region's values (a size read, compared,
+    asserted): they are the region's too."""
+    reg = composed._region(out, stops, below, _checkable)
+    if reg is None:
+        return None
+    order, free = reg
+    inside, grew = set(order), True
     while grew:
         grew = False
         for m in list(inside):
@@ -90,8 +77,7 @@ def _region(out: Node, stops: set, below: set) -> Optional[tuple[list, list]]:
                         and all(x in inside for x in u.all_input_nodes)):
                     inside.add(u)
                     grew = True
-    order = [m for m in out.graph.nodes if m in inside]
-    return order, [m for m in out.graph.nodes if m in free]
+    return [m for m in out.graph.nodes if m in inside], free
 
 
 def _holds(order, out, n, T, drafts, B: int, K: int) -> bool:
@@ -175,7 +161,7 @@ def _replace(graph, g, T, drafts, out, below, B, K, flavor) -> bool:
         n_new = _fake_meta(graph.call_function(aten.sub.Tensor, (n_new, 1)))
     owned = all(u in inner for m in order if m is not out for u in m.users)
     out.replace_all_uses_with(new)
-    g.replace_all_uses_with(n_new, delete_user_cb=lambda u: u is not n_new and u not in inner)
+    g.replace_all_uses_with(n_new)  # region nodes still read elsewhere read it too
     if owned:  # the region is dead now: its size checks would keep it alive for nothing
         for m in reversed(order):
             if m.target in _SIZE_CHECKS:

@@ -54,45 +54,35 @@ def _pieces(p, q, ids, u, e, floor=1e-5):
     return n, rec
 
 
+def _emit(emitted_ids, n, rec, bonus, fill=-1, late=0):
+    # ids before n, the token at n (+ late), `fill` elsewhere; late=1 also writes ids at n
+    k = emitted_ids.shape[1]
+    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])        # [B, 1]
+    pos = torch.arange(k + 1)[None, :]
+    padded = torch.cat([emitted_ids, torch.full_like(emitted_ids[:, :1], fill)], 1)
+    out = torch.where(pos < n[:, None] + late, padded, fill)
+    return torch.where(pos == n[:, None] + late, tok, out)
+
+
 def where_emission(p, q, ids, u, e, bonus):
     # the emission by comparisons, and the count returned as well
     n, rec = _pieces(p, q, ids, u, e)
-    k = ids.shape[1]
-    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])        # [B, 1]
-    pos = torch.arange(k + 1)[None, :]
-    padded = torch.cat([ids, torch.full_like(ids[:, :1], -1)], 1)
-    out = torch.where(pos < n[:, None], padded, -1)
-    return torch.where(pos == n[:, None], tok, out), n
+    return _emit(ids, n, rec, bonus), n
 
 
 def other_fill(p, q, ids, u, e, bonus):
     n, rec = _pieces(p, q, ids, u, e)
-    k = ids.shape[1]
-    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])
-    pos = torch.arange(k + 1)[None, :]
-    padded = torch.cat([ids, torch.full_like(ids[:, :1], -2)], 1)
-    out = torch.where(pos < n[:, None], padded, -2)                       # -2, not -1
-    return torch.where(pos == n[:, None], tok, out), n
+    return _emit(ids, n, rec, bonus, fill=-2), n                          # -2, not -1
 
 
 def token_late(p, q, ids, u, e, bonus):
     n, rec = _pieces(p, q, ids, u, e)
-    k = ids.shape[1]
-    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])
-    pos = torch.arange(k + 1)[None, :]
-    padded = torch.cat([ids, torch.full_like(ids[:, :1], -1)], 1)
-    out = torch.where(pos <= n[:, None], padded, -1)                      # ids at n too
-    return torch.where(pos == n[:, None] + 1, tok, out), n
+    return _emit(ids, n, rec, bonus, late=1), n                           # one slot late
 
 
 def other_ids(p, q, ids, u, e, bonus, ids2):
     n, rec = _pieces(p, q, ids, u, e)
-    k = ids.shape[1]
-    tok = torch.cat([rec, bonus[:, None]], 1).gather(1, n[:, None])
-    pos = torch.arange(k + 1)[None, :]
-    padded = torch.cat([ids2, torch.full_like(ids[:, :1], -1)], 1)       # not the test's ids
-    out = torch.where(pos < n[:, None], padded, -1)
-    return torch.where(pos == n[:, None], tok, out), n
+    return _emit(ids2, n, rec, bonus), n                                  # not the test's ids
 
 
 def _inputs(seed):
