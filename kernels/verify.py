@@ -350,7 +350,7 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
                          "leave them at their defaults")
     if not checks:
         _check_unchecked_call(draft_probs, temperature, block_verify, posterior_threshold,
-                              synthetic_rates, target_is_probs)
+                              synthetic_rates, target_is_probs, top_k, top_p)
         return _greedy_as_written(target_logits, draft_token_ids)
     if target_is_probs:  # plain PyTorch on every device (probs_verify is its own reference)
         B, K1, V = target_logits.shape
@@ -382,9 +382,10 @@ def _check_composed_call(target, drafts, draft_probs, temperature, top_k, top_p,
 
 
 def _check_unchecked_call(draft_probs, temperature, block_verify, entropy, synthetic_rates,
-                          target_is_probs) -> None:
+                          target_is_probs, top_k=None, top_p=None) -> None:
     for name, v in (("draft_probs", draft_probs), ("temperature", temperature),
-                    ("entropy_verify", entropy), ("synthetic_rates", synthetic_rates)):
+                    ("entropy_verify", entropy), ("synthetic_rates", synthetic_rates),
+                    ("top_k", top_k), ("top_p", top_p)):
         if v is not None:
             raise ValueError(f"checks=False with {name}: the unchecked step is the greedy one "
                              f"(one-hot drafts, no temperature); leave {name} out or keep checks")
@@ -503,7 +504,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                          "mode; pass bonus_token_ids (with target_is_probs=True) or leave them out")
     if not checks:
         _check_unchecked_call(draft_probs, temperature, block_verify, entropy_verify,
-                              synthetic_rates, target_is_probs)
+                              synthetic_rates, target_is_probs, top_k, top_p)
         return torch.ops.npuspec.rejection_sample(
             target_logits, draft_token_ids, None, None, None, None, None, None, False, None,
             None, None, checks=False)

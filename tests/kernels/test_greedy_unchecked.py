@@ -61,6 +61,7 @@ def test_finite_inputs_keep_the_checked_result():
     (dict(temperature=torch.ones(2)), "checks=False with temperature"),
     (dict(draft_probs=torch.ones(2, 2, 7) / 7), "checks=False with draft_probs"),
     (dict(block_verify=True), "greedy step only"),
+    (dict(top_k=torch.tensor([3, 3])), "checks=False with top_k"),
 ])
 def test_unchecked_is_greedy_only(kw, match):
     logits, drafts = torch.randn(2, 3, 7), torch.zeros(2, 2, dtype=torch.long)
