@@ -123,8 +123,8 @@ def _row_sums(r: Tensor, rows_full: int) -> Tensor:
     of these rows inside the narrow op's [B, K, V] residual (`rows_full` = B * K rows).
 
     PyTorch's CPU sum reduces a contiguous row with one fixed loop whatever the other rows
-    (threads split the rows, not a row), except when the output has a single element: then the row itself is split across
-    threads (a two-pass reduction). So a single row is summed alone exactly when the full
+    (threads split the rows, not a row), except when the output has a single element: then
+    the row itself is split across threads (a two-pass reduction). So a single row is summed alone exactly when the full
     residual is a single row, and otherwise alongside a copy, to keep two outputs.
     tests/kernels/test_composed_mode.py checks this against the full sum at 1, 2 and 4
     threads and rows long enough to be split."""

@@ -325,7 +325,8 @@ class PassManager:
         if proven:
             found["residual_proof"] = proven
         # the narrow ops and the user's emission -> one call
-        steps = composed.compose_steps(graph, flavor) + composed_greedy.compose_greedy(graph, flavor)
+        steps = (composed.compose_steps(graph, flavor)
+                 + composed_greedy.compose_greedy(graph, flavor))
         if steps:
             found["composed"] = steps
         if found:

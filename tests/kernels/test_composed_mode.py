@@ -155,7 +155,7 @@ def test_row_normalised_residual_on_row_n_only_keeps_the_sums(threads):
             for i in range(b):
                 for j in range(k):
                     one = _row_sums(r[i, j][None].contiguous(), b * k)
-                    assert torch.equal(one.view(-1).view(torch.int32), full[i, j].view(torch.int32)), (
-                        threads, b, k, i, j)
+                    bits = one.view(-1).view(torch.int32)
+                    assert torch.equal(bits, full[i, j].view(torch.int32)), (threads, b, k, i, j)
     finally:
         torch.set_num_threads(old)
