@@ -245,17 +245,25 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
     b = _bound(r)
     kw = {f"residual_{k}": b[k] for k in _RESIDUAL_KEYS}
     q_test = None if _same_value(a["q"], b["q"]) else a["q"]
+    replace_with_op(graph, out, t, flavor,
+                    (a["p"], a["draft_ids"], b["q"], None, None, None, a["uniforms"], b["noise"],
+                     False, None, None, None, bonus, q_test),
+                    {"target_is_probs": True, "accept_mode": a["mode"], **kw})
+    return True
+
+
+def replace_with_op(graph: Graph, out: Node, count: Node, flavor: str, args: tuple,
+                    kwargs: dict) -> None:
+    """One rejection_sample(*args, **kwargs) before `out`: its tokens (cast to out's dtype)
+    replace out, and num_emitted - 1 replaces every reader of the count node (region nodes
+    still read elsewhere read it too)."""
     with graph.inserting_before(out):
-        op = _fake_meta(graph.call_function(
-            torch.ops.npuspec.rejection_sample.default,
-            (a["p"], a["draft_ids"], b["q"], None, None, None, a["uniforms"], b["noise"], False,
-             None, None, None, bonus, q_test),
-            {"target_is_probs": True, "accept_mode": a["mode"], **kw}))
+        op = _fake_meta(graph.call_function(torch.ops.npuspec.rejection_sample.default, args,
+                                            kwargs))
         tok, num = (graph.call_function(operator.getitem, (op, i)) for i in (0, 1))
         tok.meta["val"], num.meta["val"] = op.meta["val"]
         new = _fake_meta(_cast(graph, tok, _val(out).dtype, flavor))
         n_new = _fake_meta(_cast(graph, num, torch.int64, flavor))
         n_new = _fake_meta(graph.call_function(aten.sub.Tensor, (n_new, 1)))
     out.replace_all_uses_with(new)
-    t.replace_all_uses_with(n_new)  # region nodes still read elsewhere read it too
-    return True
+    count.replace_all_uses_with(n_new)

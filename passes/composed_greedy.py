@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from npuspec.passes import composed
 from npuspec.passes.composed import _bound, _descendants, _is_emission, _pure, _run, _shape_is
 from npuspec.passes.patterns_common import FLOATS
-from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
+from npuspec.passes.rewrites.nodes import _static, _val
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -149,19 +149,10 @@ def _replace(graph, g, T, drafts, out, below, B, K, flavor) -> bool:
     reads_drafts = any(drafts in m.all_input_nodes for m in order)
     if not _holds(order, out, g, T, drafts if reads_drafts else None, B, K):
         return False
-    with graph.inserting_before(out):
-        op = _fake_meta(graph.call_function(
-            torch.ops.npuspec.rejection_sample.default,
-            (T.args[0], drafts, None, None, None, None, None, None, False, None, None, None),
-            {"checks": False}))
-        tok, num = (graph.call_function(operator.getitem, (op, i)) for i in (0, 1))
-        tok.meta["val"], num.meta["val"] = op.meta["val"]
-        new = _fake_meta(_cast(graph, tok, _val(out).dtype, flavor))
-        n_new = _fake_meta(_cast(graph, num, torch.int64, flavor))
-        n_new = _fake_meta(graph.call_function(aten.sub.Tensor, (n_new, 1)))
     owned = all(u in inner for m in order if m is not out for u in m.users)
-    out.replace_all_uses_with(new)
-    g.replace_all_uses_with(n_new)  # region nodes still read elsewhere read it too
+    composed.replace_with_op(graph, out, g, flavor, (T.args[0], drafts, None, None, None, None,
+                                                     None, None, False, None, None, None),
+                             {"checks": False})
     if owned:  # the region is dead now: its size checks would keep it alive for nothing
         for m in reversed(order):
             if m.target in _SIZE_CHECKS:
