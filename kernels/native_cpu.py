@@ -233,20 +233,21 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
     const std::optional<at::Tensor>& exponentials, bool block_verify, std::optional<double> thr,
     std::optional<double> alpha, const std::optional<at::Tensor>& synthetic,
     const std::optional<at::Tensor>& bonus, const std::optional<at::Tensor>& accept_q,
+    const std::optional<at::Tensor>& cu, const std::optional<at::Tensor>& is_greedy,
     bool target_is_probs, c10::string_view accept_mode, bool ratio_cap, c10::string_view accept_rule,
     c10::string_view r_normalize, c10::string_view r_sampler, c10::string_view r_nonneg,
-    double r_floor, c10::string_view r_guard, double r_fill, bool checks) {
+    double r_floor, c10::string_view r_guard, double r_fill, bool checks, int64_t max_spec_len) {
   using O = const std::optional<at::Tensor>&;
   using S = c10::string_view;
   using Sig = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, O, O, O, O, O, O,
                                                  bool, std::optional<double>, std::optional<double>, O,
-                                                 O, O, bool, S, bool, S, S, S, S, double, S, double,
-                                                 bool);
+                                                 O, O, O, O, bool, S, bool, S, S, S, S, double, S,
+                                                 double, bool, int64_t);
   const int d = dtype_index(logits.scalar_type());
   bool ok = !bypass && !verify_forced && d >= 0 && !draft_probs && !temperature && !top_k &&
             !top_p && !uniforms && !exponentials && !synthetic && !thr && !alpha &&
             !target_is_probs && accept_mode == "ge" && !ratio_cap && accept_rule == "prefix" &&
-            !bonus && !accept_q && r_normalize == "none" && r_sampler == "race" &&
+            !bonus && !accept_q && !cu && !is_greedy && r_normalize == "none" && r_sampler == "race" &&
             r_nonneg == "clamp" && r_floor == 0.0 && r_guard == "none" && r_fill == 0.0 &&
             logits.dim() == 3 && logits.is_contiguous() && logits.size(0) > 0 &&
             logits.size(2) > 0 && logits.size(2) < (int64_t{1} << 24) && drafts.dim() == 2 &&
@@ -270,9 +271,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample(
   auto python = [&] {
     static auto op = twin<Sig>("npuspec::_rejection_sample_py");
     return op.call(logits, drafts, draft_probs, temperature, top_k, top_p, uniforms, exponentials,
-                   block_verify, thr, alpha, synthetic, bonus, accept_q, target_is_probs,
-                   accept_mode, ratio_cap, accept_rule, r_normalize, r_sampler, r_nonneg, r_floor, r_guard,
-                   r_fill, checks);
+                   block_verify, thr, alpha, synthetic, bonus, accept_q, cu, is_greedy,
+                   target_is_probs, accept_mode, ratio_cap, accept_rule, r_normalize, r_sampler,
+                   r_nonneg, r_floor, r_guard, r_fill, checks, max_spec_len);
   };
   if (!ok) return python();
   const auto f32 = logits.options().dtype(at::kFloat), i64 = logits.options().dtype(at::kLong);

@@ -45,6 +45,7 @@ from torch import Tensor
 from npuspec.kernels import verify_cpu
 from npuspec.kernels.verify_checks import _check_finite, _check_values, _validate
 from npuspec.kernels.verify_composed import RESIDUAL_DEFAULTS, check_composed, composed_verify
+from npuspec.kernels.verify_ragged import check_max_spec_len, check_ragged, ragged_verify
 from npuspec.kernels.verify_probs import (ACCEPT_MODES, _check_accept_mode, _check_probs_mode,
                                           probs_verify)
 from npuspec.kernels.verify_rows import (RowStats, _leading, _padded_drafts, draw_exponentials,
@@ -322,12 +323,14 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
                          posterior_alpha: Optional[float], synthetic_rates: Optional[Tensor],
                          bonus_token_ids: Optional[Tensor] = None,
                          accept_draft_probs: Optional[Tensor] = None,
+                         cu_num_draft_tokens: Optional[Tensor] = None,
+                         is_greedy: Optional[Tensor] = None,
                          *, target_is_probs: bool = False, accept_mode: str = "ge",
                          ratio_cap: bool = False, accept_rule: str = "prefix",
                          residual_normalize: str = "none", residual_sampler: str = "race",
                          residual_nonneg: str = "clamp", residual_floor: float = 0.0,
                          residual_guard: str = "none", residual_fill: float = 0.0,
-                         checks: bool = True) -> tuple[Tensor, Tensor]:
+                         checks: bool = True, max_spec_len: int = -1) -> tuple[Tensor, Tensor]:
     """torch.ops.npuspec.rejection_sample: see `rejection_sample` for the arguments.
 
     Pure when `uniforms`/`exponentials` are given (and always for greedy-only, non-synthetic
@@ -336,6 +339,21 @@ def _rejection_sample_impl(target_logits: Tensor, draft_token_ids: Tensor,
     residual = dict(residual_normalize=residual_normalize, residual_sampler=residual_sampler,
                     residual_nonneg=residual_nonneg, residual_floor=residual_floor,
                     residual_guard=residual_guard, residual_fill=residual_fill)
+    if cu_num_draft_tokens is not None:  # the ragged mode (kernels/verify_ragged.py)
+        _check_ragged_call(target_logits, draft_token_ids, draft_probs, temperature, top_k,
+                           top_p, uniforms, exponentials, block_verify, posterior_threshold,
+                           synthetic_rates, bonus_token_ids, accept_draft_probs,
+                           cu_num_draft_tokens, is_greedy, max_spec_len, residual,
+                           target_is_probs, ratio_cap)
+        if uniforms is None or exponentials is None:
+            raise ValueError("the ragged mode needs its draws as tensors (uniforms [N], "
+                             "exponentials [B, V]); rejection_sample() draws them for you")
+        return ragged_verify(target_logits, draft_token_ids, draft_probs, uniforms,
+                             exponentials, bonus_token_ids, cu_num_draft_tokens, max_spec_len,
+                             is_greedy, accept_mode, accept_rule, **residual)
+    if is_greedy is not None or max_spec_len != -1:
+        raise ValueError("is_greedy and max_spec_len belong to the ragged mode; pass "
+                         "cu_num_draft_tokens (vLLM's layout) or leave them out")
     if bonus_token_ids is not None:  # the composed mode (kernels/verify_composed.py)
         _check_composed_call(target_logits, draft_token_ids, draft_probs, temperature, top_k,
                              top_p, uniforms, exponentials, block_verify, posterior_threshold,
@@ -379,6 +397,24 @@ def _check_composed_call(target, drafts, draft_probs, temperature, top_k, top_p,
                          "standard verification only; leave bonus_token_ids out")
     check_composed(target, drafts, draft_probs, uniforms, exponentials, bonus, accept_q,
                    residual, target_is_probs, ratio_cap, accept_rule)
+
+
+def _check_ragged_call(target, drafts, draft_probs, temperature, top_k, top_p, uniforms,
+                       exponentials, block_verify, posterior_threshold, synthetic_rates, bonus,
+                       accept_q, cu, is_greedy, max_spec_len, residual, target_is_probs,
+                       ratio_cap) -> None:
+    for name, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                    ("synthetic_rates", synthetic_rates), ("entropy_verify", posterior_threshold),
+                    ("accept_draft_probs", accept_q)):
+        if v is not None:
+            raise ValueError(f"{name} given with cu_num_draft_tokens: the ragged mode verifies "
+                             f"on your finished probabilities as vllm-ascend's PyTorch sampler "
+                             f"does; leave {name} out")
+    if block_verify:
+        raise ValueError("block_verify=True with cu_num_draft_tokens: the ragged mode's block "
+                         "rule is vllm-ascend's, accept_rule='cumulative'; pass that instead")
+    check_ragged(target, drafts, draft_probs, uniforms, exponentials, bonus, cu, is_greedy,
+                 max_spec_len, residual, target_is_probs, ratio_cap)
 
 
 def _check_unchecked_call(draft_probs, temperature, block_verify, entropy, synthetic_rates,
@@ -426,13 +462,15 @@ _rejection_sample_op = torch.library.custom_op("npuspec::rejection_sample", muta
 @_rejection_sample_op.register_fake
 def _(target_logits, draft_token_ids, draft_probs, temperature, top_k, top_p, uniforms,
       exponentials, block_verify, posterior_threshold, posterior_alpha, synthetic_rates,
-      bonus_token_ids=None, accept_draft_probs=None, *,
+      bonus_token_ids=None, accept_draft_probs=None, cu_num_draft_tokens=None, is_greedy=None, *,
       target_is_probs=False, accept_mode="ge", ratio_cap=False, accept_rule="prefix",
       residual_normalize="none",
       residual_sampler="race", residual_nonneg="clamp", residual_floor=0.0,
-      residual_guard="none", residual_fill=0.0, checks=True):
+      residual_guard="none", residual_fill=0.0, checks=True, max_spec_len=-1):
     B, K1 = target_logits.shape[0], target_logits.shape[1]
-    if bonus_token_ids is not None:  # composed: p may lack the bonus row
+    if cu_num_draft_tokens is not None:  # ragged: [B, max_spec_len + 1]
+        B, K1 = cu_num_draft_tokens.shape[0], max_spec_len + 1
+    elif bonus_token_ids is not None:  # composed: p may lack the bonus row
         K1 = draft_token_ids.shape[1] + 1
     return (target_logits.new_empty((B, K1), dtype=torch.int32),
             target_logits.new_empty((B,), dtype=torch.int32))
@@ -450,6 +488,8 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                      ratio_cap: bool = False, accept_rule: str = "prefix",
                      bonus_token_ids: Optional[Tensor] = None,
                      accept_draft_probs: Optional[Tensor] = None, checks: bool = True,
+                     cu_num_draft_tokens: Optional[Tensor] = None,
+                     max_spec_len: Optional[int] = None, is_greedy: Optional[Tensor] = None,
                      **residual) -> tuple[Tensor, Tensor]:
     """Verify K drafts per request (docs/verify.md). Returns (tokens int32 [B, K+1] -1 padded,
     num_emitted int32 [B]).
@@ -460,6 +500,14 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     `accept_draft_probs` if given (else draft_probs), and the recovered token at the first
     rejection is `residual_sample`'s under the `residual_*` keywords (normalize, sampler,
     nonneg, floor, guard, fill). Draws not given: uniforms [B, K], exponentials [B, 1, V].
+
+    cu_num_draft_tokens int [B] (with target_is_probs=True, bonus_token_ids and max_spec_len):
+    the ragged mode (kernels/verify_ragged.py), vLLM's layout as vllm-ascend's PyTorch sampler
+    verifies it: p [N, V], flat draft ids [N] (-1 = placeholder), draft_probs [N, V] or None
+    (n-gram), request b owning the rows from cu[b-1] to cu[b]; tokens [B, max_spec_len + 1];
+    `accept_rule="cumulative"` is its block verify; rows of `is_greedy` [B] are left -1 with
+    num_emitted 0 (vllm-ascend's greedy pass writes them). Draws not given: uniforms [N]
+    (float64, as vllm-ascend draws them), exponentials [B, V].
 
     checks=False (greedy calls only: no temperature, draft_probs or other mode): no value
     checks; the step is then exactly the eager greedy idiom on every input (`target =
@@ -486,6 +534,15 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
     if unknown:
         raise TypeError(f"rejection_sample: unknown keyword(s) {sorted(unknown)}; the residual's "
                         f"are {sorted(RESIDUAL_DEFAULTS)}")
+    if cu_num_draft_tokens is not None:
+        return _ragged_call(target_logits, draft_token_ids, draft_probs, uniforms, exponentials,
+                            bonus_token_ids, accept_draft_probs, cu_num_draft_tokens,
+                            max_spec_len, is_greedy, temperature, top_k, top_p, block_verify,
+                            entropy_verify, synthetic_rates, target_is_probs, accept_mode,
+                            ratio_cap, accept_rule, residual)
+    if max_spec_len is not None or is_greedy is not None:
+        raise ValueError("max_spec_len and is_greedy belong to the ragged mode; pass "
+                         "cu_num_draft_tokens (vLLM's layout) or leave them out")
     if bonus_token_ids is not None:
         B, K = draft_token_ids.shape
         dev = target_logits.device
@@ -527,6 +584,27 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
         exponentials, bool(block_verify), thr, alpha, synthetic_rates,
         target_is_probs=bool(target_is_probs), accept_mode=accept_mode,
         ratio_cap=bool(ratio_cap), accept_rule=accept_rule)
+
+
+def _ragged_call(p, ids, q, uniforms, exponentials, bonus, accept_q, cu, max_spec_len,
+                 is_greedy, temperature, top_k, top_p, block_verify, entropy_verify,
+                 synthetic_rates, target_is_probs, accept_mode, ratio_cap, accept_rule,
+                 residual) -> tuple[Tensor, Tensor]:
+    if max_spec_len is None:
+        raise ValueError("cu_num_draft_tokens given without max_spec_len: the ragged mode's "
+                         "output is [B, max_spec_len + 1]; pass the longest draft a request "
+                         "may have")
+    check_max_spec_len(max_spec_len)
+    if p.dim() == 2 and uniforms is None:  # vllm-ascend's generate_uniform_probs: float64
+        uniforms = torch.rand(p.shape[0], dtype=torch.float64, device=p.device)
+    if p.dim() == 2 and exponentials is None and cu.dim() == 1:
+        exponentials = torch.empty(cu.shape[0], p.shape[1], device=p.device).exponential_()
+    thr, alpha = (None, None) if entropy_verify is None else entropy_verify
+    return torch.ops.npuspec.rejection_sample(
+        p, ids, q, temperature, top_k, top_p, uniforms, exponentials, bool(block_verify), thr,
+        alpha, synthetic_rates, bonus, accept_q, cu, is_greedy,
+        target_is_probs=bool(target_is_probs), accept_mode=accept_mode, ratio_cap=bool(ratio_cap),
+        accept_rule=accept_rule, max_spec_len=max_spec_len, **{**RESIDUAL_DEFAULTS, **residual})
 
 
 def rejection_sample_reference(target_logits: Tensor, draft_token_ids: Tensor,

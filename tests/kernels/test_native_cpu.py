@@ -236,3 +236,22 @@ def test_composed_rejection_sample_goes_to_python():
         target_is_probs=True, **kw), "rejection_sample")
     assert not fast
     assert _equal(got, composed_verify_ref(p, ids, q, u, e, bonus, None, "ge", **kw))
+
+
+def test_ragged_rejection_sample_goes_to_python():
+    """The ragged mode (cu_num_draft_tokens given) passes its arguments, max_spec_len and the
+    greedy rows included, through the C++ kernel's hand-off unchanged."""
+    from npuspec.kernels.verify_ragged import ragged_verify_ref
+    g = torch.Generator().manual_seed(1)
+    p = torch.softmax(torch.randn(6, 20, generator=g), -1)
+    q = torch.softmax(torch.randn(6, 20, generator=g), -1)
+    ids = torch.randint(0, 20, (6,), generator=g)
+    u = torch.rand(6, generator=g, dtype=torch.float64)
+    e = torch.empty(3, 20).exponential_(generator=g)
+    bonus, cu = torch.randint(0, 20, (3,), generator=g), torch.tensor([2, 2, 6])
+    greedy = torch.tensor([False, False, True])
+    got, fast = _served(lambda: torch.ops.npuspec.rejection_sample(
+        p, ids, q, None, None, None, u, e, False, None, None, None, bonus, None, cu, greedy,
+        target_is_probs=True, max_spec_len=4), "rejection_sample")
+    assert not fast
+    assert _equal(got, ragged_verify_ref(p, ids, q, u, e, bonus, cu, 4, greedy))
