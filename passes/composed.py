@@ -93,7 +93,8 @@ def _constant(n: Node) -> bool:
     return _pure(n) and all(_constant(a) for a in n.all_input_nodes)
 
 
-def _region(out: Node, stops: set, below: set, allowed=_pure) -> Optional[tuple[list, list]]:
+def _region(out: Node, stops: set, below: set, allowed=_pure,
+            cap: int = MAX_REGION) -> Optional[tuple[list, list]]:
     """(the nodes computing `out` from `stops` (n, rec), from nodes in `below` and from
     constants, in graph order; the other tensors they read), or None when a node is not
     `allowed` (impure) or the region is too large."""
@@ -112,7 +113,7 @@ def _region(out: Node, stops: set, below: set, allowed=_pure) -> Optional[tuple[
                 todo.append(a)
             else:
                 free.add(a)
-        if len(inside) > MAX_REGION:
+        if len(inside) > cap:
             return None
     order = [m for m in out.graph.nodes if m in inside]
     return order, [m for m in out.graph.nodes if m in free]
@@ -120,15 +121,24 @@ def _region(out: Node, stops: set, below: set, allowed=_pure) -> Optional[tuple[
 
 def _run(order: list, env: dict) -> torch.Tensor:
     """The region on real CPU tensors (also inside a fake-tensor trace)."""
-    tree_map = torch.utils._pytree.tree_map
     for m in order:
         if m.op == "get_attr":
             env[m] = _attr(m).detach().cpu()
             continue
-        args = tree_map(lambda a: env[a] if isinstance(a, Node) else _cpu(a), m.args)
-        kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else _cpu(a), dict(m.kwargs))
+        args = tuple(_arg(a, env) for a in m.args)
+        kwargs = {k: _arg(a, env) for k, a in m.kwargs.items()}
         env[m] = m.target(*args, **kwargs)
     return env[order[-1]]
+
+
+def _arg(a, env: dict):
+    """A node argument's value: nodes from env, devices as the CPU (lists and tuples kept;
+    a plain recursion: pytree's tree_map was most of a region's evaluation time)."""
+    if isinstance(a, Node):
+        return env[a]
+    if isinstance(a, (list, tuple)):
+        return type(a)(_arg(x, env) for x in a)
+    return _cpu(a)
 
 
 def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:

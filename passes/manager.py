@@ -37,8 +37,9 @@ with private copies of what they are computed from (`passes/shared.py`; copies n
 merge back); then `residual_proof.prove_recovered` replaces each argmax left whose pointwise
 region the check set shows to be a residual race; last, `composed.compose_steps` and
 `composed_greedy.compose_greedy` turn a ratio_accept + residual_sample pair (or a greedy_accept)
-whose emission the check shows to be the step's into one rejection_sample
-(`verify_patterns_matched.composed`). `counters["verify_patterns_matched"]` moves by the number of
+whose emission the check shows to be the step's into one rejection_sample, and
+`composed_ragged.compose_ragged` a race over flat rows plus vllm-ascend's ragged verify around
+it into one in the op's ragged mode (`verify_patterns_matched.composed`). `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
 matched but which looks like a verify step is named once per source line
 (`passes/unmatched.py`, `counters["verify_patterns_unmatched"]`). With NPUSPEC_DEBUG_DUMP set,
@@ -62,8 +63,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from npuspec import counters, envs
-from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, picks, prefix,
-                            residual_proof, rewrites, rowlocal, shared, unmatched)
+from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, composed_ragged,
+                            picks, prefix, residual_proof, rewrites, rowlocal, shared, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 from npuspec.passes.rowlocal import _name
@@ -326,7 +327,8 @@ class PassManager:
             found["residual_proof"] = proven
         # the narrow ops and the user's emission -> one call
         steps = (composed.compose_steps(graph, flavor)
-                 + composed_greedy.compose_greedy(graph, flavor))
+                 + composed_greedy.compose_greedy(graph, flavor)
+                 + composed_ragged.compose_ragged(graph, flavor))
         if steps:
             found["composed"] = steps
         if found:
@@ -373,6 +375,7 @@ class PassManager:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
                                        residual_proof, composed, composed_greedy,
+                                       composed_ragged,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

@@ -1,0 +1,229 @@
+"""vllm-ascend's PyTorch rejection sampler as one `npuspec::rejection_sample` call in its ragged
+mode (issue 37, point 3; docs/passes.md, "Whole steps from their pieces").
+
+After the families and the recovered-token check, vllm-ascend's random and block-verify paths
+(`rejection_sample` with `sample_recovered_tokens_pytorch`, then
+`rejection_random_sample_pytorch` or its block twin) reach this pass as
+
+    rec = residual_sample(P [N, V], Q [N, V], E[owner], ..., guard, fill)   # every flat row
+    out = <the ragged layout read on a [B, M] grid, the accept test, the count, the emission
+           into a -1 filled [B, M + 1] buffer, written the user's way>
+
+Nothing of `out`'s region is fused by a family, and its spellings vary, so it is matched by
+what it computes: its region (the pure nodes between out and {P, Q, E}, the residual_sample
+among them) may read, besides those, only tensors that take the ragged mode's other roles:
+the flat ids int64 [N], the uniforms float [N], cu_num_draft_tokens int [B], the bonus int
+[B] or [B, 1] and, optionally, the greedy rows bool [B]. It is evaluated on a check set of
+layouts (empty and full requests, placeholders, q(x) = 0, u = 0, u at the ratio, zero and
+infinite draws, greedy rows, tokens likely accepted) against the op for each accept rule and
+comparison, with the residual configuration the recovered-token check found; the first that
+equals it on every case replaces `out`. The op then races one row per request where the user
+raced all N. Like the other checks this is an evaluation on a finite set, not a proof.
+n-gram drafts are not taken here: their residual zeroes the drafts by mask indexing, a graph
+break under torch.compile.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from typing import Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from npuspec.kernels.verify_probs import ACCEPT_MODES, ACCEPT_RULES
+from npuspec.kernels.verify_ragged import ragged_verify
+from npuspec.passes.composed import _RESIDUAL_KEYS, _bound, _descendants, _pure, _region, _run
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
+
+log = logging.getLogger("npuspec.passes")
+aten = torch.ops.aten
+MAX_REGION = 240
+CASES = 12
+SMALL_V = 13   # the vocabulary the check runs at when no literal of the region names V
+
+
+def compose_ragged(graph: Graph, flavor: str) -> int:
+    """Replace each ragged step the check shows to be the op's. -> replacements."""
+    made = 0
+    for r in [m for m in graph.nodes if m.target is torch.ops.npuspec.residual_sample.default]:
+        roles = _anchor(r)
+        if roles is None:
+            continue
+        B = _val(roles[2]).shape[0]
+        below = _descendants(r, cap=2000)
+        outs = [m for m in graph.nodes if m in below and _is_out(m, B)]
+        for out in reversed(outs):
+            if _replace(graph, r, roles, out, flavor):
+                made += 1
+                break
+    return made
+
+
+def _anchor(r: Node) -> Optional[tuple[Node, Node, Node]]:
+    """(P, Q, E) of a race over flat rows whose draws are one vector per request picked per
+    row (`E[owner]`), else None."""
+    b = _bound(r)
+    p, q, noise = b["p"], b["q"], b["noise"]
+    pv, qv = _val(p), _val(q)
+    if pv is None or qv is None or pv.dim() != 2 or not _static(pv.shape):
+        return None
+    if tuple(qv.shape) != tuple(pv.shape) or qv.dtype != pv.dtype:
+        return None
+    if noise.target is not aten.index.Tensor or len(noise.args[1]) != 1:
+        return None
+    e, idx = noise.args[0], noise.args[1][0]
+    ev, iv = _val(e), _val(idx)
+    if ev is None or iv is None or ev.dim() != 2 or ev.shape[1] != pv.shape[1]:
+        return None
+    if tuple(iv.shape) != (pv.shape[0],) or ev.dtype != pv.dtype:
+        return None
+    return p, q, e
+
+
+def _is_out(m: Node, B: int) -> bool:
+    v = _val(m)
+    return (v is not None and v.dim() == 2 and _static(v.shape) and v.shape[0] == B
+            and v.shape[1] >= 1 and not v.is_floating_point() and v.dtype != torch.bool)
+
+
+def _roles(free: list, N: int, B: int) -> list[dict]:
+    """Every assignment of the region's other inputs to the ragged roles their shapes allow:
+    three integer tensors (ids int64 [N], cu [B], bonus [B] or [B, 1]), one float [N] (u)
+    and at most one bool [B] (the greedy rows)."""
+    vals = [_val(f) for f in free]
+    if any(v is None or not _static(v.shape) for v in vals):
+        return []
+    ints = [f for f, v in zip(free, vals) if not v.is_floating_point() and v.dtype != torch.bool]
+    floats = [f for f, v in zip(free, vals) if v.is_floating_point()]
+    bools = [f for f, v in zip(free, vals) if v.dtype == torch.bool]
+    if len(ints) != 3 or len(floats) != 1 or len(bools) > 1:
+        return []
+    u, greedy = floats[0], (bools[0] if bools else None)
+    if tuple(_val(u).shape) != (N,) or (greedy is not None and tuple(_val(greedy).shape) != (B,)):
+        return []
+    out = []
+    for ids, cu, bonus in itertools.permutations(ints):
+        if (tuple(_val(ids).shape) == (N,) and _val(ids).dtype == torch.int64
+                and tuple(_val(cu).shape) == (B,)
+                and tuple(_val(bonus).shape) in ((B,), (B, 1))):
+            roles = {"ids": ids, "u": u, "cu": cu, "bonus": bonus}
+            if greedy is not None:
+                roles["greedy"] = greedy
+            out.append(roles)
+    return out
+
+
+def _replace(graph: Graph, r: Node, roles: tuple, out: Node, flavor: str) -> bool:
+    P, Q, E = roles
+    N, V = _val(P).shape
+    B, M = _val(out).shape[0], _val(out).shape[1] - 1
+    if N > B * M:
+        return False
+    reg = _region(out, {P, Q, E}, {m for m in graph.nodes if _pure(m)}, cap=MAX_REGION)
+    if reg is None:
+        return False
+    order, free = reg
+    if r not in order:
+        return False
+    kw = {f"residual_{k}": v for k, v in _bound(r).items() if k in _RESIDUAL_KEYS}
+    for assign in _roles(free, N, B):
+        for rule, mode in itertools.product(ACCEPT_RULES, ACCEPT_MODES):
+            if _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw):
+                _insert(graph, out, P, Q, E, assign, M, rule, mode, kw, flavor)
+                return True
+    return False
+
+
+def _small_v(order: list, V: int) -> int:
+    """The vocabulary to check at: SMALL_V unless a literal of the region names V."""
+    if V <= SMALL_V:
+        return V
+    for m in order:
+        for a in torch.utils._pytree.tree_leaves((m.args, m.kwargs)):
+            if isinstance(a, int) and not isinstance(a, bool) and abs(a) >= V and a % V == 0:
+                return V
+    return SMALL_V
+
+
+def _layouts(N: int, B: int, M: int, gen) -> list[list[int]]:
+    """Draft counts per request summing to N, each at most M: spread, packed to the front,
+    packed to the back, and random ones."""
+    def fill(order):
+        counts, left = [0] * B, N
+        for b in order:
+            counts[b] = min(M, left)
+            left -= counts[b]
+        return counts
+    outs = [fill(range(B)), fill(reversed(range(B)))]
+    for _ in range(CASES):
+        counts, left = [0] * B, N
+        for b in torch.randperm(B, generator=gen).tolist():
+            counts[b] = min(M, left, int(torch.randint(0, M + 1, (1,), generator=gen)))
+            left -= counts[b]
+        for b in itertools.cycle(range(B)):
+            if left == 0:
+                break
+            take = min(M - counts[b], left)
+            counts[b] += take
+            left -= take
+        outs.append(counts)
+    return outs
+
+
+def _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw) -> bool:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    Vc = _small_v(order, V)
+    dt = {k: _val(n).dtype for k, n in assign.items()}
+    bshape = tuple(_val(assign["bonus"]).shape)
+    with unset_fake_temporarily():
+        gen = torch.Generator().manual_seed(71)
+        for i, counts in enumerate(_layouts(N, B, M, gen)):
+            p = torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(P).dtype)
+            q = torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(Q).dtype)
+            ids = torch.randint(0, Vc, (N,), generator=gen)
+            likely = torch.rand(N, generator=gen) < 0.5
+            ids = torch.where(likely, p.argmax(-1), ids)
+            ids[torch.rand(N, generator=gen) < 0.08] = -1            # placeholders
+            rows, safe = torch.arange(N), ids.clamp_min(0)
+            zero = torch.rand(N, generator=gen) < 0.08
+            q[rows[zero], safe[zero]] = 0.0                          # q(x) = 0
+            u = torch.rand(N, generator=gen, dtype=torch.float64).to(dt["u"])
+            at_ratio = torch.rand(N, generator=gen) < 0.15
+            u = torch.where(at_ratio, (p[rows, safe] / q[rows, safe]).to(u.dtype), u)
+            u[torch.rand(N, generator=gen) < 0.05] = 0.0
+            e = torch.empty(B, Vc).exponential_(generator=gen).to(_val(E).dtype)
+            e[torch.rand(B, Vc, generator=gen) < 0.03] = 0.0
+            e[torch.rand(B, Vc, generator=gen) < 0.03] = float("inf")
+            cu = torch.tensor(counts).cumsum(0).to(dt["cu"])
+            bonus = torch.randint(0, Vc, bshape, generator=gen).to(dt["bonus"])
+            greedy = (torch.rand(B, generator=gen) < (0.3 if i % 2 else 0.0)) \
+                if "greedy" in assign else None
+            env = {P: p, Q: q, E: e, assign["ids"]: ids.to(dt["ids"]), assign["u"]: u,
+                   assign["cu"]: cu, assign["bonus"]: bonus}
+            if greedy is not None:
+                env[assign["greedy"]] = greedy
+            try:
+                got = _run(order, env)
+                want, _ = ragged_verify(p, ids, q, u, e, bonus, cu, M, greedy, mode, rule, **kw)
+            except (RuntimeError, TypeError, ValueError, IndexError) as err:
+                log.debug("npuspec passes: a ragged region did not evaluate: %s", err)
+                return False
+            if got.shape != want.shape or not torch.equal(got.long(), want.long()):
+                return False
+    return True
+
+
+def _insert(graph, out, P, Q, E, assign, M, rule, mode, kw, flavor) -> None:
+    args = (P, assign["ids"], Q, None, None, None, assign["u"], E, False, None, None, None,
+            assign["bonus"], None, assign["cu"], assign.get("greedy"))
+    kwargs = {"target_is_probs": True, "accept_mode": mode, "accept_rule": rule,
+              "max_spec_len": M, **kw}
+    with graph.inserting_before(out):
+        op = _fake_meta(graph.call_function(torch.ops.npuspec.rejection_sample.default, args,
+                                            kwargs))
+        tok = graph.call_function(operator.getitem, (op, 0))
+        tok.meta["val"] = op.meta["val"][0]
+        new = _fake_meta(_cast(graph, tok, _val(out).dtype, flavor))
+    out.replace_all_uses_with(new)

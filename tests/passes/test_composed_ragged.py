@@ -1,0 +1,121 @@
+"""passes/composed_ragged.py: vllm-ascend's PyTorch sampler (random and block-verify paths,
+field_vllm.py) becomes one ragged-mode `rejection_sample` under both lowerings, equal to eager
+on every seed, greedy rows and placeholder drafts included; a respelling of the random path in
+other words (written here) fuses too; near misses (a placeholder accepted, the bonus at the
+wrong column, another request's uniform) are left as written and still equal eager.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from field_vllm import (_ascend_recovered, _make_ascend, vllm_ascend_block_verify,
+                        vllm_ascend_random)
+
+from npuspec import counters
+from npuspec.passes import manager
+
+OP = torch.ops.npuspec
+
+
+def _compiled(fn, lowering):
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="npuspec", options={"lowering": lowering, "capture": False})
+
+
+def _args(seed):
+    args = list(_make_ascend(seed))
+    if seed % 2:
+        args[5] = torch.tensor([False, True, False, False])     # a greedy request
+    if seed % 3 == 2:
+        ids = args[1].clone()
+        ids[seed % ids.shape[0]] = -1                           # a placeholder draft
+        args[1] = ids
+    return args
+
+
+def _ragged_ops(text: str) -> int:
+    return text.count("npuspec.rejection_sample") if "max_spec_len" in text else 0
+
+
+def _check(fn, lowering, fused: bool):
+    before = counters.snapshot()
+    manager.HISTORY.clear()
+    f = _compiled(fn, lowering)
+    for seed in range(6):
+        args = _args(seed)
+        torch.manual_seed(seed)
+        got = f(*args)
+        torch.manual_seed(seed)
+        assert torch.equal(got, fn(*args)), (fn.__name__, seed)
+    text = "\n".join(h[2] for h in manager.HISTORY)
+    moved = counters.delta(before).get("verify_patterns_matched.composed", 0)
+    if fused:
+        assert _ragged_ops(text) == 1 and "residual_sample.default" not in text, text
+        assert moved >= 1
+    else:
+        assert _ragged_ops(text) == 0 and "residual_sample.default" in text, text
+        assert moved == 0
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+@pytest.mark.parametrize("fn", [vllm_ascend_random, vllm_ascend_block_verify],
+                         ids=lambda f: f.__name__)
+def test_vllm_ascend_step_is_one_call(fn, lowering, no_fx_cache):
+    _check(fn, lowering, fused=True)
+
+
+def _respelled(cu, ids, q, logits, bonus, is_greedy, M, miss=None):
+    """vllm-ascend's random path in other words: request of each slot by searchsorted-free
+    arithmetic, the count as a sum of a running product, the emission by scatter."""
+    B, V = cu.shape[0], logits.shape[-1]
+    p = logits.softmax(dim=-1, dtype=torch.float32)
+    u = torch.rand((ids.shape[0],), dtype=torch.float64)
+    e = torch.empty((B, V), dtype=torch.float32).exponential_()
+    rec = _ascend_recovered(cu, ids, q, p, e)
+    first = torch.nn.functional.pad(cu, (1, 0))[:-1]
+    lens = cu - first
+    j = torch.arange(M)[None, :].expand(B, M)
+    live = j < lens[:, None]
+    src = torch.clamp(first[:, None] + j, min=0, max=ids.shape[0] - 1)
+    if miss == "other_u":
+        src_u = torch.clamp(src + 1, max=ids.shape[0] - 1)
+    else:
+        src_u = src
+    x = torch.gather(ids[None, :].expand(B, -1), 1, src)
+    xs = torch.where(x < 0, torch.zeros_like(x), x)
+    qx = q[src.reshape(-1), xs.reshape(-1)].reshape(B, M)
+    px = p[src.reshape(-1), xs.reshape(-1)].reshape(B, M)
+    good = (qx > 0) & (px / qx >= u[src_u])
+    if miss != "placeholder":
+        good = good & (x != -1)
+    n = ((good | ~live).long().cumprod(dim=1) * live.long()).sum(dim=1)     # [B]
+    n = torch.minimum(n, lens)
+    tok = torch.where(n < lens, rec[torch.clamp(first + n, max=ids.shape[0] - 1)],
+                      bonus.view(-1).long())
+    col = torch.arange(M + 1)[None, :]
+    body = torch.where(col[:, :M] < n[:, None], x, -1)
+    out = torch.cat([body, torch.full((B, 1), -1)], dim=1)
+    at = n if miss != "bonus_col" else torch.where(n < lens, n, M)
+    out = out.scatter(1, at[:, None], tok[:, None])
+    out = torch.where(is_greedy[:, None], -1, out)
+    return out.to(torch.int32)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_a_respelling_fuses(lowering, no_fx_cache):
+    def step(cu, ids, q, logits, bonus, is_greedy, M):
+        return _respelled(cu, ids, q, logits, bonus, is_greedy, M)
+    for seed in range(4):     # the respelling computes what vllm-ascend's code computes
+        args = _args(seed)
+        torch.manual_seed(seed)
+        a = step(*args)
+        torch.manual_seed(seed)
+        assert torch.equal(a, vllm_ascend_random(*args)), seed
+    _check(step, lowering, fused=True)
+
+
+@pytest.mark.parametrize("miss", ["placeholder", "bonus_col", "other_u"])
+def test_near_misses_are_left_as_written(miss, no_fx_cache):
+    def step(cu, ids, q, logits, bonus, is_greedy, M):
+        return _respelled(cu, ids, q, logits, bonus, is_greedy, M, miss=miss)
+    _check(step, "inductor", fused=False)
