@@ -1,7 +1,7 @@
 """Verify-step pass benchmark: backend="npuspec" vs backend="inductor" vs eager, in one run.
 
     python -m npuspec.bench.passes [--batch 8 64] [--k 4] [--vocab 32000] [--repeats 20]
-                                   [--steps ours vllm_v1]
+                                   [--steps ours vllm_v1 vllm_ascend]
 
 The step function is plain PyTorch the way users write it: a greedy verify (argmax, cumprod
 accept length, emitted tokens with -1 padding) and a whole standard sampling verify (softmax,
@@ -25,10 +25,10 @@ Inductor with eager RNG ops, the same RNG contract npuspec keeps, i.e. the like-
 from __future__ import annotations
 
 import argparse
+import functools
+import time
 
 import torch
-
-import time
 
 from npuspec import counters
 from npuspec.bench.table import median_time, print_table
@@ -98,6 +98,56 @@ def vllm_v1_step(probs, drafts, draft_probs, bonus):
     return vllm_v1_step_draws(probs, drafts, draft_probs, bonus, u, e)
 
 
+def vllm_ascend_step_draws(logits, cu, ids, draft_probs, bonus, u, e, max_spec_len: int):
+    """vllm-ascend's PyTorch rejection sampler, random path, laid out as it lays the work out:
+    vLLM's ragged layout (flat drafts [N], flat rows [N, V], cu_num_draft_tokens [B]), float64
+    uniforms per flat token, one Exp(1) vector per request, every flat row's recovered token
+    raced against a guard for zero and infinite draws, then the test and the emission on a
+    [B, max_spec_len] grid into a -1 filled buffer. In our words; the backend makes it one
+    `rejection_sample` in ragged mode (passes/composed_ragged.py)."""
+    N, V = logits.shape
+    B, M = cu.shape[0], max_spec_len
+    p = logits.softmax(dim=-1)                                           # [N, V]
+    start = torch.cat([cu.new_zeros(1), cu[:-1]])                        # [B]
+    owner = (torch.arange(N, device=p.device)[:, None] >= cu[None, :]).sum(1)   # [N]
+    g = e[owner]                                                         # [N, V]
+    off = (g == 0) | torch.isinf(g)
+    score = torch.clamp(p - draft_probs, min=0) / torch.where(off, 1e-10, g)
+    rec = torch.where(off, -1e10, score).argmax(dim=1)                   # [N]
+    slot = torch.arange(M, device=p.device)[None, :]                     # [1, M]
+    lens = cu - start
+    live = slot < lens[:, None]                                          # [B, M]
+    rows = torch.clamp(start[:, None] + slot, 0, N - 1)
+    x = ids[rows]                                                        # [B, M]
+    xs = torch.where(x == -1, 0, x)
+    ok = (draft_probs[rows, xs] > 0) & (p[rows, xs] / draft_probs[rows, xs] >= u[rows])
+    ok = ok & (x != -1)
+    n = ((ok | ~live).long().cumprod(dim=1) * live).sum(dim=1)           # [B] accepted
+    out = torch.full((B, M + 1), -1, dtype=torch.int32, device=p.device)
+    out[:, :M] = torch.where(slot < n[:, None], x, -1).int()
+    tok = torch.where(n < lens, rec[torch.clamp(start + n, max=N - 1)], bonus.long())
+    out[torch.arange(B, device=p.device), n] = tok.int()
+    return out
+
+
+def vllm_ascend_step(logits, cu, ids, draft_probs, bonus, max_spec_len: int):
+    u = torch.rand(ids.shape[0], dtype=torch.float64, device=logits.device)
+    e = torch.empty(cu.shape[0], logits.shape[-1], device=logits.device).exponential_()
+    return vllm_ascend_step_draws(logits, cu, ids, draft_probs, bonus, u, e, max_spec_len)
+
+
+def _ragged_inputs(args, g, device):
+    """The padded inputs flattened as vLLM lays drafts out: request b keeps K - (b % 2) of
+    its K drafts. -> (flat logits [N, V], cu [B], flat ids [N], flat q [N, V], bonus [B])."""
+    logits, drafts, draft_probs = args
+    B, K = drafts.shape
+    keep = torch.arange(K)[None, :] < (K - torch.arange(B) % 2)[:, None]   # [B, K]
+    cu = keep.sum(1).cumsum(0)
+    bonus = torch.randint(0, logits.shape[-1], (B,), generator=g)
+    return (logits[:, :K][keep].contiguous(), cu.to(device), drafts[keep].contiguous(),
+            draft_probs[keep].contiguous(), bonus.to(device))
+
+
 def make_inputs(B: int, K: int, V: int, device: str, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     logits = torch.randn(B, K + 1, V, generator=g)
@@ -126,7 +176,16 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str,
         drafts[0, K // 2:] = -1                     # a request with fewer drafts than K
         args = (torch.softmax(logits, -1), drafts, draft_probs,
                 torch.randint(0, V, (B,), generator=g).to(device))
-    if draws == "outside":
+    if step_name == "vllm_ascend":  # vLLM's ragged layout, max_spec_len = K
+        args = _ragged_inputs(args, g, device)
+        step = functools.partial(vllm_ascend_step, max_spec_len=K)
+        if draws == "outside":
+            N = args[2].shape[0]
+            draws_ = (torch.rand(N, generator=g, dtype=torch.float64).to(device),
+                      torch.empty(B, V).exponential_(generator=g).to(device))
+            step = functools.partial(vllm_ascend_step_draws, max_spec_len=K)
+            args = args + draws_
+    elif draws == "outside":
         step = verify_step_draws if step_name == "ours" else vllm_v1_step_draws
         args = args + (torch.rand(B, K, generator=g).to(device),
                        torch.empty(e_shape).exponential_(generator=g).to(device))
@@ -196,9 +255,12 @@ def main(argv=None):
     ap.add_argument("--draws", nargs="+", choices=("outside", "inside"), default=["outside", "inside"],
                     help="outside: u and E are step inputs; inside: the step draws them "
                          "(torch.rand, exponential_), which dominates CPU time")
-    ap.add_argument("--steps", nargs="+", choices=("ours", "vllm_v1"), default=["ours"],
+    ap.add_argument("--steps", nargs="+", choices=("ours", "vllm_v1", "vllm_ascend"),
+                    default=["ours"],
                     help="ours: a greedy and a standard sampling verify; vllm_v1: vLLM v1's "
-                         "forward_native random path (one rejection_sample in composed mode)")
+                         "forward_native random path (one rejection_sample in composed mode); "
+                         "vllm_ascend: vllm-ascend's PyTorch sampler on vLLM's ragged layout "
+                         "(one rejection_sample in ragged mode)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--shared-inductor-cache", action="store_true",
                     help="use the user's Inductor cache instead of a fresh temporary one")

@@ -22,3 +22,16 @@ def test_the_vllm_v1_step_is_one_composed_call():
     assert ours["step"] == "vllm_v1" and ours["tokens==eager"] == "yes"
     # ratio_accept, residual_sample, then the two composed into one call
     assert ours["patterns_matched"] == 3
+
+
+def test_the_vllm_ascend_step_is_one_ragged_call():
+    for draws in ("outside", "inside"):
+        rows = passes.run_case(3, 3, 40, 1, "cpu", draws,
+                               variants=("eager", "npuspec(eager lowering)"),
+                               step_name="vllm_ascend")
+        ours = rows[1]
+        assert ours["step"] == "vllm_ascend" and ours["tokens==eager"] == "yes"
+        # the guarded race (the recovered-token check), then the ragged step around it
+        assert ours["patterns_matched"] == 2, ours
+        text = passes.manager.HISTORY[-1][2]
+        assert "max_spec_len" in text and "residual_sample.default" not in text, text
