@@ -19,8 +19,9 @@ infinite draws, greedy rows, tokens likely accepted) against the op for each acc
 comparison, with the residual configuration the recovered-token check found; the first that
 equals it on every case replaces `out`. The op then races one row per request where the user
 raced all N. Like the other checks this is an evaluation on a finite set, not a proof.
-n-gram drafts are not taken here: their residual zeroes the drafts by mask indexing, a graph
-break under torch.compile.
+n-gram drafts (q a constant, the race on a copy of P with the drafts zeroed by `index_put`)
+take Q = None: the op's n-gram residual; vllm-ascend writes that zeroing with mask indexing,
+so its n-gram step is one graph under npuspec.compile only.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from torch.fx import Graph, Node
 
 from npuspec.kernels.verify_probs import ACCEPT_MODES, ACCEPT_RULES
 from npuspec.kernels.verify_ragged import ragged_verify
-from npuspec.passes.composed import _RESIDUAL_KEYS, _bound, _descendants, _pure, _region, _run
+from npuspec.passes.composed import (_RESIDUAL_KEYS, _bound, _constant, _descendants, _pure,
+                                     _region, _run)
 from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
 
 log = logging.getLogger("npuspec.passes")
@@ -61,15 +63,20 @@ def compose_ragged(graph: Graph, flavor: str) -> int:
     return made
 
 
-def _anchor(r: Node) -> Optional[tuple[Node, Node, Node]]:
+def _anchor(r: Node) -> Optional[tuple[Node, Optional[Node], Node]]:
     """(P, Q, E) of a race over flat rows whose draws are one vector per request picked per
-    row (`E[owner]`), else None."""
+    row (`E[owner]`), else None. An n-gram race (q a constant, p a copy of P with entries
+    zeroed by `index_put`) gives Q = None: what was zeroed is left to the check."""
     b = _bound(r)
     p, q, noise = b["p"], b["q"], b["noise"]
     pv, qv = _val(p), _val(q)
     if pv is None or qv is None or pv.dim() != 2 or not _static(pv.shape):
         return None
-    if tuple(qv.shape) != tuple(pv.shape) or qv.dtype != pv.dtype:
+    if qv.dim() == 0 and _constant(q) and p.target is aten.index_put.default:
+        p, q = p.args[0], None                      # n-gram: P is what the user zeroed
+        if _val(p) is None or tuple(_val(p).shape) != tuple(pv.shape):
+            return None
+    elif tuple(qv.shape) != tuple(pv.shape) or qv.dtype != pv.dtype:
         return None
     if noise.target is not aten.index.Tensor or len(noise.args[1]) != 1:
         return None
@@ -121,7 +128,8 @@ def _replace(graph: Graph, r: Node, roles: tuple, out: Node, flavor: str) -> boo
     B, M = _val(out).shape[0], _val(out).shape[1] - 1
     if N > B * M:
         return False
-    reg = _region(out, {P, Q, E}, {m for m in graph.nodes if _pure(m)}, cap=MAX_REGION)
+    stops = {P, E} | ({Q} if Q is not None else set())
+    reg = _region(out, stops, {m for m in graph.nodes if _pure(m)}, cap=MAX_REGION)
     if reg is None:
         return False
     order, free = reg
@@ -181,17 +189,20 @@ def _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw) -> bool:
         gen = torch.Generator().manual_seed(71)
         for i, counts in enumerate(_layouts(N, B, M, gen)):
             p = torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(P).dtype)
-            q = torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(Q).dtype)
+            q = (None if Q is None else
+                 torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(Q).dtype))
             ids = torch.randint(0, Vc, (N,), generator=gen)
             likely = torch.rand(N, generator=gen) < 0.5
             ids = torch.where(likely, p.argmax(-1), ids)
             ids[torch.rand(N, generator=gen) < 0.08] = -1            # placeholders
             rows, safe = torch.arange(N), ids.clamp_min(0)
             zero = torch.rand(N, generator=gen) < 0.08
-            q[rows[zero], safe[zero]] = 0.0                          # q(x) = 0
+            if q is not None:
+                q[rows[zero], safe[zero]] = 0.0                      # q(x) = 0
             u = torch.rand(N, generator=gen, dtype=torch.float64).to(dt["u"])
             at_ratio = torch.rand(N, generator=gen) < 0.15
-            u = torch.where(at_ratio, (p[rows, safe] / q[rows, safe]).to(u.dtype), u)
+            ratio = p[rows, safe] if q is None else p[rows, safe] / q[rows, safe]
+            u = torch.where(at_ratio, ratio.to(u.dtype), u)
             u[torch.rand(N, generator=gen) < 0.05] = 0.0
             e = torch.empty(B, Vc).exponential_(generator=gen).to(_val(E).dtype)
             e[torch.rand(B, Vc, generator=gen) < 0.03] = 0.0
@@ -200,8 +211,10 @@ def _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw) -> bool:
             bonus = torch.randint(0, Vc, bshape, generator=gen).to(dt["bonus"])
             greedy = (torch.rand(B, generator=gen) < (0.3 if i % 2 else 0.0)) \
                 if "greedy" in assign else None
-            env = {P: p, Q: q, E: e, assign["ids"]: ids.to(dt["ids"]), assign["u"]: u,
+            env = {P: p, E: e, assign["ids"]: ids.to(dt["ids"]), assign["u"]: u,
                    assign["cu"]: cu, assign["bonus"]: bonus}
+            if Q is not None:
+                env[Q] = q
             if greedy is not None:
                 env[assign["greedy"]] = greedy
             try:

@@ -1,31 +1,37 @@
 """passes/composed_ragged.py: vllm-ascend's PyTorch sampler (random and block-verify paths,
-field_vllm.py) becomes one ragged-mode `rejection_sample` under both lowerings, equal to eager
-on every seed, greedy rows and placeholder drafts included; a respelling of the random path in
-other words (written here) fuses too; near misses (a placeholder accepted, the bonus at the
-wrong column, another request's uniform) are left as written and still equal eager.
+field_vllm.py; its n-gram path under npuspec.compile) becomes one ragged-mode
+`rejection_sample` under both lowerings, equal to eager on every seed, greedy rows and
+placeholder drafts included; a respelling of the random path in other words (written here)
+fuses too; near misses (a placeholder accepted, the bonus at the wrong column, another
+request's uniform) are left as written and still equal eager.
 """
 from __future__ import annotations
 
 import pytest
 import torch
-from field_vllm import (_ascend_recovered, _make_ascend, vllm_ascend_block_verify,
-                        vllm_ascend_random)
+from field_vllm import (_ascend_recovered, _make_ascend, _make_ascend_ngram,
+                        vllm_ascend_block_verify, vllm_ascend_ngram, vllm_ascend_random)
 
+import npuspec
 from npuspec import counters
 from npuspec.passes import manager
 
 OP = torch.ops.npuspec
 
 
-def _compiled(fn, lowering):
+def _compiled(fn, lowering, whole=False):
     torch._dynamo.reset()
-    return torch.compile(fn, backend="npuspec", options={"lowering": lowering, "capture": False})
+    opts = {"lowering": lowering, "capture": False}
+    if whole:  # Dynamo traces mask indexing (npuspec.compile): one graph
+        return npuspec.compile(fn, options=opts)
+    return torch.compile(fn, backend="npuspec", options=opts)
 
 
-def _args(seed):
-    args = list(_make_ascend(seed))
+def _args(seed, ngram=False):
+    args = list(_make_ascend_ngram(seed) if ngram else _make_ascend(seed))
+    greedy_at = 4 if ngram else 5
     if seed % 2:
-        args[5] = torch.tensor([False, True, False, False])     # a greedy request
+        args[greedy_at] = torch.tensor([False, True, False, False])     # a greedy request
     if seed % 3 == 2:
         ids = args[1].clone()
         ids[seed % ids.shape[0]] = -1                           # a placeholder draft
@@ -37,12 +43,12 @@ def _ragged_ops(text: str) -> int:
     return text.count("npuspec.rejection_sample") if "max_spec_len" in text else 0
 
 
-def _check(fn, lowering, fused: bool):
+def _check(fn, lowering, fused: bool, ngram=False):
     before = counters.snapshot()
     manager.HISTORY.clear()
-    f = _compiled(fn, lowering)
+    f = _compiled(fn, lowering, whole=ngram)
     for seed in range(6):
-        args = _args(seed)
+        args = _args(seed, ngram)
         torch.manual_seed(seed)
         got = f(*args)
         torch.manual_seed(seed)
@@ -62,6 +68,13 @@ def _check(fn, lowering, fused: bool):
                          ids=lambda f: f.__name__)
 def test_vllm_ascend_step_is_one_call(fn, lowering, no_fx_cache):
     _check(fn, lowering, fused=True)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_vllm_ascend_ngram_is_one_call_under_npuspec_compile(lowering, no_fx_cache):
+    """The n-gram path zeroes the drafts in the target by mask indexing (a break under
+    torch.compile); traced whole, its race reads that copy and the op reads p itself."""
+    _check(vllm_ascend_ngram, lowering, fused=True, ngram=True)
 
 
 def _respelled(cu, ids, q, logits, bonus, is_greedy, M, miss=None):
