@@ -145,12 +145,14 @@ def _replace(graph: Graph, r: Node, roles: tuple, out: Node, flavor: str) -> boo
 
 
 def _small_v(order: list, V: int) -> int:
-    """The vocabulary to check at: SMALL_V unless a literal of the region names V."""
+    """The vocabulary to check at: SMALL_V unless an integer literal of the region could be
+    about V (within 64 below it, or a multiple of it: `clamp(ids, 0, V - 1)`, a flat index)."""
     if V <= SMALL_V:
         return V
     for m in order:
         for a in torch.utils._pytree.tree_leaves((m.args, m.kwargs)):
-            if isinstance(a, int) and not isinstance(a, bool) and abs(a) >= V and a % V == 0:
+            if isinstance(a, int) and not isinstance(a, bool) and (
+                    abs(a) >= V - 64 or (a != 0 and a % V == 0)):
                 return V
     return SMALL_V
 

@@ -132,3 +132,49 @@ def test_near_misses_are_left_as_written(miss, no_fx_cache):
     def step(cu, ids, q, logits, bonus, is_greedy, M):
         return _respelled(cu, ids, q, logits, bonus, is_greedy, M, miss=miss)
     _check(step, "inductor", fused=False)
+
+
+def _wide_args(seed, V=300):
+    """The corpus's layout (B = 4, N = 15, M = 5) at a vocabulary of V."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([5, 8, 13, 15])
+    logits = torch.randn(15, V, generator=g) * 3
+    q = torch.softmax(torch.randn(15, V, generator=g) + logits, -1)
+    ids = torch.multinomial(q, 1, generator=g)[:, 0]
+    ids[3] = V - 1                                    # the last id, drafted
+    bonus = torch.randint(0, V, (4, 1), generator=g, dtype=torch.int32)
+    return [cu, ids, q, logits, bonus, torch.zeros(4, dtype=torch.bool), 5]
+
+
+@pytest.mark.parametrize("last_id_apart", [False, True])
+def test_the_check_runs_at_full_v_when_a_literal_is_about_v(last_id_apart, no_fx_cache):
+    """At V = 300 the region is checked at a vocabulary of 13, unless one of its literals could
+    be about V: a step that treats the last id apart (`x < V - 1`) is checked at V = 300,
+    where that id occurs, and left as written; the plain step fuses."""
+    from npuspec.passes import composed_ragged as cr
+    seen, orig = [], cr._small_v
+
+    def spy(order, V):
+        seen.append(orig(order, V))
+        return seen[-1]
+
+    def step(cu, ids, q, logits, bonus, is_greedy, M):
+        if last_id_apart:
+            ids = torch.where(ids < logits.shape[-1] - 1, ids, -1)
+        return _respelled(cu, ids, q, logits, bonus, is_greedy, M)
+
+    cr._small_v = spy
+    try:
+        before = counters.snapshot()
+        f = _compiled(step, "inductor")
+        for seed in range(3):
+            args = _wide_args(seed)
+            torch.manual_seed(seed)
+            got = f(*args)
+            torch.manual_seed(seed)
+            assert torch.equal(got, step(*args)), seed
+    finally:
+        cr._small_v = orig
+    moved = counters.delta(before).get("verify_patterns_matched.composed", 0)
+    assert set(seen) == {300 if last_id_apart else cr.SMALL_V}, seen
+    assert moved == (0 if last_id_apart else 1), moved
