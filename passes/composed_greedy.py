@@ -139,12 +139,16 @@ def _replace(graph, g, T, drafts, out, below, B, K, flavor) -> bool:
     order, free = reg
     if free or out not in order:
         return False
-    # T read elsewhere would be computed twice (the op takes its own argmax): left as the
-    # greedy family leaves it
+    # T read elsewhere, itself or through a region value the user's other code reads (a
+    # match mask kept for later), would be computed twice (the op takes its own argmax): left
+    # as the greedy family leaves it
     tgt = _bound(g)["target_ids"]
     inner = set(order)
     if any(u not in inner and u is not tgt and u is not g for u in T.users) or any(
             u is not g and u not in inner for u in tgt.users):
+        return False
+    from_t = _descendants(T) & inner
+    if any(u not in inner and u is not g for m in from_t if m is not out for u in m.users):
         return False
     reads_drafts = any(drafts in m.all_input_nodes for m in order)
     if not _holds(order, out, g, T, drafts if reads_drafts else None, B, K):

@@ -204,6 +204,25 @@ def test_a_greedy_near_miss_stays():
     assert _matched(three_way.last_delta) == 0, three_way.last_delta
 
 
+def greedy_token_also_returned(logits, drafts):
+    # the step's emission, and the token at n returned on its own too: the user's argmax stays
+    target = logits.argmax(-1)                                             # [B, K+1]
+    n = (drafts == target[:, :-1]).cumprod(1).sum(1)
+    pos = torch.arange(drafts.shape[1] + 1)[None, :]
+    tok = target.gather(1, n[:, None])                                     # [B, 1]
+    out = torch.where(pos < n[:, None], target, -1).scatter(1, n[:, None], tok)
+    return out, n, tok
+
+
+def test_a_greedy_step_whose_target_stays_read_is_not_composed():
+    """Composing would compute the argmax twice (the op's, and the user's for `tok`): the
+    step stays as the greedy family leaves it."""
+    torch._dynamo.reset()
+    three_way(greedy_token_also_returned, _greedy_inputs(3), matched=None,
+              appear=("npuspec.greedy_accept",), gone=("npuspec.rejection_sample",))
+    assert _matched(three_way.last_delta) == 0, three_way.last_delta
+
+
 def _nan_logits(seed):
     logits, drafts = _greedy_inputs(seed)
     logits[0, 1, 3] = float("nan")
