@@ -539,7 +539,7 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
                             bonus_token_ids, accept_draft_probs, cu_num_draft_tokens,
                             max_spec_len, is_greedy, temperature, top_k, top_p, block_verify,
                             entropy_verify, synthetic_rates, target_is_probs, accept_mode,
-                            ratio_cap, accept_rule, residual)
+                            ratio_cap, accept_rule, residual, generators)
     if max_spec_len is not None or is_greedy is not None:
         raise ValueError("max_spec_len and is_greedy belong to the ragged mode; pass "
                          "cu_num_draft_tokens (vLLM's layout) or leave them out")
@@ -589,12 +589,17 @@ def rejection_sample(target_logits: Tensor, draft_token_ids: Tensor,
 def _ragged_call(p, ids, q, uniforms, exponentials, bonus, accept_q, cu, max_spec_len,
                  is_greedy, temperature, top_k, top_p, block_verify, entropy_verify,
                  synthetic_rates, target_is_probs, accept_mode, ratio_cap, accept_rule,
-                 residual) -> tuple[Tensor, Tensor]:
+                 residual, generators=None) -> tuple[Tensor, Tensor]:
     if max_spec_len is None:
         raise ValueError("cu_num_draft_tokens given without max_spec_len: the ragged mode's "
                          "output is [B, max_spec_len + 1]; pass the longest draft a request "
                          "may have")
     check_max_spec_len(max_spec_len)
+    if generators and (uniforms is None or exponentials is None):
+        raise ValueError("generators given with cu_num_draft_tokens: the ragged mode draws "
+                         "what is not given from the default generator, as vllm-ascend does; "
+                         "draw uniforms [N] and exponentials [B, V] with your generators and "
+                         "pass them, or leave generators out")
     if p.dim() == 2 and uniforms is None:  # vllm-ascend's generate_uniform_probs: float64
         uniforms = torch.rand(p.shape[0], dtype=torch.float64, device=p.device)
     if p.dim() == 2 and exponentials is None and cu.dim() == 1:

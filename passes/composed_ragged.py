@@ -54,10 +54,11 @@ def compose_ragged(graph: Graph, flavor: str) -> int:
         if roles is None:
             continue
         B = _val(roles[2]).shape[0]
-        below = _descendants(r, cap=2000)
-        outs = [m for m in graph.nodes if m in below and _is_out(m, B)]
+        after = _descendants(r, cap=2000)
+        outs = [m for m in graph.nodes if m in after and _is_out(m, B)]
+        pure = {m for m in graph.nodes if _pure(m)}   # the region may extend through any
         for out in reversed(outs):
-            if _replace(graph, r, roles, out, flavor):
+            if _replace(graph, r, roles, out, pure, flavor):
                 made += 1
                 break
     return made
@@ -122,14 +123,14 @@ def _roles(free: list, N: int, B: int) -> list[dict]:
     return out
 
 
-def _replace(graph: Graph, r: Node, roles: tuple, out: Node, flavor: str) -> bool:
+def _replace(graph: Graph, r: Node, roles: tuple, out: Node, pure: set, flavor: str) -> bool:
     P, Q, E = roles
     N, V = _val(P).shape
     B, M = _val(out).shape[0], _val(out).shape[1] - 1
     if N > B * M:
         return False
     stops = {P, E} | ({Q} if Q is not None else set())
-    reg = _region(out, stops, {m for m in graph.nodes if _pure(m)}, cap=MAX_REGION)
+    reg = _region(out, stops, pure, cap=MAX_REGION)
     if reg is None:
         return False
     order, free = reg

@@ -172,6 +172,7 @@ def test_standard_rule_is_lossless():
     (dict(residual_sampler="bogus"), "residual_sampler='bogus'"),
     (dict(uniforms=torch.rand(3)), r"uniforms: the ragged mode expects \[12\]"),
     (dict(exponentials=torch.rand(5, 3)), r"exponentials: the ragged mode expects \[5, 23\]"),
+    (dict(uniforms=None, generators={0: torch.Generator()}), "generators given with"),
 ])
 def test_errors_name_the_value(bad, match):
     p, ids, q, u, e, bonus, cu, M = _case(0)
