@@ -8,6 +8,8 @@
         3. greedy_accept   (prefix length       -> npuspec::greedy_accept)
         4. ratio_accept    (standard test       -> npuspec::ratio_accept)
         5. residual        (residual resample   -> npuspec::residual_sample / residual_probs)
+        6. given_residual  (a difference made outside the graph, max_fn's frame, or a row with
+                            its draft zeroed -> npuspec::residual_probs)
     n = manager.run(graph, flavor="inductor")   # or "aten"
 
 A superset runs first so that a whole greedy step becomes one rejection_sample call instead of

@@ -18,6 +18,9 @@ Families, in the order the manager runs them (supersets first):
                   (patterns_ratio.py)
 5. Residual       clamp(p - q, 0) [normalised] + race/Gumbel/multinomial
                   (patterns_ratio.py)         -> npuspec::residual_sample / residual_probs
+6. GivenResidual  max(d, 0) normalised with d a graph input (max_fn's own frame), and
+                  multinomial of a row with its draft zeroed (EAGLE)
+                  (patterns_given.py)         -> npuspec::residual_probs
 
 Exactness: every replacement is bit-identical to the eager idiom it replaces, for the same
 inputs and the same RNG state (random draws are pattern *inputs*, so the user's own
@@ -26,6 +29,7 @@ torch.rand / exponential_ / Gumbel draws are kept; multinomial stays the user's 
 from __future__ import annotations
 
 from npuspec.passes.patterns_common import TAILS, Spelling, VerifyPattern
+from npuspec.passes.patterns_given import GivenResidual, GivenResidualConfig
 from npuspec.passes.patterns_greedy import (GreedyAccept, GreedyAcceptConfig, GreedyVerify,
                                             GreedyVerifyConfig)
 from npuspec.passes.patterns_ratio import RatioAccept, RatioAcceptConfig, Residual, ResidualConfig
@@ -36,9 +40,9 @@ def default_patterns() -> list[VerifyPattern]:
     """The library, supersets first (the manager's order)."""
     other = SampleVerifyConfig(modes=OTHER_MODES, ratios=("plain", "min", "clamp", "full1"))
     return [GreedyVerify(), SampleVerify(), SampleVerify(other), GreedyAccept(), RatioAccept(),
-            Residual()]
+            Residual(), GivenResidual()]
 
 
 __all__ = ["VerifyPattern", "Spelling", "GreedyVerify", "GreedyAccept", "RatioAccept", "Residual",
-           "SampleVerify", "GreedyVerifyConfig", "GreedyAcceptConfig", "RatioAcceptConfig",
+           "GivenResidual", "GivenResidualConfig", "SampleVerify", "GreedyVerifyConfig", "GreedyAcceptConfig", "RatioAcceptConfig",
            "ResidualConfig", "SampleVerifyConfig", "default_patterns", "TAILS"]

@@ -59,6 +59,9 @@ FUSED_NOW = {
     "vllm_ascend_block_verify",       # likewise (passes/residual_proof.py)
     "vllm_ascend_ngram",              # likewise, its one-hot residual (the draft zeroed) raced
                                       # with q = 0.0, in the graph after the mask-indexing break
+    "eagle_residual_row",             # residual_probs (given_residual: the row with xi zeroed)
+    "romsto_speculative_generate",    # residual_probs (given_residual): max_fn's own frame; the
+    "feifeibear_speculative_sampling_v2",  # step runs eagerly (its `if` in a loop), likewise
 }
 
 # run under the inductor lowering in the quick suite; the rest are marked slow

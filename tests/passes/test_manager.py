@@ -31,7 +31,7 @@ def _args(seed=0):
 def test_order_is_supersets_first():
     assert [p.name for p in default_patterns()] == [
         "greedy_verify", "sample_verify", "sample_verify", "greedy_accept", "ratio_accept",
-        "residual"]  # sample_verify twice: the default accept test, then the other modes
+        "residual", "given_residual"]  # sample_verify twice: the default accept test, then the other modes
     # the whole step wins over the narrow count when both could apply
     gm = aten_graph(step, *_args())
     assert PassManager().run(gm, flavor="aten") == {"greedy_verify": 1}
