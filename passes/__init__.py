@@ -6,6 +6,7 @@ from npuspec.passes.manager import (  # noqa: F401
     run_passes,
 )
 from npuspec.passes.patterns import (  # noqa: F401
+    GivenResidual,
     GreedyAccept,
     GreedyVerify,
     RatioAccept,
