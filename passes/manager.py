@@ -66,7 +66,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from npuspec import counters, envs
 from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, composed_ragged,
-                            picks, prefix, residual_proof, rewrites, rowlocal, shared, unmatched)
+                            picks, prefix, residual_proof, rewrites, rowlocal, search_memo, shared,
+                            unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 from npuspec.passes.rowlocal import _name
@@ -114,7 +115,7 @@ class _Compiled:
         for sp in pattern.spellings():
             ok = register_replacement(
                 sp.search, sp.replace, sp.example(),
-                trace_fn=trace_canonical, pass_dicts=self.pass_,
+                trace_fn=search_memo.SearchMemo(sp.search, trace_canonical), pass_dicts=self.pass_,
                 extra_check=pattern.extra_check, skip_duplicates=True,
                 get_decomp_fn=lambda: table, pattern_name=f"{pattern.name}.{sp.name}",
                 scalar_workaround=sp.scalars or None)
@@ -377,7 +378,7 @@ class PassManager:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
                                        residual_proof, composed, composed_greedy,
-                                       composed_ragged,
+                                       composed_ragged, search_memo,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

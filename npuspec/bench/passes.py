@@ -15,6 +15,9 @@ Compile time: `compile_s` is each backend's first call less its median call (Dyn
 the lowering), `passes_s` the time the npuspec pass manager took on that graph
 (`passes.manager.TOTALS`: the copy it rewrites, the exact rewrites, the replacements and the
 copy back), and `passes_share` that time over the like-for-like Inductor's `compile_s` for the same function.
+`search_traced/reused`: the pattern matcher's re-traces of a matched spelling at the graph's
+shapes, made or reused (passes/search_memo.py: the first match of a spelling in a process
+traces; a later graph whose shapes cannot change the spelling's graph reuses it).
 The patterns' one-off registration (tracing every spelling, once per process and flavour) is
 paid before the timed compiles and printed on its own.
 
@@ -32,7 +35,7 @@ import torch
 
 from npuspec import counters
 from npuspec.bench.table import median_time, print_table
-from npuspec.passes import manager
+from npuspec.passes import manager, search_memo
 
 
 def _greedy(logits, drafts):
@@ -214,11 +217,13 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str,
             fn = torch.compile(step, backend="npuspec",
                                options={"lowering": "eager", "capture": False})
         torch.manual_seed(0)
-        spent = manager.TOTALS["seconds"]
+        spent, traced = manager.TOTALS["seconds"], dict(search_memo.STATS)
         t0 = time.perf_counter()
         out = fn(*args)                                  # compiles
         first = time.perf_counter() - t0
         passes_s = manager.TOTALS["seconds"] - spent
+        reused = search_memo.STATS["reused"] - traced["reused"]
+        retraced = search_memo.STATS["traced"] - traced["traced"]
         matched = counters.delta(before).get("verify_patterns_matched", 0)
         times[name] = median_time(lambda: fn(*args), repeats=repeats, warmup=2, sync=sync)
         compile_s[name] = max(first - times[name], 0.0) if name != "eager" else 0.0
@@ -231,6 +236,8 @@ def run_case(B: int, K: int, V: int, repeats: int, device: str, draws: str,
                      "tokens==eager": "yes" if _same(out, ref) else "no",
                      "patterns_matched": matched, "compile_s": compile_s[name],
                      "passes_s": passes_s,
+                     "search_traced/reused": (f"{retraced}/{reused}" if name.startswith("npuspec")
+                                              else "-"),
                      "passes_share": (passes_s / compile_s[fr] if name.startswith("npuspec")
                                       and compile_s.get(fr) else float("nan"))})
     return rows
@@ -285,7 +292,7 @@ def main(argv=None):
                                  step_name=step_name)
     cols = ["step", "draws", "B", "V", "backend", "median_ms", "vs_eager", "vs_inductor",
             "vs_inductor_eager_rng", "tokens==eager", "patterns_matched", "compile_s",
-            "passes_s", "passes_share"]
+            "passes_s", "search_traced/reused", "passes_share"]
     print_table(rows, cols, title=f"verify step, K={a.k}, {a.device}, {torch.get_num_threads()} "
                                   f"thread(s): npuspec vs inductor vs eager (ratio > 1: faster "
                                   f"than that baseline)")

@@ -1,0 +1,165 @@
+"""The pattern matcher's search re-trace, reused where the user's shapes cannot change it.
+
+Inductor's `register_replacement` matches a spelling first with every literal ignored (ints,
+floats, lists, dtypes, devices: the pattern was traced at tiny example shapes), then, to check
+the literals, traces the search function again at the match's own shapes and dtypes and
+matches that "specific" pattern with every literal compared. That re-trace was about half of
+the passes' time in a compile (fake execution of every op at fresh shapes), and it is repeated
+for every graph, though for most spellings it gives the same graph at every shape.
+
+`SearchMemo` is a spelling's trace function. It traces as before (`trace_canonical`), and
+when a re-trace gives exactly the graph of an earlier trace at other sizes (every node, target
+and literal equal), it keeps that graph for the arguments' *signature*: per tensor its dtype,
+device, rank, which dims are 1 and which strides are the contiguous ones; every other argument
+by value. The earlier trace is the registration's at the example shapes (when its ranks and
+scalars are the match's) or the signature's previous re-trace. A later match with the same
+signature reuses the graph instead of tracing, if its sizes also agree with the kept ones at
+every position where the two traces' sizes coincided: a literal derived from a size that was
+equal in both traces is then equal in this one too, and one derived from a size that differed
+would have made the two graphs differ (nothing kept; the next trace is compared again). Reuse
+only skips work: the kept graph is matched against the user's with every literal compared,
+exactly as a fresh trace would be; symbolic sizes are always traced. So the first graph of a
+spelling in a process traces (twice where the example's ranks differ from the user's), and the
+graphs after it at new batch sizes do not.
+
+The evidence is two traces, not a proof: a spelling whose graph changes only at sizes neither
+trace had (a branch on `V > 64`) would be missed. The families' spellings branch on no size
+(tests/passes/test_search_memo.py traces every one at a third set of sizes and compares).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+from torch.fx.node import map_arg
+
+STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
+
+
+def _tensor_sig(t: torch.Tensor) -> tuple:
+    size, stride = t.shape, t.stride()
+    contiguous, acc = [], 1
+    for d in reversed(range(t.dim())):
+        contiguous.append(stride[d] == acc)
+        acc *= size[d]
+    return ("T", t.dtype, t.device.type, t.dim(), tuple(s == 1 for s in size),
+            tuple(reversed(contiguous)))
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(type(s) is int for s in (*t.shape, *t.stride()))
+
+
+def signature(args) -> Optional[tuple]:
+    """The arguments' signature (module docstring), or None when a size is symbolic."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if not _static(a):
+                return None
+            out.append(_tensor_sig(a))
+        elif isinstance(a, (int, float, bool, str, type(None))):
+            out.append(("V", type(a).__name__, a))
+        else:
+            return None
+    return tuple(out)
+
+
+def _values(args) -> tuple:
+    return tuple(None if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
+
+
+def _sizes(args) -> tuple:
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+
+
+def graph_key(gm: torch.fx.GraphModule) -> tuple:
+    """Every node's op, target and arguments (other nodes by position, literals as they are),
+    and the value of each small constant: two graphs with equal keys are one pattern."""
+    index = {}
+    out = []
+    for i, n in enumerate(gm.graph.nodes):
+        index[n] = i
+        ref = lambda m: ("%", index[m])  # noqa: E731
+        const = None
+        if n.op == "get_attr":
+            t = getattr(gm, n.target, None)
+            const = (repr(t) if isinstance(t, torch.Tensor) and t.numel() <= 64
+                     else (type(t).__name__, getattr(t, "shape", None), getattr(t, "dtype", None)))
+        target = "" if n.op in ("placeholder", "get_attr") else str(n.target)
+        out.append((n.op, target, repr(map_arg(n.args, ref)), repr(map_arg(n.kwargs, ref)),
+                    const))
+    return tuple(out)
+
+
+@dataclasses.dataclass
+class _Kept:
+    gm: torch.fx.GraphModule
+    sizes: tuple   # the first match's sizes
+    fixed: tuple   # per argument, the dims where the example's size equalled the match's
+
+
+def _coincide(example: tuple, real: tuple) -> tuple:
+    out = []
+    for e, r in zip(example, real):
+        if e is None or r is None or len(e) != len(r):
+            out.append(tuple(range(len(r))) if r is not None else ())
+        else:
+            out.append(tuple(d for d in range(len(r)) if e[d] == r[d]))
+    return tuple(out)
+
+
+def _fits(kept: _Kept, args) -> bool:
+    sizes = _sizes(args)
+    return all(s is None or all(s[d] == k[d] for d in fixed)
+               for s, k, fixed in zip(sizes, kept.sizes, kept.fixed))
+
+
+class SearchMemo:
+    """One spelling's trace function for `register_replacement` (see the module docstring);
+    `trace` is the trace it wraps, `search` the spelling's search function."""
+
+    def __init__(self, search: Callable, trace: Callable):
+        self.search, self.trace = search, trace
+        self.example = None  # (sizes, graph key, values) of the registration's trace
+        self.kept: dict = {}  # signature -> _Kept
+        self.witness: dict = {}  # signature -> (sizes, graph key) of its latest trace
+
+    def __call__(self, fn, args, **kw):
+        if fn is not self.search:  # the replacement, or a wrapper for symbolic sizes
+            return self.trace(fn, args, **kw)
+        sig = signature(args)
+        kept = self.kept.get(sig) if sig is not None else None
+        if kept is not None and _fits(kept, args):
+            STATS["reused"] += 1
+            return kept.gm
+        gm = self.trace(fn, args, **kw)
+        STATS["traced"] += 1
+        sizes = _sizes(args)
+        if self.example is None:  # the first call is the registration's, at the examples
+            self.example = (sizes, graph_key(gm), _values(args))
+            return gm
+        if sig is None:
+            return gm
+        key = graph_key(gm)
+        for e_sizes, e_key in self._evidence(sig, args):
+            if key == e_key:
+                self.kept[sig] = _Kept(gm, sizes, _coincide(e_sizes, sizes))
+                STATS["kept"] += 1
+                break
+        self.witness[sig] = (sizes, key)
+        return gm
+
+    def _evidence(self, sig, args) -> list:
+        """Earlier traces this one may be compared with: the registration's when its ranks and
+        other arguments are this call's, and the signature's latest trace."""
+        out = []
+        e_sizes, e_key, e_values = self.example
+        if e_values == _values(args) and all(
+                (e is None) == (r is None) and (e is None or len(e) == len(r))
+                for e, r in zip(e_sizes, _sizes(args))) and len(e_sizes) == len(args):
+            out.append((e_sizes, e_key))
+        if sig in self.witness:
+            out.append(self.witness[sig])
+        return out
