@@ -35,6 +35,7 @@ from torch.fx import Graph, Node
 
 from npuspec.kernels.verify_probs import ACCEPT_MODES, ACCEPT_RULES
 from npuspec.kernels.verify_ragged import ragged_verify
+from npuspec.passes import search_memo
 from npuspec.passes.composed import (_RESIDUAL_KEYS, _bound, _constant, _descendants, _pure,
                                      _region, _run)
 from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
@@ -137,12 +138,57 @@ def _replace(graph: Graph, r: Node, roles: tuple, out: Node, pure: set, flavor: 
     if r not in order:
         return False
     kw = {f"residual_{k}": v for k, v in _bound(r).items() if k in _RESIDUAL_KEYS}
-    for assign in _roles(free, N, B):
+    assigns = _roles(free, N, B)
+    key = _key(order, P, Q, E, free, N, B, M, V)
+    hit = _HELD.get(key) if key is not None else None
+    if hit is not None:  # the same region held at other sizes (see _HELD)
+        by_index, rule, mode = hit
+        assign = {role: free[i] for role, i in by_index.items()}
+        if assign in assigns:
+            _insert(graph, out, P, Q, E, assign, M, rule, mode, kw, flavor)
+            return True
+    if key is not None and (key, N, B) in _FAILED:
+        return False
+    for assign in assigns:
         for rule, mode in itertools.product(ACCEPT_RULES, ACCEPT_MODES):
             if _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw):
+                if key is not None:
+                    _remember(_HELD, key, ({k: free.index(v) for k, v in assign.items()},
+                                           rule, mode))
                 _insert(graph, out, P, Q, E, assign, M, rule, mode, kw, flavor)
                 return True
+    if key is not None:
+        _remember(_FAILED, (key, N, B), True)
     return False
+
+
+# Checks made, by region (_key). A region that held is taken at other batch sizes without
+# evaluating it again when its nodes and literals are equal once the literals equal to B or N
+# (and their neighbours) are written by name: the same code run at another size. One that
+# failed is remembered for its sizes only. Like the check itself, this is evidence on finite
+# cases (the layouts of the first batch size checked), not a proof.
+_HELD: dict = {}
+_FAILED: dict = {}
+_MEMO_MAX = 256
+
+
+def _remember(memo: dict, key, value) -> None:
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+
+
+def _key(order, P, Q, E, free, N, B, M, V) -> Optional[tuple]:
+    """The region's nodes with the literals that equal a size of the batch (B, N and their
+    neighbours) written by name, as vllm-ascend writes `full((B, M + 1), -1)` and
+    `clamp(.., N - 1)`; M, the vocabulary checked and the inputs' dtypes as they are."""
+    inputs = [P, E] + ([Q] if Q is not None else []) + list(free)
+    symbols = {N + 1: "N+1", N - 1: "N-1", N: "N", B + 1: "B+1", B - 1: "B-1", B: "B"}
+    nodes = search_memo.nodes_key(order, inputs, symbols=symbols)
+    if nodes is None:
+        return None
+    return (nodes, Q is None, M, _small_v(order, V),
+            tuple((_val(x).dtype, _val(x).dim()) for x in inputs))
 
 
 def _small_v(order: list, V: int) -> int:

@@ -39,6 +39,7 @@ import torch
 from torch.fx import Graph, Node
 
 import npuspec.kernels.accept as accept
+from npuspec.passes import search_memo
 from npuspec.passes.prefix import _attr
 from npuspec.passes.rewrites.nodes import _fake_meta, _val
 from npuspec.passes.rowlocal import _name
@@ -197,8 +198,30 @@ def _roles(leaves: list[Node]) -> list[tuple]:
     return [(i, None, 1 - i) for i in range(2) if _zeroed(leaves[i])]
 
 
+# _find's answers by region: the evaluation reads only the region's nodes and literals and its
+# leaves' dtypes (and which leaf was zeroed), so an equal key gives the same answer; a graph
+# compiled again at other shapes (a new batch size) asks again for the same region
+_FOUND: dict = {}
+_FOUND_MAX = 512
+
+
 def _find(order, leaves) -> Optional[tuple]:
-    """The first (roles, config) under which the op's score equals the region's, or None."""
+    """The first (roles, config) under which the op's score equals the region's, or None;
+    remembered by the region's key (search_memo.nodes_key)."""
+    key = search_memo.nodes_key(order, leaves)
+    if key is not None:
+        key = (key, tuple(_val(x).dtype for x in leaves), tuple(_zeroed(x) for x in leaves))
+        if key in _FOUND:
+            return _FOUND[key]
+    hit = _search(order, leaves)
+    if key is not None:
+        if len(_FOUND) >= _FOUND_MAX:
+            _FOUND.clear()
+        _FOUND[key] = hit
+    return hit
+
+
+def _search(order, leaves) -> Optional[tuple]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
         consts = _constants(order)

@@ -74,23 +74,59 @@ def _sizes(args) -> tuple:
     return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
 
 
-def graph_key(gm: torch.fx.GraphModule) -> tuple:
-    """Every node's op, target and arguments (other nodes by position, literals as they are),
-    and the value of each small constant: two graphs with equal keys are one pattern."""
-    index = {}
+def _const(t) -> Optional[tuple]:
+    if not isinstance(t, torch.Tensor):
+        return (type(t).__name__,)
+    if t.numel() > 4096:
+        return None  # too large to compare by value: no key
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return (tuple(t.shape), t.dtype, tuple(t.detach().cpu().flatten().tolist()))
+
+
+def _symbolic(a, symbols: dict):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_symbolic(x, symbols) for x in a)
+    if type(a) is int and a in symbols:
+        return symbols[a]
+    return a
+
+
+def nodes_key(order: list, inputs: list = (), module=None,
+              symbols: Optional[dict] = None) -> Optional[tuple]:
+    """The nodes of `order` (in order) reading `inputs` (by position) and each other: every
+    node's op, target and arguments (nodes by position, literals as they are) and each
+    constant's value. Equal keys, equal computations. None when a node reads something
+    outside, or a constant is too large to compare. `symbols` {int: name} writes the int
+    literals equal to a size by the size's name (a batch size B as "B"): equal keys are then
+    one computation written for each size."""
+    index = {m: ("in", i) for i, m in enumerate(inputs)}
     out = []
-    for i, n in enumerate(gm.graph.nodes):
-        index[n] = i
-        ref = lambda m: ("%", index[m])  # noqa: E731
+    for i, n in enumerate(order):
+        if any(a not in index for a in n.all_input_nodes):
+            return None
+        ref = index.__getitem__
         const = None
         if n.op == "get_attr":
-            t = getattr(gm, n.target, None)
-            const = (repr(t) if isinstance(t, torch.Tensor) and t.numel() <= 64
-                     else (type(t).__name__, getattr(t, "shape", None), getattr(t, "dtype", None)))
+            owner = module if module is not None else n.graph.owning_module
+            const = _const(getattr(owner, n.target, None))
+            if const is None:
+                return None
         target = "" if n.op in ("placeholder", "get_attr") else str(n.target)
-        out.append((n.op, target, repr(map_arg(n.args, ref)), repr(map_arg(n.kwargs, ref)),
-                    const))
+        args, kwargs = n.args, n.kwargs
+        if symbols:  # literals only: before the nodes become their positions
+            args, kwargs = _symbolic(args, symbols), {k: _symbolic(v, symbols)
+                                                      for k, v in kwargs.items()}
+        args, kwargs = map_arg(args, ref), map_arg(kwargs, ref)
+        out.append((n.op, target, repr(args), repr(kwargs), const))
+        index[n] = ("%", i)
     return tuple(out)
+
+
+def graph_key(gm: torch.fx.GraphModule) -> tuple:
+    """nodes_key of a whole graph: two graphs with equal keys are one pattern."""
+    key = nodes_key(list(gm.graph.nodes), (), gm)
+    return key if key is not None else ("unkeyed", id(gm))
 
 
 @dataclasses.dataclass

@@ -178,3 +178,53 @@ def test_the_check_runs_at_full_v_when_a_literal_is_about_v(last_id_apart, no_fx
     moved = counters.delta(before).get("verify_patterns_matched.composed", 0)
     assert set(seen) == {300 if last_id_apart else cr.SMALL_V}, seen
     assert moved == (0 if last_id_apart else 1), moved
+
+
+def _vllm_args(B, seed):
+    """vllm-ascend's random path at batch size B (drafts per request 0..M, M = 3)."""
+    g = torch.Generator().manual_seed(seed)
+    M, V = 3, 11
+    counts = torch.randint(0, M + 1, (B,), generator=g)
+    counts[0] = M
+    N = int(counts.sum())
+    cu = counts.cumsum(0)
+    q = torch.softmax(torch.randn(N, V, generator=g), -1)
+    logits = torch.randn(N + B, V, generator=g)
+    ids = torch.randint(0, V, (N,), generator=g)
+    bonus = torch.randint(0, V, (B, 1), generator=g)
+    return cu, ids, q, logits, bonus, torch.zeros(B, dtype=torch.bool), M
+
+
+def test_a_region_that_held_is_taken_at_another_batch_size(monkeypatch, no_fx_cache):
+    """The check's verdict is kept by region, the literals equal to B and N written by name:
+    the same step at another batch size fuses without evaluating it again and equals eager;
+    a near miss at that size is still evaluated and stays as written."""
+    import npuspec.passes.composed_ragged as cr
+    calls = []
+    holds = cr._holds
+    monkeypatch.setattr(cr, "_holds", lambda *a: calls.append(1) or holds(*a))
+    monkeypatch.setattr(cr, "_HELD", {})
+    monkeypatch.setattr(cr, "_FAILED", {})
+
+    def step(cu, ids, q, logits, bonus, is_greedy, M):
+        return _respelled(cu, ids, q, logits[:ids.shape[0]], bonus, is_greedy, M)
+
+    def miss(cu, ids, q, logits, bonus, is_greedy, M):
+        return _respelled(cu, ids, q, logits[:ids.shape[0]], bonus, is_greedy, M,
+                          miss="placeholder")
+
+    # B = 6 and 8 (N 10 and 11): no size name collides with M or M + 1 (at B = 4, B - 1 is M;
+    # a literal 3 is then both, the keys differ and the check runs again: a miss, not a risk)
+    for B, fn, fused, evaluated in [(6, step, True, True), (8, step, True, False),
+                                    (8, miss, False, True)]:
+        args = _vllm_args(B, seed=B)
+        calls.clear()
+        manager.HISTORY.clear()
+        f = _compiled(fn, "eager")
+        torch.manual_seed(1)
+        got = f(*args)
+        torch.manual_seed(1)
+        assert torch.equal(got, fn(*args)), (B, fn.__name__)
+        text = "\n".join(h[2] for h in manager.HISTORY)
+        assert (_ragged_ops(text) == 1) == fused, (B, fn.__name__, text)
+        assert bool(calls) == evaluated, (B, fn.__name__, len(calls))

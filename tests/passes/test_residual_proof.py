@@ -171,3 +171,23 @@ def test_one_request_and_one_row(lowering, no_fx_cache):
     torch._dynamo.reset()
     three_way(guarded_full_like, (p[0], dq[0], e[0]), lowering=lowering, matched=1,
               family="residual_proof", appear=("npuspec.residual_sample",))
+
+
+def test_answers_are_remembered_by_region(monkeypatch, no_fx_cache):
+    """_find remembers its answer by the region's key (nodes, literals, leaf dtypes): the same
+    race at another size asks again and is served without evaluating; a region one literal
+    away is evaluated on its own and stays as written."""
+    calls = []
+    search = residual_proof._search
+    monkeypatch.setattr(residual_proof, "_search", lambda o, l: calls.append(1) or search(o, l))
+    monkeypatch.setattr(residual_proof, "_FOUND", {})
+    three_way(ascend_recovered, _inputs(n=6), matched=1, family="residual_proof")
+    assert len(calls) >= 1
+    calls.clear()
+    torch._dynamo.reset()
+    three_way(ascend_recovered, _inputs(n=9, v=17), matched=1, family="residual_proof")
+    assert calls == []
+    torch._dynamo.reset()
+    three_way(near_miss_zero_only, _inputs(n=9, v=17), matched=0,
+              gone=("npuspec.residual_sample",))
+    assert len(calls) >= 1
