@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
+from npuspec.passes import search_memo
 from npuspec.passes.prefix import _attr
 from npuspec.passes.residual_proof import _cpu
 from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
@@ -250,7 +251,7 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
     if (bv is None or bv.is_floating_point() or bv.dtype == torch.bool
             or not (_shape_is(bv, (B,)) or _shape_is(bv, (B, 1)))):
         return False
-    if not _emission_holds(order, t, r, ids, bonus, B, K):
+    if not _emission_checked(order, t, r, ids, bonus, B, K):
         return False
     b = _bound(r)
     kw = {f"residual_{k}": b[k] for k in _RESIDUAL_KEYS}
@@ -260,6 +261,30 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
                      False, None, None, None, bonus, q_test),
                     {"target_is_probs": True, "accept_mode": a["mode"], **kw})
     return True
+
+
+# Emission checks made, by region: one that held is taken at other batch sizes without
+# evaluating it again when its nodes and literals are equal once the literals equal to B (and
+# B +- 1) are written by name (the same code at another size); one that failed is remembered
+# for its sizes only. As in composed_ragged, evidence on the cases checked, not a proof.
+_HELD: dict = {}
+_MEMO_MAX = 256
+
+
+def _emission_checked(order, t, r, ids, bonus, B: int, K: int) -> bool:
+    inputs = [t, r, ids, bonus]
+    nodes = search_memo.nodes_key(order, inputs, symbols={B + 1: "B+1", B - 1: "B-1", B: "B"})
+    key = None if nodes is None else (nodes, K, tuple((_val(x).dtype, _val(x).dim())
+                                                      for x in inputs))
+    for k in ((key,), (key, B)):
+        if key is not None and k in _HELD:
+            return _HELD[k]
+    held = _emission_holds(order, t, r, ids, bonus, B, K)
+    if key is not None:
+        if len(_HELD) >= _MEMO_MAX:
+            _HELD.clear()
+        _HELD[(key,) if held else (key, B)] = held
+    return held
 
 
 def replace_with_op(graph: Graph, out: Node, count: Node, flavor: str, args: tuple,

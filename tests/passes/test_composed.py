@@ -85,17 +85,18 @@ def other_ids(p, q, ids, u, e, bonus, ids2):
     return _emit(ids2, n, rec, bonus), n                                  # not the test's ids
 
 
-def _inputs(seed):
+def _inputs(seed, b=None):
+    B_ = B if b is None else b
     g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(torch.randn(B, K + 1, V, generator=g) * 2, -1)
-    q = torch.softmax(torch.randn(B, K, V, generator=g) * 2, -1)
-    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, K)
+    p = torch.softmax(torch.randn(B_, K + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(B_, K, V, generator=g) * 2, -1)
+    ids = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B_, K)
     ids[0] = p[0, :K].argmax(-1)                       # long accepted prefixes
     ids[1] = p[1, :K].argmax(-1)
-    u = torch.rand(B, K, generator=g)
+    u = torch.rand(B_, K, generator=g)
     u[1] = 0.0                                         # every draft accepted: the bonus
-    e = torch.empty(B, K, V).exponential_(generator=g)
-    return p, q, ids, u, e, torch.randint(0, V, (B,), generator=g)
+    e = torch.empty(B_, K, V).exponential_(generator=g)
+    return p, q, ids, u, e, torch.randint(0, V, (B_,), generator=g)
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
@@ -116,6 +117,27 @@ def test_near_misses_stay_as_written(fn):
     three_way(fn, args, matched=None, appear=("npuspec.ratio_accept", "npuspec.residual_sample"),
               gone=("npuspec.rejection_sample",))
     assert _matched(three_way.last_delta) == 0, three_way.last_delta
+
+
+def test_an_emission_that_held_is_taken_at_another_batch_size(monkeypatch):
+    """The emission check's verdict is kept by region (B written by name): the step at another
+    batch size fuses without evaluating it again and equals eager; a near miss at that size
+    is evaluated and stays as written."""
+    import npuspec.passes.composed as composed
+    calls = []
+    holds = composed._emission_holds
+    monkeypatch.setattr(composed, "_emission_holds", lambda *a: calls.append(1) or holds(*a))
+    monkeypatch.setattr(composed, "_HELD", {})
+    # B = 7 and 9: no size name collides with K + 1 = 5 (at B = 6, B - 1 would: the keys then
+    # differ and the check runs again, a miss, not a risk)
+    for b, fn, fused, evaluated in [(7, where_emission, True, True),
+                                    (9, where_emission, True, False),
+                                    (9, other_fill, False, True)]:
+        calls.clear()
+        torch._dynamo.reset()
+        three_way(fn, _inputs(3, b), matched=None)
+        assert (_matched(three_way.last_delta) == 1) == fused, (b, fn.__name__)
+        assert bool(calls) == evaluated, (b, fn.__name__, len(calls))
 
 
 def post_processed(p, q, ids, u, e, bonus):
