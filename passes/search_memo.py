@@ -10,8 +10,8 @@ for every graph, though for most spellings it gives the same graph at every shap
 `SearchMemo` is a spelling's trace function. It traces as before (`trace_canonical`), and
 when a re-trace gives exactly the graph of an earlier trace at other sizes (every node, target
 and literal equal), it keeps that graph for the arguments' *signature*: per tensor its dtype,
-device, rank, which dims are 1 and which strides are the contiguous ones; every other argument
-by value. The earlier trace is the registration's at the example shapes (when its ranks and
+device (with its index), rank, which dims are 1 and which strides are the contiguous ones;
+every other argument by value. The earlier trace is the registration's at the example shapes (when its ranks and
 scalars are the match's) or the signature's previous re-trace. A later match with the same
 signature reuses the graph instead of tracing, if its sizes also agree with the kept ones at
 every position where the two traces' sizes coincided: a literal derived from a size that was
@@ -43,7 +43,7 @@ def _tensor_sig(t: torch.Tensor) -> tuple:
     for d in reversed(range(t.dim())):
         contiguous.append(stride[d] == acc)
         acc *= size[d]
-    return ("T", t.dtype, t.device.type, t.dim(), tuple(s == 1 for s in size),
+    return ("T", t.dtype, str(t.device), t.dim(), tuple(s == 1 for s in size),
             tuple(reversed(contiguous)))
 
 

@@ -174,3 +174,11 @@ def test_second_batch_size_reuses_the_search_traces():
     reused = search_memo.STATS["reused"] - before["reused"]
     traced = search_memo.STATS["traced"] - before["traced"]
     assert reused >= 1 and traced == 0, (reused, traced)
+
+
+def test_signature_names_the_device_and_the_scalars():
+    a, b = torch.empty(2, 3), torch.empty(2, 3, device="meta")
+    assert search_memo.signature([a]) != search_memo.signature([b])
+    assert search_memo.signature([a, 1e-5]) != search_memo.signature([a, 2e-5])
+    assert search_memo.signature([a, 1e-5]) == search_memo.signature([torch.empty(5, 7), 1e-5])
+    assert search_memo.signature([a.t()]) != search_memo.signature([torch.empty(3, 2)])
