@@ -17,7 +17,8 @@ drafting once. The probe step's own verify result is not observed (the compariso
 Tensor parallelism: every rank runs its own controller on the same observations (rank 0's
 drafts and results are every rank's), so they choose the same K as long as they are fed the
 same times. `agree_with` makes every rank record rank 0's: its warm-up table once, and its
-three times per step (drafting, the verify step, the host's bookkeeping; NaN where dropped).
+four times per step (drafting, the verify step, the host's bookkeeping, the prefill's seconds
+per token; NaN where dropped).
 """
 from __future__ import annotations
 
@@ -102,9 +103,16 @@ class OnlineK:
         self._slots, self._lengths, self._k_draft = slots, lengths, choice.k_draft
         return drafts, probs, k
 
-    def verified(self, rows: int, k: int, res: np.ndarray, t_run: float, book_s: float) -> None:
+    def prefill_pending(self, pending: bool) -> None:
+        """Whether prompts still wait for the step's token budget after this step's prefill
+        (the scheduler's state: the same on every rank)."""
+        self.ctl.prefill_pending = pending
+
+    def verified(self, rows: int, k: int, res: np.ndarray, t_run: float, book_s: float,
+                 prefill_tok_s: float = math.nan) -> None:
         """After the step and its bookkeeping: res [rows, K+2] (num_emitted last), t_run the
-        step's seconds, book_s the host's around it."""
+        step's seconds, book_s the host's around it, prefill_tok_s this iteration's prefill
+        seconds per token (NaN: none, or disturbed)."""
         B = len(self._slots)
         # a probe's tokens are counted when it resolves; K = 0 teaches only availability
         if not self._probing and (k > 0 or self.ctl.availability):
@@ -113,12 +121,14 @@ class OnlineK:
         self._n += 1
         while self._probes and self._n - self._probes[0].step >= self.ctl.k_max:
             self._resolve(self._probes.popleft())
-        times = [self._t_draft, t_run, book_s]
+        times = [self._t_draft, t_run, book_s, prefill_tok_s]
         if self._snap != counters.disturbed:
-            times[1:] = [math.nan, math.nan]
+            times[1:3] = [math.nan, math.nan]
         if self._share is not None:
             times = self._share(times)
-        t_draft, t_run, book_s = times
+        t_draft, t_run, book_s, prefill_tok_s = times
+        if prefill_tok_s == prefill_tok_s:
+            self.ctl.record_prefill(prefill_tok_s)
         if t_draft == t_draft:
             self.ctl.record_draft(self._k_draft, B, t_draft)
         if t_run == t_run:

@@ -17,6 +17,7 @@ See docs/design.md ("One decode step, as data") and docs/engine.md.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 import weakref
 from typing import Any, Optional, Sequence, Union
@@ -24,6 +25,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from npuspec._counters import counters
 from npuspec.engine import args
 from npuspec.engine import tp as tp_mod
 from npuspec.engine.args import DEFAULT_MAX_NUM_SEQS
@@ -124,6 +126,7 @@ class LLM:
                                 max_num_batched_tokens=self.max_num_batched_tokens)
         self._live: dict[str, Request] = {}  # request id -> added and not finished
         self.online: Optional[OnlineK] = None
+        self._prefill_tok_s = math.nan  # the last prefill's seconds per token (_prefill)
         if self.spec is not None and self.spec.online_k:
             table = self.spec.num_speculative_tokens_per_batch_size
             cheap = not (METHODS[self.spec.method].needs_model
@@ -314,7 +317,7 @@ class LLM:
             # bookkeeping: building the step's inputs, and the postprocess
             book = (t2 - t1 - t_run) + (t3 - t2)
             if self.online is not None:
-                self.online.verified(rows, k, res, t_run, book)
+                self.online.verified(rows, k, res, t_run, book, self._prefill_tok_s)
             record_step(m, batch, k, res, drafts, rows,
                         draft_s=(t1 - t0) + (time.perf_counter() - t3), step_s=t_run,
                         book_s=book)
@@ -333,6 +336,8 @@ class LLM:
         k_next = (self.online.ctl.last_k if self.online is not None
                   else dynamic_k.k_for_step(self.spec, len(sched.running)))
         self._prefill(sched, len(sched.running) * (k_next + 1), m)
+        if self.online is not None:  # prompts left for later steps: speculation delays them
+            self.online.prefill_pending(bool(sched.prefilling))
         if not sched.running:
             return [], 0
         sched.reserve(self.k_max)
@@ -401,8 +406,10 @@ class LLM:
     def _prefill(self, sched: Scheduler, decode_tokens: int, m: EngineMetrics) -> None:
         rows = sched.prefill_rows(decode_tokens, self.runner.prefill_sizes
                                   if self.capture else None)
+        self._prefill_tok_s = math.nan  # seconds per prefill token, for the K controller
         if not rows and not sched.prefilling:
             return
+        snap = counters.disturbed
         t0 = time.perf_counter()
         pre = None
         if rows:
@@ -418,4 +425,8 @@ class LLM:
                     r.started = True
             if pre is not None:  # hidden-state drafters: their pass over the chunks
                 self.proposer.on_prefill(rows, pre)
-        record_prefill(m, reqs, time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        record_prefill(m, reqs, dt)
+        tokens = sum(row.end - row.start for row in rows)
+        if tokens and snap == counters.disturbed:  # not across a compile or a fallback
+            self._prefill_tok_s = dt / tokens

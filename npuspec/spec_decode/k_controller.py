@@ -11,7 +11,9 @@ that verifies, from two things the engine measures as it runs:
   1 + sum_{i<=min(K, L)} c[i] once its L drafts are known;
 - cost, per (rows, K) graph: the verify step's seconds (warm-up measures every captured pair
   once; later steps update it) and the host's bookkeeping around it, plus the drafter's
-  seconds per request for each K.
+  seconds per request for each K, plus, while prompts wait for the step's token budget, the
+  prefill that K's verify tokens push to later steps (K per request, at the measured seconds
+  per prefill token: `record_prefill`).
 
 Two choices per step: before drafting (`choose_before`: which K to draft for; 0 skips the
 drafter; a token drafter, ngram or suffix, drafts at K_max unless drafting has stopped paying
@@ -117,6 +119,10 @@ class KController:
         self._observed = 0
         self._steps = 0
         self.draft_value = 1.0   # see choose_before_cheap
+        # prefill displaced by speculation (see record_prefill): seconds per prefill token,
+        # and whether prefill is waiting for budget this step
+        self.prefill_tok_s = math.nan
+        self.prefill_pending = False
         self.last_k = self.k_max
         self.availability = availability
         self.since_explore = 0
@@ -218,6 +224,16 @@ class KController:
         self._ema(self.book_s, (rows, k), seconds)
         self._ema(self.book_per_req, k, seconds / max(batch, 1))
 
+    def record_prefill(self, seconds_per_token: float) -> None:
+        """A prefill chunk's seconds per token. The engine's step budget leaves K + 1 tokens
+        to each running request, so while prompts wait for budget (`prefill_pending`) each
+        verify token of a K > 0 step pushes one prefill token to a later step: `_cost` charges
+        K tokens per request at this rate then. Without it a large batch still being
+        admitted speculates at a K that is cheap for the step and slows admission."""
+        old = self.prefill_tok_s
+        self.prefill_tok_s = (seconds_per_token if old != old
+                              else old + ALPHA_TIME * (seconds_per_token - old))
+
     @staticmethod
     def _ema(table: dict, key, value: float) -> None:
         old = table.get(key)
@@ -229,13 +245,15 @@ class KController:
         rows = self._rows.get(B)
         if rows is None:
             rows = self._rows[B] = tuple(self.rows_for(B, k) for k in self.ks)
+        per_k = B * self.prefill_tok_s if self.prefill_pending and self.prefill_tok_s == \
+            self.prefill_tok_s else 0.0            # the prefill each draft position displaces
         out = []
         for k, r in zip(self.ks[:n], rows):
             book = self.book_s.get((r, k))
             if book is None:
                 book = B * self.book_per_req.get(k, 0.0)
             drafter = B * self.draft_s.get(k, 0.0) if draft else 0.0
-            out.append(self.verify_s.get((r, k), math.nan) + book + drafter)
+            out.append(self.verify_s.get((r, k), math.nan) + book + drafter + k * per_k)
         return out
 
     # -- choices -------------------------------------------------------------------------------

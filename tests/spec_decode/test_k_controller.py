@@ -90,6 +90,28 @@ def test_load_changes_the_choice():
     assert ctl.choose_before(s64).k == 0
 
 
+def test_prefill_waiting_for_budget_is_charged_to_each_draft_position():
+    """16 requests, c = 0.5 per position, cost 1 + 0.01 per verified token: K = 0 gives
+    16 / 1.16 = 13.8 tokens per unit, K = 1 24 / 1.32 = 18.2, K = 2 28 / 1.48 = 18.9, K = 4
+    31 / 1.80 = 17.2. While prompts wait for the budget each verify token of K pushes a
+    prefill token (0.05 here) to a later step: K = 1 then costs 1.32 + 16 * 0.05 = 2.12
+    (11.3), K = 2 3.08 (9.1), K = 4 5.00 (6.2), so K = 0 is best; once the prompts are in,
+    K = 2 again. Without a measured prefill rate nothing is charged."""
+    ctl = make(cost=cost_fn(1.0, 0.01), batches=(16,))
+    s = ctl.slots([f"r{i}" for i in range(16)])
+    teach(ctl, s, 0.5, steps=400)
+    assert ctl.choose_before(s).k == 2
+    ctl.prefill_pending = True
+    assert ctl.choose_before(s).k == 2          # no prefill rate measured yet
+    ctl.record_prefill(0.05)
+    assert ctl.choose_before(s).k == 0
+    assert ctl.choose_after(kc.Choice(4, 4), s, np.full(16, 4)) == 0
+    ctl.prefill_pending = False
+    assert ctl.choose_before(s).k == 2
+    ctl.record_prefill(0.15)                    # a running average
+    assert ctl.prefill_tok_s == pytest.approx(0.05 + kc.ALPHA_TIME * 0.10)
+
+
 def test_without_drafts_the_draft_is_not_verified():
     """ngram with nothing to copy: drafting at K_max found no drafts, so the step runs K = 0;
     with two drafts per request, K = 2 (the tokens past them cost and cannot be accepted)."""
