@@ -32,10 +32,10 @@ import dataclasses
 import itertools
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx import Node
 
 from npuspec.passes.patterns_common import FLOATS, Spelling, VerifyPattern, _bind, _val, npuspec_ops
+from npuspec.passes.rewrites import nonneg
 from npuspec.passes.rowlocal import _name
 
 aten = torch.ops.aten
@@ -68,35 +68,19 @@ def _zero(x):
 # how a zeroing writes: (op name) -> index of the written value among its args
 _WRITES = {"select_scatter": 1, "index_put": 2, "index_put_": 2, "_unsafe_index_put": 2,
            "scatter": 3}
-_ZERO_FILLS = {"zeros", "zeros_like", "scalar_tensor", "full", "full_like", "new_zeros"}
+# what the written value passes through on its way from a zero (`gtp[xi] = 0` becomes
+# select_scatter(p, copy(select(p, 0, xi), lift_fresh_copy(c)), 0, xi)): copy reads its src
+_THROUGH = {"copy": 1, "expand": 0, "_to_copy": 0, "convert_element_type": 0, "clone": 0,
+            "view": 0, "reshape": 0, "unsqueeze": 0}
 
 
-def _is_zero(v, module, depth: int = 6) -> bool:
-    """v is a literal 0 or a tensor of zeros: through copy/lift/expand/cast to a constant."""
+def _is_zero(v, graph, depth: int = 6) -> bool:
+    """v is a literal 0, or a tensor of zeros (nonneg._is_zero) through copies, views, casts."""
     if isinstance(v, (int, float)) and not isinstance(v, bool):
         return v == 0
-    if not isinstance(v, Node) or depth == 0:
-        return False
-    if v.op == "get_attr":
-        t = getattr(module, v.target, None) if module is not None else None
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return False
-        with unset_fake_temporarily():  # the matcher runs under the graph's fake mode
-            return bool((t == 0).all())
-    if v.op != "call_function":
-        return False
-    name = _name(v.target)
-    if name in ("zeros", "zeros_like", "new_zeros"):
-        return True
-    if name in ("scalar_tensor", "full", "full_like"):
-        fill = v.args[1] if name != "scalar_tensor" else v.args[0]
-        return isinstance(fill, (int, float)) and fill == 0
-    if name == "copy":  # copy(dst, src): src's values
-        return _is_zero(v.args[1], module, depth - 1)
-    if name in ("lift_fresh_copy", "expand", "_to_copy", "convert_element_type", "clone", "view",
-                "reshape", "unsqueeze"):
-        return _is_zero(v.args[0], module, depth - 1)
-    return False
+    while isinstance(v, Node) and depth and v.op == "call_function" and _name(v.target) in _THROUGH:
+        v, depth = v.args[_THROUGH[_name(v.target)]], depth - 1
+    return nonneg._is_zero(graph, v)
 
 
 def _zeroed(z: Node) -> bool:
@@ -110,7 +94,7 @@ def _zeroed(z: Node) -> bool:
         accumulate = z.args[3] if len(z.args) > 3 else z.kwargs.get("accumulate", False)
         if accumulate:
             return False
-    return _is_zero(z.args[at], z.graph.owning_module)
+    return _is_zero(z.args[at], z.graph)
 
 
 class GivenResidual(VerifyPattern):
