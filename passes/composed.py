@@ -268,12 +268,11 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
 # B +- 1) are written by name (the same code at another size); one that failed is remembered
 # for its sizes only. As in composed_ragged, evidence on the cases checked, not a proof.
 _HELD: dict = {}
-_MEMO_MAX = 256
 
 
 def _emission_checked(order, t, r, ids, bonus, B: int, K: int) -> bool:
     inputs = [t, r, ids, bonus]
-    nodes = search_memo.nodes_key(order, inputs, symbols={B + 1: "B+1", B - 1: "B-1", B: "B"})
+    nodes = search_memo.nodes_key(order, inputs, symbols=search_memo.size_names(B=B))
     key = None if nodes is None else (nodes, K, tuple((_val(x).dtype, _val(x).dim())
                                                       for x in inputs))
     for k in ((key,), (key, B)):
@@ -281,9 +280,7 @@ def _emission_checked(order, t, r, ids, bonus, B: int, K: int) -> bool:
             return _HELD[k]
     held = _emission_holds(order, t, r, ids, bonus, B, K)
     if key is not None:
-        if len(_HELD) >= _MEMO_MAX:
-            _HELD.clear()
-        _HELD[(key,) if held else (key, B)] = held
+        search_memo.remember(_HELD, (key,) if held else (key, B), held)
     return held
 
 

@@ -153,12 +153,12 @@ def _replace(graph: Graph, r: Node, roles: tuple, out: Node, pure: set, flavor: 
         for rule, mode in itertools.product(ACCEPT_RULES, ACCEPT_MODES):
             if _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw):
                 if key is not None:
-                    _remember(_HELD, key, ({k: free.index(v) for k, v in assign.items()},
-                                           rule, mode))
+                    search_memo.remember(_HELD, key, ({k: free.index(v)
+                                                       for k, v in assign.items()}, rule, mode))
                 _insert(graph, out, P, Q, E, assign, M, rule, mode, kw, flavor)
                 return True
     if key is not None:
-        _remember(_FAILED, (key, N, B), True)
+        search_memo.remember(_FAILED, (key, N, B), True)
     return False
 
 
@@ -169,13 +169,6 @@ def _replace(graph: Graph, r: Node, roles: tuple, out: Node, pure: set, flavor: 
 # cases (the layouts of the first batch size checked), not a proof.
 _HELD: dict = {}
 _FAILED: dict = {}
-_MEMO_MAX = 256
-
-
-def _remember(memo: dict, key, value) -> None:
-    if len(memo) >= _MEMO_MAX:
-        memo.clear()
-    memo[key] = value
 
 
 def _key(order, P, Q, E, free, N, B, M, V) -> Optional[tuple]:
@@ -183,8 +176,7 @@ def _key(order, P, Q, E, free, N, B, M, V) -> Optional[tuple]:
     neighbours) written by name, as vllm-ascend writes `full((B, M + 1), -1)` and
     `clamp(.., N - 1)`; M, the vocabulary checked and the inputs' dtypes as they are."""
     inputs = [P, E] + ([Q] if Q is not None else []) + list(free)
-    symbols = {N + 1: "N+1", N - 1: "N-1", N: "N", B + 1: "B+1", B - 1: "B-1", B: "B"}
-    nodes = search_memo.nodes_key(order, inputs, symbols=symbols)
+    nodes = search_memo.nodes_key(order, inputs, symbols=search_memo.size_names(N=N, B=B))
     if nodes is None:
         return None
     return (nodes, Q is None, M, _small_v(order, V),

@@ -202,7 +202,6 @@ def _roles(leaves: list[Node]) -> list[tuple]:
 # leaves' dtypes (and which leaf was zeroed), so an equal key gives the same answer; a graph
 # compiled again at other shapes (a new batch size) asks again for the same region
 _FOUND: dict = {}
-_FOUND_MAX = 512
 
 
 def _find(order, leaves) -> Optional[tuple]:
@@ -215,9 +214,7 @@ def _find(order, leaves) -> Optional[tuple]:
             return _FOUND[key]
     hit = _search(order, leaves)
     if key is not None:
-        if len(_FOUND) >= _FOUND_MAX:
-            _FOUND.clear()
-        _FOUND[key] = hit
+        search_memo.remember(_FOUND, key, hit)
     return hit
 
 

@@ -70,6 +70,10 @@ def _values(args) -> tuple:
     return tuple(None if isinstance(a, torch.Tensor) else (type(a).__name__, a) for a in args)
 
 
+def _ranks(sizes: tuple) -> tuple:
+    return tuple(None if s is None else len(s) for s in sizes)
+
+
 def _sizes(args) -> tuple:
     return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
 
@@ -121,6 +125,25 @@ def nodes_key(order: list, inputs: list = (), module=None,
         out.append((n.op, target, repr(args), repr(kwargs), const))
         index[n] = ("%", i)
     return tuple(out)
+
+
+def size_names(**sizes: int) -> dict:
+    """{int: name} for nodes_key's `symbols`: each size and its neighbours (B=8 gives 7 "B-1",
+    8 "B", 9 "B+1"); a value two sizes share keeps the name given last."""
+    out = {}
+    for name, v in sizes.items():
+        out.update({v + 1: f"{name}+1", v - 1: f"{name}-1", v: name})
+    return out
+
+
+MEMO_MAX = 256  # entries a check's memo keeps before it starts again
+
+
+def remember(memo: dict, key, value) -> None:
+    """memo[key] = value, the memo emptied first when it is full (MEMO_MAX)."""
+    if len(memo) >= MEMO_MAX:
+        memo.clear()
+    memo[key] = value
 
 
 def graph_key(gm: torch.fx.GraphModule) -> tuple:
@@ -179,7 +202,7 @@ class SearchMemo:
         if sig is None:
             return gm
         key = graph_key(gm)
-        for e_sizes, e_key in self._evidence(sig, args):
+        for e_sizes, e_key in self._evidence(sig, sizes, _values(args)):
             if key == e_key:
                 self.kept[sig] = _Kept(gm, sizes, _coincide(e_sizes, sizes))
                 STATS["kept"] += 1
@@ -187,14 +210,12 @@ class SearchMemo:
         self.witness[sig] = (sizes, key)
         return gm
 
-    def _evidence(self, sig, args) -> list:
+    def _evidence(self, sig, sizes: tuple, values: tuple) -> list:
         """Earlier traces this one may be compared with: the registration's when its ranks and
         other arguments are this call's, and the signature's latest trace."""
         out = []
         e_sizes, e_key, e_values = self.example
-        if e_values == _values(args) and all(
-                (e is None) == (r is None) and (e is None or len(e) == len(r))
-                for e, r in zip(e_sizes, _sizes(args))) and len(e_sizes) == len(args):
+        if e_values == values and _ranks(e_sizes) == _ranks(sizes):
             out.append((e_sizes, e_key))
         if sig in self.witness:
             out.append(self.witness[sig])
