@@ -245,8 +245,9 @@ class KController:
         rows = self._rows.get(B)
         if rows is None:
             rows = self._rows[B] = tuple(self.rows_for(B, k) for k in self.ks)
-        per_k = B * self.prefill_tok_s if self.prefill_pending and self.prefill_tok_s == \
-            self.prefill_tok_s else 0.0            # the prefill each draft position displaces
+        # the prefill each draft position displaces (nothing until a rate is measured)
+        displaced = self.prefill_tok_s if self.prefill_pending else 0.0
+        per_k = B * displaced if displaced == displaced else 0.0
         out = []
         for k, r in zip(self.ks[:n], rows):
             book = self.book_s.get((r, k))
