@@ -262,6 +262,12 @@ def cpu_amx() -> bool:
     return _bool("NPUSPEC_CPU_AMX", True)
 
 
+def cpu_hugepages() -> bool:
+    """NPUSPEC_CPU_HUGEPAGES: a CPU model's packed weights placed in one arena, in the order a
+    step reads them, advised for transparent huge pages (npuspec/models/arena.py); on unless 0."""
+    return _bool("NPUSPEC_CPU_HUGEPAGES", True)
+
+
 def debug() -> bool:
     """NPUSPEC_DEBUG: extra runtime assertions (e.g. static buffer addresses on replay)."""
     return _bool("NPUSPEC_DEBUG", False)
@@ -313,6 +319,7 @@ VARIABLES: dict[str, Callable] = {
     "NPUSPEC_K_CONTROLLER": k_controller,
     "NPUSPEC_NATIVE_OPS": native_ops,
     "NPUSPEC_CPU_AMX": cpu_amx,
+    "NPUSPEC_CPU_HUGEPAGES": cpu_hugepages,
 }
 
 

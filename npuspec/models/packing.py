@@ -15,7 +15,9 @@ import logging
 import torch
 from torch import nn
 
+from npuspec import envs
 from npuspec.kernels import linear_packed_cpu as lp
+from npuspec.models import arena
 from npuspec.models.eagle import MLP, Attention
 
 log = logging.getLogger(__name__)
@@ -39,10 +41,12 @@ def _pack_linear(layer: nn.Linear) -> None:
 def pack_model(model: nn.Module) -> bool:
     """Pack every projection and the LM head of a `DecoderLM` in place (idempotent).
     Returns whether the model is packed; when the kernel cannot run here it logs once and
-    leaves the model as it was (torch.mm reads the row-major weights)."""
+    leaves the model as it was (torch.mm reads the row-major weights). The packed weights then
+    move into one huge-page arena in step order (npuspec/models/arena.py; NPUSPEC_CPU_HUGEPAGES)."""
     if getattr(model, "head_packed", None) is not None or getattr(model, "head_quant", None) is not None:
         if getattr(model, "head_quant", None) is not None:
             model.fused_norm = lp.can_pack()
+        _place(model)
         return True
     if not can_pack(model):
         if model.norm.weight.device.type == "cpu":
@@ -60,7 +64,13 @@ def pack_model(model: nn.Module) -> bool:
             model.head_packed = lp.pack_weight(model.lm_head.weight.detach())
             model.lm_head = None
     model.fused_norm = lp.can_pack()  # same toolchain; the op falls back the same way
+    _place(model)
     return True
+
+
+def _place(model: nn.Module) -> None:
+    if envs.cpu_hugepages() and model.norm.weight.device.type == "cpu":
+        arena.place_weights(model)
 
 
 def _pack_fused(owner: nn.Module, names: tuple, attr: str) -> None:
