@@ -147,7 +147,7 @@ def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:
     colliding; compare with ids before n, rec[n] or the bonus at n, -1 after."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     bshape = tuple(_val(bonus).shape)
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), torch.inference_mode():
         gen = torch.Generator().manual_seed(53)
         pos = torch.arange(K + 1)[None, :]
         for span, apart in ((1 << 20, True), (3, False)):  # distinct per source, then colliding

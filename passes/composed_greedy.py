@@ -82,7 +82,7 @@ def _region(out: Node, stops: set, below: set) -> Optional[tuple[list, list]]:
 
 def _holds(order, out, n, T, drafts, B: int, K: int) -> bool:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), torch.inference_mode():
         gen = torch.Generator().manual_seed(59)
         pos = torch.arange(K + 1)[None, :]
         for span in (1 << 20, 3):

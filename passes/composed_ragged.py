@@ -226,7 +226,7 @@ def _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw) -> bool:
     Vc = _small_v(order, V)
     dt = {k: _val(n).dtype for k, n in assign.items()}
     bshape = tuple(_val(assign["bonus"]).shape)
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), torch.inference_mode():
         gen = torch.Generator().manual_seed(71)
         for i, counts in enumerate(_layouts(N, B, M, gen)):
             p = torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(P).dtype)

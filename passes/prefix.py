@@ -140,7 +140,7 @@ def _proves(order, ok: Node, kind: str, b) -> Optional[bool]:
     Trues of `ok`; False: of leading Falses (`ok` holds rejections, as in
     `(reject.cumsum(-1) == 0).sum(-1)`); None: neither."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily():
+    with unset_fake_temporarily(), torch.inference_mode():
         return _proves_real(order, ok, kind, b)
 
 

@@ -94,17 +94,21 @@ def _allocate(size: int) -> torch.Tensor:
     huge pages before any page is touched. (Not torch.empty: malloc may hand back heap memory
     already faulted in on 4 KB pages, which the advice does not convert; seen on a bf16 load.)
     The tensor keeps the mapping alive; it is unmapped when the last view goes."""
-    mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(mm, dtype=torch.uint8)
+    anonymous = getattr(mmap, "MAP_ANONYMOUS", None)  # not on Windows
+    if anonymous is None:
+        raw, mm = torch.empty(size + HUGE_PAGE, dtype=torch.uint8), None
+    else:
+        mm = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | anonymous)
+        raw = torch.frombuffer(mm, dtype=torch.uint8)
     start = (-raw.data_ptr()) % HUGE_PAGE
     _advise(mm, start, size)
     return raw[start:start + size]
 
 
-def _advise(mm: mmap.mmap, start: int, size: int) -> bool:
+def _advise(mm: Optional[mmap.mmap], start: int, size: int) -> bool:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
     err = "no MADV_HUGEPAGE on this platform"
-    if advice is not None:
+    if advice is not None and mm is not None:
         try:
             mm.madvise(advice, start, size)
             return True

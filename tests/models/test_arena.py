@@ -94,11 +94,12 @@ def test_pack_model_places_by_default_and_the_variable_turns_it_off(monkeypatch)
         envs.cpu_hugepages()
 
 
-def test_refused_advice_is_counted_and_the_weights_still_move(monkeypatch):
+@pytest.mark.parametrize("missing", ["MADV_HUGEPAGE", "MAP_ANONYMOUS"])
+def test_refused_advice_is_counted_and_the_weights_still_move(monkeypatch, missing):
     model = _packed(monkeypatch=monkeypatch)
     ids = _ids(model)
     ref = _logits(model, ids)
-    monkeypatch.delattr(mmap, "MADV_HUGEPAGE", raising=False)  # as on a platform without it
+    monkeypatch.delattr(mmap, missing, raising=False)  # as on a platform without it
     before = counters.snapshot()
     assert arena.place_weights(model) > 0
     assert counters.delta(before).get("cpu_hugepage_advice_refused") == 1
