@@ -6,7 +6,7 @@ starts a new stream. In one arena laid out in step order, advised for transparen
 (`madvise(MADV_HUGEPAGE)`, which the kernel honours in its default `madvise` mode), a step is
 one forward walk over 2 MB pages: fewer TLB misses, and the hardware prefetcher, which stops at
 a page boundary, runs on. Measured on the 2-core Xeon of docs/graphs.md (SmolLM2's 121 fp32
-projections at one row, medians of 35 calls, two runs each): 20.4-20.9 ms as separate tensors,
+projections at one row, medians of 35 steps, two runs each): 20.4-20.9 ms as separate tensors,
 20.7-20.8 in one arena on 4 KB pages, 18.5-19.3 in the arena on huge pages; a `sum` over 540 MB
 reads 23 GB/s on 4 KB pages and 30 on huge pages.
 
