@@ -275,9 +275,10 @@ def _emission_checked(order, t, r, ids, bonus, B: int, K: int) -> bool:
     nodes = search_memo.nodes_key(order, inputs, symbols=search_memo.size_names(B=B))
     key = None if nodes is None else (nodes, K, tuple((_val(x).dtype, _val(x).dim())
                                                       for x in inputs))
-    for k in ((key,), (key, B)):
-        if key is not None and k in _HELD:
-            return _HELD[k]
+    if key is not None:
+        for k in ((key,), (key, B)):  # held at any size, or failed at this one
+            if k in _HELD:
+                return _HELD[k]
     held = _emission_holds(order, t, r, ids, bonus, B, K)
     if key is not None:
         search_memo.remember(_HELD, (key,) if held else (key, B), held)

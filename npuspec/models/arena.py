@@ -105,40 +105,20 @@ def _allocate(size: int) -> torch.Tensor:
     return raw[start:start + size]
 
 
-def _advise(mm: Optional[mmap.mmap], start: int, size: int) -> bool:
+def _advise(mm: Optional[mmap.mmap], start: int, size: int) -> None:
     advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
     err = "no MADV_HUGEPAGE on this platform"
     if advice is not None and mm is not None:
         try:
             mm.madvise(advice, start, size)
-            return True
+            return
         except OSError as e:  # a kernel built without THP
             err = str(e)
     counters.bump("cpu_hugepage_advice_refused")
     _refused_once(err)
-    return False
 
 
 @functools.lru_cache(maxsize=None)
 def _refused_once(err: str) -> None:
     log.info("npuspec: transparent huge pages not available for the weights (%s); they stay "
              "on 4 KB pages, in step order", err)
-
-
-def thp_eligible(t: torch.Tensor) -> Optional[bool]:
-    """Whether the mapping holding t's first byte may use transparent huge pages, from
-    /proc/self/smaps' THPeligible (None where the kernel does not say)."""
-    addr = t.data_ptr()
-    try:
-        with open("/proc/self/smaps") as f:
-            inside = False
-            for line in f:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo <= addr < hi
-                elif inside and head == "THPeligible:":
-                    return line.split()[1] == "1"
-    except OSError:
-        return None
-    return None

@@ -1,5 +1,6 @@
 """npuspec/models/arena.py: a packed model's weights in one huge-page arena, in step order."""
 import mmap
+from typing import Optional
 
 import pytest
 import torch
@@ -32,6 +33,25 @@ def _packed(dtype=torch.float32, monkeypatch=None, scheme=None):
         monkeypatch.setenv("NPUSPEC_CPU_HUGEPAGES", "0")
     assert pack_model(model)
     return model
+
+
+def _thp_eligible(t: torch.Tensor) -> Optional[bool]:
+    """Whether the mapping holding t's first byte may use transparent huge pages, from
+    /proc/self/smaps' THPeligible (None where the kernel does not say)."""
+    addr = t.data_ptr()
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= addr < hi
+                elif inside and head == "THPeligible:":
+                    return line.split()[1] == "1"
+    except OSError:
+        return None
+    return None
 
 
 def _thp_on() -> bool:
@@ -86,7 +106,7 @@ def test_pack_model_places_by_default_and_the_variable_turns_it_off(monkeypatch)
     assert model.weights_placed
     if _thp_on():
         # advised: the kernel may back it with huge pages (None: it does not say)
-        assert arena.thp_eligible(model.layers[0].wqkv.packed) is not False
+        assert _thp_eligible(model.layers[0].wqkv.packed) is not False
     off = _packed(monkeypatch=monkeypatch)
     assert not getattr(off, "weights_placed", False)
     monkeypatch.setenv("NPUSPEC_CPU_HUGEPAGES", "yes please")
