@@ -334,6 +334,11 @@ class PassManager:
                  + composed_ragged.compose_ragged(graph, flavor))
         if steps:
             found["composed"] = steps
+        undone = rewrites.nonneg.undo_untaken(graph)  # trial sites no family took
+        if undone:
+            self.last_rewrites["nonneg"] -= undone
+            if not self.last_rewrites["nonneg"]:
+                del self.last_rewrites["nonneg"]
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
             # later (an RNG draw after the ratio test) moves down after it (see

@@ -50,8 +50,12 @@ from the site are ~ and the others are the same tensors:
   one-sample path): the same checks and the same token.
 - empty_like / zeros_like / rand_like ... and sym_size read only shape, dtype and device.
 
-A site with any other use (an output, a view, a cast, a max) is left as written. The argument
-is about IEEE values, so it holds for whichever lowering then computes the unfused ops.
+A site with any other use (an output, a view, a cast, a max) is left as written, with one
+exception: relu and clamp(min=0) give clamp_min(x, 0)'s bits in eager ATen (the table), and the
+residual ops compute clamp_min_ in ATen, so such a site is rewritten on trial whatever reads it
+(lucidrains returns relu(p - q) normalised); `undo_untaken`, after every family has run, puts
+back the spelling of each trial site still read. The argument is about IEEE values, so it holds
+for whichever lowering then computes the unfused ops.
 """
 from __future__ import annotations
 
@@ -145,6 +149,15 @@ def _clamp_input(graph: Graph, n: Node, flavor: str) -> Optional[Node]:
     elif t is aten.maximum.default:
         x = a[0] if _is_zero(graph, a[1]) else a[1] if _is_zero(graph, a[0]) else None
     return _float_site(n, x) if isinstance(x, Node) else None
+
+
+# Spellings whose eager ATen result is clamp_min(x, 0)'s bits on every input (NaN payload and
+# -0.0 kept: the table above). Read by anything, such a site is rewritten on trial: the
+# residual ops evaluate clamp_min_ in ATen, so a site a family takes gives the bits the user's
+# op gives in eager, and `undo_untaken` puts back the spelling of a site no family took (under
+# Inductor a clamp_min left in the graph would compute other zero signs than the user's relu).
+_EAGER_CLAMP = (aten.relu.default, aten.clamp.default, aten.clamp_min.default)
+TRIAL = "npuspec_nonneg_trial"
 
 
 def _cut(u: Node) -> bool:
@@ -286,12 +299,28 @@ def apply(graph: Graph, flavor: str) -> int:
         x = _where_input(graph, n)
         if x is None:
             x = _clamp_input(graph, n, flavor)
-            if x is None or not _token_chain(n):
+            if x is None:
+                continue
+            trial = not _token_chain(n)
+            if trial and n.target not in _EAGER_CLAMP:
                 continue
             new = _new(graph, _CANONICAL_CLAMP, (x, 0), {}, n, _val(x))
+            if trial:  # put back unless a family takes it (undo_untaken)
+                new.meta[TRIAL] = (n.target, n.args, dict(n.kwargs))
         else:
             new = _canonical_where_node(graph, n, x)
         # both keep x's dtype and shape, which _float_site checked the old node keeps
         n.replace_all_uses_with(new)
         done += 1
     return done
+
+
+def undo_untaken(graph: Graph) -> int:
+    """Every trial site still read after matching gets its spelling back (the lowering then
+    computes what the user wrote); -> how many."""
+    undone = 0
+    for n in graph.nodes:
+        if TRIAL in n.meta and n.users:
+            n.target, n.args, n.kwargs = n.meta.pop(TRIAL)
+            undone += 1
+    return undone

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 import torch.nn.functional as F
-from passes_helpers import aten_graph, three_way
+from passes_helpers import aten_graph, compile_npuspec, three_way
 
 from npuspec.passes.rewrites import nonneg
 
@@ -181,11 +182,31 @@ def _returned_too(p, q, e):
     lambda p, q, e: torch.multinomial(torch.relu(p - q).double(), 1),
 ], ids=["output", "second_use", "reciprocal", "denominator", "amax", "max_values",
         "cast"])
-def test_clamp_class_left_where_a_zeros_sign_could_show(fn):
+def test_clamp_class_put_back_where_a_zeros_sign_could_show(fn):
+    """Rewritten on trial (a residual op that takes it computes relu's eager bits); with no
+    family taking it, undo_untaken gives the relu back, and the graph computes what it did."""
     p, q, e = _pq(nan=False)
     gm = aten_graph(fn, p, q, e)
+    want = fn(p, q, e)
+    assert nonneg.apply(gm.graph, "aten") == 1
+    assert aten.clamp_min.default in _ops(gm)
+    assert nonneg.undo_untaken(gm.graph) == 1
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert aten.relu.default in _ops(gm) and aten.clamp_min.default not in _ops(gm)
+    for a, b in zip(pytree.tree_leaves(gm(p, q, e)), pytree.tree_leaves(want)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda d: torch.maximum(d, torch.zeros_like(d)),
+    lambda d: torch.maximum(torch.zeros_like(d), d),
+], ids=["maximum", "maximum_swapped"])
+def test_maximum_read_otherwise_is_not_tried(fn):
+    """maximum's eager zero signs and NaN payloads are not clamp_min's: no trial."""
+    p, q, e = _pq(nan=False)
+    gm = aten_graph(lambda p, q, e: fn(p - q), p, q, e)
     assert nonneg.apply(gm.graph, "aten") == 0
-    assert aten.relu.default in _ops(gm)
 
 
 @pytest.mark.parametrize("fn", [
@@ -347,3 +368,52 @@ def test_operand_compare_residual_fuses_in_where_mode(lowering, no_fx_cache):
     three_way(fn, _pq(), lowering=lowering, family="residual",
               appear=("npuspec.residual_sample",), gone=("aten.gt",))
     assert three_way.last_delta.get("canonical_rewrites.nonneg", 0) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# the trial rewrite: relu / clamp read by something other than a token
+# --------------------------------------------------------------------------------------------
+def _lucidrains_residual(p, q, acc):
+    """lucidrains/speculative-decoding's adjusted distribution: relu(p - q) at the rejected
+    row, normalised and returned (it is sampled only after a `where` with the bonus row)."""
+    rows = torch.arange(p.shape[0])[:, None]
+    adjusted = F.relu(p[rows, acc[:, None]] - q[rows, acc[:, None]])       # [B, 1, V]
+    adjusted = adjusted / adjusted.sum(dim=-1, keepdim=True)
+    return adjusted.reshape(p.shape[0], -1)
+
+
+def _rows(nan: bool):
+    """[3, 4, 11] target and draft rows from _pq's (-0.0 entries, NaN and inf if asked)."""
+    p, q, _ = _pq(nan)
+    return (torch.stack([p.roll(i, 0) for i in range(4)], 1),
+            torch.stack([q.roll(i, 0) for i in range(4)], 1))
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_a_returned_relu_residual_fuses_with_eagers_bits(lowering, no_fx_cache):
+    p, q = _rows(nan=False)  # -0.0 differences (three_way compares with torch.equal: no NaN)
+    acc = torch.tensor([0, 2, 3])
+    three_way(_lucidrains_residual, (p, q, acc), lowering=lowering, family="residual",
+              appear=("npuspec.residual_probs",), gone=("aten.relu", "aten.clamp"))
+    assert three_way.last_delta.get("canonical_rewrites.nonneg", 0) == 1
+    p, q = _rows(nan=True)  # NaN, inf - inf, a row of -0.0s: the same bits as eager's
+    torch._dynamo.reset()
+    got = compile_npuspec(_lucidrains_residual, lowering)(p, q, acc)
+    assert torch.equal(_bits(got), _bits(_lucidrains_residual(p, q, acc)))
+
+
+def _relu_read_as_a_value(p, q, drafts, target):
+    """A greedy count (which fuses) beside a relu read by amax: no family takes the relu."""
+    return (drafts == target).cumprod(-1).sum(-1), torch.relu(p - q).amax(-1), torch.relu(p - q)
+
+
+@pytest.mark.parametrize("lowering", ["eager", "inductor"])
+def test_a_trial_site_no_family_takes_gets_its_relu_back(lowering, no_fx_cache):
+    p, q, _ = _pq(nan=False)
+    drafts, target = torch.tensor([[1, 2, 3]] * 3), torch.tensor([[1, 2, 4]] * 3)
+    out, graphs = three_way(_relu_read_as_a_value, (p, q, drafts, target), lowering=lowering,
+                            family="greedy_accept")
+    assert three_way.last_delta.get("canonical_rewrites.nonneg", 0) == 0
+    if lowering == "eager":  # the aten graph the eager lowering runs is in the history
+        assert "aten.relu" in graphs and "aten.clamp" not in graphs
+    assert torch.equal(_bits(out[2]), _bits(torch.relu(p - q)))  # -0.0 kept, as relu keeps it
