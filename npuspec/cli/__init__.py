@@ -3,7 +3,7 @@
     npuspec demo                       # speculative vs plain decoding on the embedded model
     npuspec generate --prompt "def f(" [--model PATH] [--speculative-config JSON]
     npuspec serve MODEL [--speculative-config JSON] [--port P]   # OpenAI-compatible server
-    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf|methods|serve|tp|dynk [...]
+    npuspec bench e2e|verify|propose|graphs|cache|passes|linear|hf|methods|serve|tp|dynk|peers|heads [...]
     npuspec plan --speculative-config JSON --max-num-seqs N
     npuspec tune [--max-num-seqs N]
     npuspec cache ls|verify|prune|clear
@@ -42,6 +42,7 @@ BENCHES = {
     "dynk": "the online K controller vs no speculation and every fixed K, by batch size",
     "tp": "tensor parallelism on one host: tok/s at TP=1 vs N, collectives per step vs the step's time",
     "peers": "npuspec vs llama.cpp and HF transformers on a GGUF file at each precision, batch 1",
+    "heads": "a chain head's teacher-forced agreement on the target's own answers to a prompt set (data vs serving gap)",
 }
 
 COMMANDS = {
