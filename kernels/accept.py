@@ -75,13 +75,14 @@ def _check_ids(name: str, t: Tensor) -> None:
 
 @torch.library.custom_op("npuspec::greedy_accept", mutates_args=())
 def greedy_accept(draft_ids: Tensor, target_ids: Tensor) -> Tensor:
-    """draft_ids, target_ids: int [..., K] (same shape and dtype) -> int64 [...].
+    """draft_ids, target_ids: int [..., K] (same shape; int32 and int64 may mix, as `==`
+    compares their values exactly) -> int64 [...].
 
     The number of leading positions where the draft equals the target's choice (a -1 draft never
     equals a token id, so it ends the prefix)."""
     _check_ids("greedy_accept", draft_ids)
-    assert draft_ids.shape == target_ids.shape and draft_ids.dtype == target_ids.dtype, (
-        draft_ids.shape, target_ids.shape, draft_ids.dtype, target_ids.dtype)
+    _check_ids("greedy_accept", target_ids)
+    assert draft_ids.shape == target_ids.shape, (draft_ids.shape, target_ids.shape)
     return _prefix_len(draft_ids == target_ids)
 
 

@@ -120,7 +120,7 @@ class GreedyAccept(VerifyPattern):
         n = ((drafts != target).cumsum(-1) == 0).sum(-1)                # ne + cumsum == 0
 
     (either operand order of ==). Replaced by `npuspec::greedy_accept(drafts, target)` (summed
-    for the `.sum()` spelling). Both id tensors must be [B, K] with the same integer dtype."""
+    for the `.sum()` spelling). Both id tensors must be [B, K], int32 or int64 (mixed too)."""
 
     name = "greedy_accept"
     Config = GreedyAcceptConfig
@@ -152,5 +152,6 @@ class GreedyAccept(VerifyPattern):
         if d is None or t is None or not self.config.enabled:
             return False
         ok_dt = tuple(getattr(torch, n) for n in self.config.id_dtypes)
-        return (d.dim() == 2 and _eq_shape(d.shape, t.shape) and d.dtype == t.dtype and d.dtype in ok_dt
-                and d.shape[1] >= 1)
+        # int32 drafts against int64 argmax ids (TensorRT-LLM's MTP): `==` compares values
+        return (d.dim() == 2 and _eq_shape(d.shape, t.shape) and d.dtype in ok_dt
+                and t.dtype in ok_dt and d.shape[1] >= 1)

@@ -25,6 +25,16 @@ def test_greedy_accept_matches_reference(B, K, dtype):
     assert torch.equal(got, eq.int().cummin(-1).values.sum(-1))
 
 
+def test_greedy_accept_mixed_id_dtypes():
+    """int32 drafts against int64 argmax ids (TensorRT-LLM's MTP): `==` compares the values."""
+    t = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2 ** 31 + 3, 3]])
+    d = torch.tensor([[1, 2, 3], [0, 2, 3], [1, 3, 0]], dtype=torch.int32)
+    assert torch.ops.npuspec.greedy_accept(d, t).tolist() == [3, 0, 1]
+    assert torch.equal(torch.ops.npuspec.greedy_accept(d, t), accept.greedy_accept_ref(d, t))
+    with pytest.raises(TypeError, match="int32 or int64"):
+        accept.greedy_accept(d, t.float())
+
+
 def test_greedy_accept_edges():
     t = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
     d = torch.tensor([[1, 2, 3], [0, 2, 3], [1, 2, 0]])

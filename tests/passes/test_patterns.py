@@ -77,6 +77,17 @@ def test_greedy_accept(fn):
               gone=["aten.cumprod", "aten.cumsum", "aten.cummin"])
 
 
+def ga_int32_drafts(logits, drafts):
+    """TensorRT-LLM's MTP: int32 drafts against the int64 argmax, counted in int32."""
+    t = logits.argmax(-1)
+    return t, torch.cumprod((drafts.int() == t[:, :-1]).int(), dim=-1).sum(1)
+
+
+def test_greedy_accept_mixed_id_dtypes():
+    three_way(ga_int32_drafts, _greedy_inputs(1), family="greedy_accept",
+              appear=["npuspec.greedy_accept"], gone=["aten.cumprod"])
+
+
 # --- 3. standard rejection test -> npuspec::ratio_accept ------------------------------------
 def ra_gather_ge(p, q, ids):
     u = torch.rand(ids.shape, dtype=torch.float64).float()
