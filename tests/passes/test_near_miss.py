@@ -68,11 +68,6 @@ def greedy_step_extra_use(logits, drafts, p, q):
 
 
 # integer dtypes that differ ------------------------------------------------------------------
-def greedy_int32_drafts(logits, drafts, p, q):
-    t = logits.argmax(-1)                                            # int64 vs int32 drafts
-    return t, (drafts == t[:, :-1]).cumprod(dim=-1).sum(dim=-1)
-
-
 CASES = [
     (greedy_wrong_dim, 0, torch.int64),
     (residual_wrong_dim, 0, torch.int64),
@@ -81,7 +76,6 @@ CASES = [
     (greedy_cumsum_lt2, 0, torch.int64),
     (greedy_extra_use, 0, torch.int64),
     (residual_extra_use, 0, torch.int64),
-    (greedy_int32_drafts, 0, torch.int32),
 ]
 
 
