@@ -17,7 +17,7 @@ n is 1 exactly where the ids are equal.
 
 Only an accept decision is rewritten, never any compare: one side comes (through views,
 selects and integer casts) from an argmax over the last dim of a float tensor, the other is an
-integer [B] tensor of the same dtype not read from that argmax, and the result is used only
+integer [B] tensor (int32 or int64, either beside the int64 argmax) not read from that argmax, and the result is used only
 as a `where` condition choosing between integer tensors or cast to int32/int64, with no
 reduction over the batch (`.sum()`, `.mean()`, ...) within MAX_WALK nodes downstream (an
 accuracy metric `(logits.argmax(-1) == labels).long().sum()` is left alone).
@@ -76,8 +76,8 @@ def _ids_compare(n: Node) -> Optional[tuple]:
     va, vb, out = _val(a), _val(b), _val(n)
     if any(v is None for v in (va, vb, out)) or out.dim() != 1:
         return None
-    if va.dim() != 1 or vb.dim() != 1 or va.dtype != vb.dtype or va.dtype not in IDS:
-        return None
+    if va.dim() != 1 or vb.dim() != 1 or va.dtype not in IDS or vb.dtype not in IDS:
+        return None  # int32 drafts against the int64 argmax too (vllm-ascend): == compares values
     sa, sb = _argmax_source(a), _argmax_source(b)
     if (sa is None) == (sb is None):  # neither is a target argmax, or both
         return None

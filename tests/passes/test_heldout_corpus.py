@@ -14,13 +14,14 @@ KINDS = {"greedy", "ratio", "residual", "whole_step", "block", "typical"}
 
 # 25 of 55 when first measured (heldout_corpus.py); since then the nonneg trial rewrite
 # (lucidrains' returned relu residual), the sum_keepdim rule (vLLM v0's recovered probs) and
-# greedy_accept over mixed int32/int64 ids (TensorRT-LLM)
+# greedy_accept and k_one over mixed int32/int64 ids (TensorRT-LLM, vllm-ascend)
 FUSED_NOW = {
     "vllm_v0_rejection_sampler_forward",
     "vllm_v0_get_recovered_probs",
     "vllm_v1_forward_native_greedy_padded",
     "vllm_v1_forward_native_random_padded",
     "vllm_v1_mar2025_recovered_tokens",
+    "vllm_ascend_greedy_spec_len_1",
     "vllm_ascend_rejection_sample_mixed",
     "vllm_ascend_entropy_verify",
     "vllm_ascend_block_verify",
