@@ -53,3 +53,14 @@ def run(entry, lowering: str = "eager") -> tuple[bool, bool, set]:
     equal = len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
     ops = set(re.findall(r"npuspec\.\w+", "\n".join(t for _, _, t in manager.HISTORY)))
     return delta.get("verify_patterns_matched", 0) > 0, equal, ops
+
+
+def compiled_leaves(entry, backend: str, options: dict) -> list:
+    """The leaves of `entry` compiled afresh with `backend` (FX graph cache off)."""
+    from torch._inductor import config
+    torch._dynamo.reset()
+    cf = torch.compile(entry["fn"], backend=backend, options=options)
+    args = entry["make"](INPUT_SEED)
+    with config.patch(fx_graph_cache=False):
+        torch.manual_seed(SEED)
+        return pytree.tree_leaves(cf(*args))
