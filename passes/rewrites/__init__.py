@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from torch.fx import Graph
 
-from npuspec.passes.rewrites import (columns, gather_rows, k_one, keepdim, nonneg, sum_keepdim,
-                                     take_along)
+from npuspec.passes.rewrites import (columns, gather_rows, k_one, keepdim, leading_dims, nonneg,
+                                     sum_keepdim, take_along)
 
 # rule modules, in the order they run (take_along first: gather_rows reads its gathers)
-RULES: tuple = (take_along, gather_rows, sum_keepdim, nonneg, keepdim, k_one, columns)
+RULES: tuple = (take_along, gather_rows, sum_keepdim, nonneg, keepdim, leading_dims, k_one,
+                columns)
 
 
 def normalize(graph: Graph, flavor: str) -> dict:

@@ -15,7 +15,8 @@ KINDS = {"greedy", "ratio", "residual", "whole_step", "block", "typical"}
 
 # 25 of 55 when first measured (heldout_corpus.py); since then the nonneg trial rewrite
 # (lucidrains' returned relu residual), the sum_keepdim rule (vLLM v0's recovered probs) and
-# greedy_accept and k_one over mixed int32/int64 ids (TensorRT-LLM, vllm-ascend)
+# greedy_accept and k_one over mixed int32/int64 ids (TensorRT-LLM, vllm-ascend), the
+# leading_dims rule (EAGLE's batched tree posterior)
 FUSED_NOW = {
     "vllm_v0_rejection_sampler_forward",
     "vllm_v0_get_recovered_probs",
@@ -34,6 +35,7 @@ FUSED_NOW = {
     "gptfast_speculative_decode_topk_logits_k1",
     "hf_utils_speculative_sampling_2025_is_done",
     "hf_utils_assisted_greedy_2025_is_done",
+    "eagle_modeling_eagle_batched_greedy",
     "hf_utils_assisted_greedy_5_24_ensemble_eos_crop",
     "lucidrains_speculative_decoding_step",
     "lucidrains_same_model_residual",
