@@ -334,11 +334,10 @@ class PassManager:
                  + composed_ragged.compose_ragged(graph, flavor))
         if steps:
             found["composed"] = steps
-        undone = rewrites.nonneg.undo_untaken(graph)  # trial sites no family took
-        if undone:
-            self.last_rewrites["nonneg"] -= undone
-            if not self.last_rewrites["nonneg"]:
-                del self.last_rewrites["nonneg"]
+        for name, n in rewrites.undo_untaken(graph).items():  # trial sites no family took
+            self.last_rewrites[name] -= n
+            if not self.last_rewrites[name]:
+                del self.last_rewrites[name]
         if found:
             # a replacement goes before its pattern's first output; one whose input is made
             # later (an RNG draw after the ratio test) moves down after it (see

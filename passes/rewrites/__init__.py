@@ -8,6 +8,8 @@ states the input domain it checks. A rule is one small module with
 
     NAME: str                      # the counter suffix: canonical_rewrites.<NAME>
     def apply(graph, flavor) -> int  # rewrites in place; returns how many sites it rewrote
+    def undo_untaken(graph) -> int   # optional: a rule that rewrites on trial puts back the
+                                     # sites no family took (after every family has run)
 
 and its own exactness test, tests/passes/test_rewrite_<NAME>.py. `normalize` runs RULES in
 order; the pass manager calls it after the literal canonicaliser and before the pick rewrite
@@ -19,11 +21,11 @@ from __future__ import annotations
 from torch.fx import Graph
 
 from npuspec.passes.rewrites import (columns, gather_rows, k_one, keepdim, leading_dims, nonneg,
-                                     sum_keepdim, take_along)
+                                     scaled_pick, sum_keepdim, take_along)
 
 # rule modules, in the order they run (take_along first: gather_rows reads its gathers)
-RULES: tuple = (take_along, gather_rows, sum_keepdim, nonneg, keepdim, leading_dims, k_one,
-                columns)
+RULES: tuple = (take_along, scaled_pick, gather_rows, sum_keepdim, nonneg, keepdim, leading_dims,
+                k_one, columns)
 
 
 def normalize(graph: Graph, flavor: str) -> dict:
@@ -35,6 +37,18 @@ def normalize(graph: Graph, flavor: str) -> dict:
             done[rule.NAME] = done.get(rule.NAME, 0) + n
     if done:
         graph.eliminate_dead_code()
+    return done
+
+
+def undo_untaken(graph: Graph) -> dict:
+    """Rules that rewrite on trial (a module-level `undo_untaken`) put back, after every family
+    has run, the sites no family took. -> {rule NAME: sites put back} (zeros left out)."""
+    done = {}
+    for rule in RULES:
+        undo = getattr(rule, "undo_untaken", None)
+        n = undo(graph) if undo is not None else 0
+        if n:
+            done[rule.NAME] = n
     return done
 
 

@@ -16,7 +16,7 @@ KINDS = {"greedy", "ratio", "residual", "whole_step", "block", "typical"}
 # 25 of 55 when first measured (heldout_corpus.py); since then the nonneg trial rewrite
 # (lucidrains' returned relu residual), the sum_keepdim rule (vLLM v0's recovered probs) and
 # greedy_accept and k_one over mixed int32/int64 ids (TensorRT-LLM, vllm-ascend), the
-# leading_dims rule (EAGLE's batched tree posterior)
+# leading_dims rule (EAGLE's batched tree posterior), the scaled_pick rule (lucidrains' prophet)
 FUSED_NOW = {
     "vllm_v0_rejection_sampler_forward",
     "vllm_v0_get_recovered_probs",
@@ -39,6 +39,7 @@ FUSED_NOW = {
     "hf_utils_assisted_greedy_5_24_ensemble_eos_crop",
     "lucidrains_speculative_decoding_step",
     "lucidrains_same_model_residual",
+    "lucidrains_prophet_accept_ratio",
     "medusa_evaluate_posterior_typical_fast",
     "medusa_legacy_evaluate_posterior_greedy",
     "medusa_evaluate_posterior_typical_sampled_mask",
