@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.rewrites.nodes import _fake_meta, _static, _val
+from npuspec.passes.rewrites.nodes import _static, _val, call_before
 
 NAME = "leading_dims"
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -96,12 +96,12 @@ def _site(c: Node) -> Optional[tuple]:
 
 
 def _call(graph: Graph, target, args, kwargs, before: Node) -> Node:
-    with graph.inserting_before(before):
-        n = graph.call_function(target, tuple(args), dict(kwargs))
-    if target is operator.getitem:  # a scan's (values, indices): its meta is a tuple
-        n.meta["val"] = args[0].meta["val"][args[1]]
-        return n
-    return _fake_meta(n)
+    if target is not operator.getitem:
+        return call_before(graph, target, args, before, kwargs)
+    with graph.inserting_before(before):  # a scan's (values, indices): its meta is a tuple
+        n = graph.call_function(target, tuple(args))
+    n.meta["val"] = args[0].meta["val"][args[1]]
+    return n
 
 
 def apply(graph: Graph, flavor: str) -> int:

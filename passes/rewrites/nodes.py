@@ -2,6 +2,8 @@
 kept in this package so that the dependency runs one way, passes -> passes/rewrites."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
@@ -45,3 +47,9 @@ def _fake_meta(n: Node, like=None) -> Node:
         with mode:
             n.meta["val"] = n.target(*vals[0], **vals[1])
     return n
+
+
+def call_before(graph: Graph, target, args, before: Node, kwargs: Optional[dict] = None) -> Node:
+    """A call_function node inserted before `before`, its meta value computed on fake values."""
+    with graph.inserting_before(before):
+        return _fake_meta(graph.call_function(target, tuple(args), dict(kwargs or {})))

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.rewrites.nodes import _fake_meta, _val
+from npuspec.passes.rewrites.nodes import _val, call_before
 
 NAME = "scaled_pick"
 aten = torch.ops.aten
@@ -44,11 +44,6 @@ def _site(n: Node) -> Optional[tuple[Node, object]]:
     return a, b
 
 
-def _call(graph: Graph, target, args, before: Node) -> Node:
-    with graph.inserting_before(before):
-        return _fake_meta(graph.call_function(target, args))
-
-
 def apply(graph: Graph, flavor: str) -> int:
     """Move each such literal before its pick; -> how many."""
     done = 0
@@ -58,9 +53,9 @@ def apply(graph: Graph, flavor: str) -> int:
             continue
         g, c = site
         x, dim, idx = g.args
-        scaled = _call(graph, n.target, (x, c), g)
+        scaled = call_before(graph, n.target, (x, c), g)
         scaled.meta[TRIAL] = True  # on the product: later passes may re-spell the pick
-        pick = _call(graph, aten.gather.default, (scaled, dim, idx), n)
+        pick = call_before(graph, aten.gather.default, (scaled, dim, idx), n)
         n.replace_all_uses_with(pick)
         graph.erase_node(n)
         graph.erase_node(g)
@@ -78,8 +73,8 @@ def undo_untaken(graph: Graph) -> int:
         x, c = scaled.args
         for pick in [u for u in scaled.users if u.target is aten.gather.default]:
             _, dim, idx = pick.args
-            g = _call(graph, aten.gather.default, (x, dim, idx), pick)
-            back = _call(graph, scaled.target, (g, c), pick)
+            g = call_before(graph, aten.gather.default, (x, dim, idx), pick)
+            back = call_before(graph, scaled.target, (g, c), pick)
             pick.replace_all_uses_with(back)
             graph.erase_node(pick)
             undone += 1

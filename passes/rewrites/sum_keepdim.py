@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.rewrites.nodes import _fake_meta, _static, _val
+from npuspec.passes.rewrites.nodes import _static, _val, call_before
 
 NAME = "sum_keepdim"
 aten = torch.ops.aten
@@ -61,8 +61,7 @@ def apply(graph: Graph, flavor: str) -> int:
         xv = _val(n.args[0])
         kept = tuple(1 if i == d else s for i, s in enumerate(xv.shape))
         for u in [u for u in n.users if _puts_back(u, kept)]:
-            with graph.inserting_before(u):
-                new = _fake_meta(graph.call_function(aten.sum.dim_IntList, (n.args[0], [d], True)))
+            new = call_before(graph, aten.sum.dim_IntList, (n.args[0], [d], True), u)
             u.replace_all_uses_with(new)
             graph.erase_node(u)
             done += 1

@@ -11,7 +11,6 @@ int / list) arguments plus torch's global RNG.  Adaptations common to all entrie
     RNG is what gets used, exactly as in the originals for unseeded requests.
 """
 import torch
-import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 V = 32  # small vocab used by every make()
