@@ -41,7 +41,8 @@ region the check set shows to be a residual race; last, `composed.compose_steps`
 `composed_greedy.compose_greedy` turn a ratio_accept + residual_sample pair (or a greedy_accept)
 whose emission the check shows to be the step's into one rejection_sample, and
 `composed_ragged.compose_ragged` a race over flat rows plus vllm-ascend's ragged verify around
-it into one in the op's ragged mode (`verify_patterns_matched.composed`). `counters["verify_patterns_matched"]` moves by the number of
+it into one in the op's ragged mode (`verify_patterns_matched.composed`); then the rules that
+rewrite on trial put back every site no family took (`rewrites.undo_untaken`). `counters["verify_patterns_matched"]` moves by the number of
 replacements (and `verify_patterns_matched.<family>` per family); a graph in which nothing
 matched but which looks like a verify step is named once per source line
 (`passes/unmatched.py`, `counters["verify_patterns_unmatched"]`). With NPUSPEC_DEBUG_DUMP set,
