@@ -1,13 +1,18 @@
-"""The held-out corpus: 55 verify steps from 20 codebases, transcribed for issue 37 by three
-helper sessions that never read npuspec's passes or tests, and checked equal to eager before
-the matcher met them (heldout_a.py: vLLM v0/v1, vllm-ascend, SGLang, TensorRT-LLM; heldout_b.py:
-HF transformers, gpt-fast, lucidrains, Medusa, EAGLE, LookaheadDecoding; heldout_c.py: MLX-LM,
-mlx-examples, LMDeploy, romsto, feifeibear, ArcticInference, exllamav2, TGI). Each entry is a
-dict: name, source, kind, fn, make(seed) -> args. Some draw from Python's `random`, which their
-make() seeds, so a run makes its arguments afresh (`run`).
+"""The held-out corpus: 91 verify steps from 36 codebases, transcribed for issue 37 by helper
+sessions that never read npuspec's passes or tests, each checked equal to eager before the
+matcher met it. Wave 1 (55 steps, 20 codebases): heldout_a.py (vLLM v0/v1, vllm-ascend, SGLang,
+TensorRT-LLM), heldout_b.py (HF transformers, gpt-fast, lucidrains, Medusa, EAGLE,
+LookaheadDecoding), heldout_c.py (MLX-LM, mlx-examples, LMDeploy, romsto, feifeibear,
+ArcticInference, exllamav2, TGI). Wave 2 (36 steps), written after the rules wave 1 asked for:
+heldout_d.py (flashinfer's and vLLM's test references, SGLang, Apple's ReDrafter, Spec-Bench's
+methods), heldout_e.py (LightLLM, ktransformers, SpecForge, optimum-habana, ipex-llm,
+torchchat, REST, Hydra, NVIDIA Model-Optimizer). Each entry is a dict: name, source, kind, fn,
+make(seed) -> args. Some draw from Python's `random`, which their make() seeds, so a run makes
+its arguments afresh (`run`).
 
-First measured on 2026-12-06, before any change made for them: 25 of 55 fused, all 55 equal
-to eager (heldout_b + heldout_c 16 of 34, heldout_a 9 of 21).
+Measured blind, before any change made for them, all equal to eager: wave 1, 25 of 55 fused
+(heldout_b + heldout_c 16 of 34, heldout_a 9 of 21); wave 2, 15 of 36 (heldout_d 8 of 19,
+heldout_e 7 of 17), with wave 1's rules in place.
 """
 from __future__ import annotations
 
@@ -19,10 +24,13 @@ import torch.utils._pytree as pytree
 import heldout_a
 import heldout_b
 import heldout_c
+import heldout_d
+import heldout_e
 from npuspec import counters
 from npuspec.passes import manager
 
-ENTRIES = [*heldout_a.ENTRIES, *heldout_b.ENTRIES, *heldout_c.ENTRIES]
+ENTRIES = [*heldout_a.ENTRIES, *heldout_b.ENTRIES, *heldout_c.ENTRIES, *heldout_d.ENTRIES,
+           *heldout_e.ENTRIES]
 BY_NAME = {e["name"]: e for e in ENTRIES}
 SEED, INPUT_SEED = 11, 3
 
