@@ -17,10 +17,10 @@ n is 1 exactly where the ids are equal.
 
 Only an accept decision is rewritten, never any compare: one side comes (through views,
 selects and integer casts) from an argmax over the last dim of a float tensor, the other is an
-integer [B] tensor (int32 or int64, either beside the int64 argmax) not read from that argmax, and the result is used only
-as a `where` condition choosing between integer tensors or cast to int32/int64, with no
-reduction over the batch (`.sum()`, `.mean()`, ...) within MAX_WALK nodes downstream (an
-accuracy metric `(logits.argmax(-1) == labels).long().sum()` is left alone).
+integer [B] tensor (int32 or int64, either beside the int64 argmax) not read from that argmax,
+and the result is used only as a `where` condition choosing between integer tensors or cast to
+int32/int64, with no reduction over the batch (`.sum()`, `.mean()`, ...) within MAX_WALK nodes
+downstream (an accuracy metric `(logits.argmax(-1) == labels).long().sum()` is left alone).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.rewrites.nodes import _fake_meta
+from npuspec.passes.rewrites.nodes import call_before
 
 NAME = "keepdim"
 aten = torch.ops.aten
@@ -50,11 +50,6 @@ def _squeezes(u: Node, d: int, rank: int) -> bool:
             and -rank <= dims[0] < rank and dims[0] % rank == d)
 
 
-def _new(graph: Graph, target, args, before: Node) -> Node:
-    with graph.inserting_before(before):
-        return _fake_meta(graph.call_function(target, args))
-
-
 def apply(graph: Graph, flavor: str) -> int:
     """Rewrite every argmax/argmin(keepdim=True) whose users all squeeze that dim; returns
     how many."""
@@ -66,7 +61,7 @@ def apply(graph: Graph, flavor: str) -> int:
             continue
         if not all(_squeezes(u, d, v.dim()) for u in n.users):
             continue
-        plain = _new(graph, n.target, (n.args[0], d), n)
+        plain = call_before(graph, n.target, (n.args[0], d), n)
         for u in list(n.users):
             u.replace_all_uses_with(plain)
             graph.erase_node(u)

@@ -41,28 +41,6 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def run(entry, lowering: str = "eager") -> tuple[bool, bool, set]:
-    """(fused, equal to eager, npuspec ops after the passes): eager, then a fresh compile with
-    backend="npuspec", each from its own make() and the same torch RNG state."""
-    from torch._inductor import config
-    torch._dynamo.reset()
-    manager.HISTORY.clear()
-    torch.manual_seed(SEED)
-    want = entry["fn"](*entry["make"](INPUT_SEED))
-    cf = torch.compile(entry["fn"], backend="npuspec",
-                       options={"lowering": lowering, "capture": False})
-    args = entry["make"](INPUT_SEED)
-    before = counters.snapshot()
-    with config.patch(fx_graph_cache=False):
-        torch.manual_seed(SEED)
-        got = cf(*args)
-    delta = counters.delta(before)
-    w, g = pytree.tree_leaves(want), pytree.tree_leaves(got)
-    equal = len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
-    ops = set(re.findall(r"npuspec\.\w+", "\n".join(t for _, _, t in manager.HISTORY)))
-    return delta.get("verify_patterns_matched", 0) > 0, equal, ops
-
-
 def compiled_leaves(entry, backend: str, options: dict) -> list:
     """The leaves of `entry` compiled afresh with `backend` (FX graph cache off)."""
     from torch._inductor import config
@@ -72,3 +50,17 @@ def compiled_leaves(entry, backend: str, options: dict) -> list:
     with config.patch(fx_graph_cache=False):
         torch.manual_seed(SEED)
         return pytree.tree_leaves(cf(*args))
+
+
+def run(entry, lowering: str = "eager") -> tuple[bool, bool, set]:
+    """(fused, equal to eager, npuspec ops after the passes): eager, then a fresh compile with
+    backend="npuspec", each from its own make() and the same torch RNG state."""
+    torch.manual_seed(SEED)
+    w = pytree.tree_leaves(entry["fn"](*entry["make"](INPUT_SEED)))
+    manager.HISTORY.clear()
+    before = counters.snapshot()
+    g = compiled_leaves(entry, "npuspec", {"lowering": lowering, "capture": False})
+    delta = counters.delta(before)
+    equal = len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
+    ops = set(re.findall(r"npuspec\.\w+", "\n".join(t for _, _, t in manager.HISTORY)))
+    return delta.get("verify_patterns_matched", 0) > 0, equal, ops
