@@ -128,13 +128,14 @@ def sweep(model, method, k_max, batches, prompts, max_tokens, repeats, max_model
 
 
 def load_change(llm, prompts, burst, max_tokens):
-    """1 request, then `burst` more, then 1: [(batch, K)] per step, and the steps the
-    controller took after each change to reach the K it then kept most."""
+    """1 request, then `burst` more, then 1: [(batch, K)] per step, the step indices of the
+    changes, the steps K took to settle after each (`settle`, `follow`), and the same for the
+    controller's decisions (`follow_decisions`)."""
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens * 6, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     if llm.proposer is not None:
         llm.proposer.forget_responses()
-    trace, change = [], []
+    trace, caps, change = [], [], []
     llm.add_request(llm.new_request(prompts[0], sp, "long"))
     phase = 0
     while llm.has_unfinished_requests():
@@ -142,6 +143,7 @@ def load_change(llm, prompts, burst, max_tokens):
         llm.step()
         if len(llm.totals.k_trace) > before:
             trace.append(llm.totals.k_trace[-1])
+            caps.append(llm.online.ctl.last_cap)
         if phase == 0 and len(trace) == 30:
             for i in range(burst):
                 llm.add_request(llm.new_request(prompts[(i + 1) % len(prompts)], short, f"b{i}"))
@@ -152,7 +154,18 @@ def load_change(llm, prompts, burst, max_tokens):
             phase = 2
         if phase == 2 and len(trace) > change[-1] + 40:
             llm.abort_request("long")
-    return trace, change, settle(trace, change), follow(trace, change)
+    return (trace, change, settle(trace, change), follow(trace, change),
+            follow(trace, change, decisions(trace, caps)))
+
+
+def decisions(trace, caps) -> list:
+    """What the controller decided at each step, apart from what the drafter found: "skip"
+    (drafting skipped), "all" (verified every useful draft position: K = the cap its drafts
+    set), K (cut below that cap), None (drafted, found nothing: K = 0 whatever the load)."""
+    out = []
+    for (_, k), cap in zip(trace, caps):
+        out.append("skip" if cap < 0 else None if cap == 0 else "all" if k == cap else k)
+    return out
 
 
 def _settled_after(ks: list) -> int:
@@ -171,11 +184,15 @@ def settle(trace, change) -> list[int]:
     return [_settled_after([k for _, k in trace[a:b]]) for a, b in zip(bounds, bounds[1:])]
 
 
-def follow(trace, change) -> list[int]:
+def follow(trace, change, values=None) -> list[int]:
     """Per phase: steps until K settles once the load has arrived: counted from the first
     step whose batch is at least 90% of the phase's largest, over the steps that stay there
     (a burst is admitted over many steps, a prompt budget at a time, and then drains; K
-    chosen for the batch in hand follows that ramp, which `settle` counts as not settled)."""
+    chosen for the batch in hand follows that ramp, which `settle` counts as not settled).
+    `values` (one per step, None = no evidence) replaces K: `decisions`; then the count
+    starts at the first step with evidence (a phase with none at all gives None)."""
+    if values is None:
+        values = [k for _, k in trace]
     out = []
     bounds = change + [len(trace)]
     for a, b in zip(bounds, bounds[1:]):
@@ -186,7 +203,10 @@ def follow(trace, change) -> list[int]:
         top = 0.9 * max(n for n, _ in phase)
         start = next(i for i, (n, _) in enumerate(phase) if n >= top)
         end = next((i for i in range(start, len(phase)) if phase[i][0] < top), len(phase))
-        out.append(_settled_after([k for _, k in phase[start:end]]))
+        seen = [(i, v) for i, v in enumerate(values[a + start:a + end]) if v is not None]
+        i = _settled_after([v for _, v in seen])
+        out.append(None if not seen else seen[i][0] - seen[0][0] if i < len(seen)
+                   else end - start - seen[0][0])
     return out
 
 
@@ -260,7 +280,7 @@ def _plot(path, rows, traces):
     a.set(xscale="log", xlabel="batch size", ylabel="tok/s vs no speculation")
     a.legend(fontsize=7)
     b2 = b.twinx()
-    for i, (m, (trace, change, _, _)) in enumerate(traces.items()):
+    for i, (m, (trace, change, *_)) in enumerate(traces.items()):
         color = f"C{i}"
         b.plot([k for _, k in trace], color=color, label=f"{m}: K")
         b2.plot([n for n, _ in trace], ":", color=color, lw=0.8)
@@ -295,7 +315,7 @@ def main(argv=None) -> int:
               f"{max(args.batches)}: {eng_us:.1f} µs (median of {n} steps)")
         if args.burst > 0 and max(args.batches) >= args.burst + 1:
             traces[method] = load_change(online, prompts, args.burst, args.max_tokens)
-            trace, change, steps, after_peak = traces[method]
+            trace, change, steps, after_peak, decided = traces[method]
             runs = []
             for bk in trace:
                 if runs and runs[-1][0] == bk:
@@ -304,7 +324,9 @@ def main(argv=None) -> int:
                     runs.append([bk, 1])
             print(f"{method}: load change (1 -> {1 + args.burst} -> 1 requests) at steps "
                   f"{change}; steps to settle after each phase start: {steps}; after the load "
-                  f"arrived (batch within 90% of the phase's largest): {after_peak}")
+                  f"arrived (batch within 90% of the phase's largest): {after_peak}; its "
+                  f"decisions (skip / verify all drafts / cut to K; steps without drafts "
+                  f"left out): {decided}")
             print("  (batch, K) x steps: " + ", ".join(f"{tuple(bk)}x{n}" for bk, n in runs))
         del online
         gc.collect()
@@ -314,8 +336,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "host_us_batch64": us, "engine_host_us": host,
-                       "traces": {m: {"trace": t, "changes": c, "settle": s, "follow": f}
-                                  for m, (t, c, s, f) in traces.items()}}, out, indent=1)
+                       "traces": {m: {"trace": t, "changes": c, "settle": s, "follow": f,
+                                      "follow_decisions": d}
+                                  for m, (t, c, s, f, d) in traces.items()}}, out, indent=1)
     if args.plot:
         _plot(args.plot, rows, traces)
     return 0

@@ -85,7 +85,7 @@ class OnlineK:
         ctl = self.ctl
         slots = ctl.slots([r.req_id for r in batch])
         # a cheap drafter drafts at K_max and the drafts in hand decide
-        choice = ctl.choose_before_cheap() if self.cheap else ctl.choose_before(slots)
+        choice = ctl.choose_before_cheap(len(batch)) if self.cheap else ctl.choose_before(slots)
         snap = counters.disturbed
         t0 = time.perf_counter()
         drafts, probs = draft_fn(batch, choice.k_draft)             # [B, Kd], [B, Kd, V]

@@ -118,12 +118,17 @@ class KController:
         self._w: dict[int, np.ndarray] = {}
         self._observed = 0
         self._steps = 0
-        self.draft_value = 1.0   # see choose_before_cheap
+        # see choose_before_cheap; kept per batch size (`_bucket`): whether drafting pays
+        # depends on the load, and one figure learnt at 32 requests would hold a lone request
+        # back from drafting for many steps after the others finished
+        self.draft_values: dict[int, float] = {}
+        self._last_bucket = 1
         # prefill displaced by speculation (see record_prefill): seconds per prefill token,
         # and whether prefill is waiting for budget this step
         self.prefill_tok_s = math.nan
         self.prefill_pending = False
         self.last_k = self.k_max
+        self.last_cap = -1   # the last step's largest useful K from its drafts (-1: not drafted)
         self.availability = availability
         self.since_explore = 0
         self.prior = prior
@@ -291,13 +296,20 @@ class KController:
                 return Choice(self.k_max, self.k_max, explore=True)
         return Choice(k, k)
 
-    def choose_before_cheap(self) -> Choice:
+    @property
+    def draft_value(self) -> float:
+        """The value of drafting (`_value_of_drafting`) at the last batch size seen."""
+        return self.draft_values.get(self._last_bucket, 1.0)
+
+    def choose_before_cheap(self, batch: int) -> Choice:
         """For a drafter that drafts at K_max whatever K (ngram, suffix): draft, unless
-        drafting has stopped paying for itself lately (`draft_value` < DRAFT_SKIP_BELOW: the
-        steps' best choice after drafting, with the drafter's time, got fewer tokens per
-        second than a K = 0 step without it); then K = 0 without drafting, except every
-        EXPLORE_EVERY-th step, which drafts and runs K_max (with `probes`: drafts, chooses K
-        as any step, and is a probe)."""
+        drafting has stopped paying for itself lately at this batch size (`draft_value` <
+        DRAFT_SKIP_BELOW: the steps' best choice after drafting, with the drafter's time, got
+        fewer tokens per second than a K = 0 step without it); then K = 0 without drafting,
+        except every EXPLORE_EVERY-th step, which drafts and runs K_max (with `probes`:
+        drafts, chooses K as any step, and is a probe). A batch size not seen yet starts
+        from 1 (draft)."""
+        self._last_bucket = _bucket(batch)
         skip = self.draft_value < DRAFT_SKIP_BELOW
         if skip or self.last_k < self.k_max:
             self.since_explore += 1
@@ -308,25 +320,28 @@ class KController:
         return Choice(0, 0) if skip else Choice(self.k_max, self.k_max)
 
     def _value_of_drafting(self, B: int, gain: list[float], cost: list[float], best: int) -> None:
-        """draft_value <- running average of (best rate after drafting, drafter's time
-        included) / (rate of a K = 0 step without drafting)."""
+        """This batch size's draft value <- running average of (best rate after drafting,
+        drafter's time included) / (rate of a K = 0 step without drafting)."""
         if cost[0] != cost[0] or cost[best] != cost[best]:
             return
         drafter = B * self.draft_s.get(self.k_max, 0.0)
         ratio = (gain[best] / (cost[best] + drafter)) / (B / cost[0])
-        self.draft_value += ALPHA_TIME * (ratio - self.draft_value)
+        key = _bucket(B)
+        old = self.draft_values.get(key, 1.0)
+        self.draft_values[key] = old + ALPHA_TIME * (ratio - old)
 
     def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
         """The K to verify, <= the K drafted, given each request's drafted length [B]."""
         self._steps += 1
         if choice.k_draft == 0:
-            self.last_k = 0
+            self.last_k, self.last_cap = 0, -1
             return 0
         B = len(slots)
         lengths = np.asarray(lengths, dtype=np.int64)
         # K past the smallest one that holds the longest draft verifies padding only
         longest = min(choice.k_draft, int(lengths.max(initial=0)))
         n = bisect.bisect_left(self.ks, longest) + 1
+        self.last_cap = self.ks[n - 1]
         if self._prior_on():  # the table's K, no more than the drafts need
             self.last_k = min(self.prior(len(slots)), self.ks[n - 1])
             return self.last_k
@@ -379,6 +394,11 @@ class KController:
             w = self._w[k] = ALPHA_REQUEST * (self.pos <= k)
         return w
 
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes that share a value of drafting: 1, 2-3, 4-7, 8-15, ..."""
+    return max(int(batch), 1).bit_length()
 
 
 def lengths_of(drafts: np.ndarray) -> np.ndarray:

@@ -68,3 +68,23 @@ def test_follow_counts_from_the_step_the_load_arrived():
     late = [(2, 4), (8, 4), (8, 2), (8, 0), (8, 0), (8, 0), (8, 0)]
     assert dynk.follow(late, [0]) == [2]
     assert dynk.follow([], [0]) == [0]
+
+
+def test_decisions_leave_out_steps_without_drafts():
+    """K = 0 because the drafter found nothing says nothing about the load: `decisions` leaves
+    such steps out, so a lone request whose drafts come and go, each verified in full, has
+    followed at once, where K itself never settles."""
+    trace = [(1, 4), (1, 0), (1, 0), (1, 2), (1, 0), (1, 4), (1, 1), (1, 0)]
+    caps = [4, 0, 0, 2, 0, 4, 1, 0]
+    assert dynk.decisions(trace, caps) == ["all", None, None, "all", None, "all", "all", None]
+    assert dynk.follow(trace, [0]) == [7]   # K itself: only its last step
+    assert dynk.follow(trace, [0], dynk.decisions(trace, caps)) == [0]
+    assert dynk.decisions([(1, 1), (1, 0)], [4, -1]) == [1, "skip"]   # cut to 1; skipped
+    # skipping the drafter for the first steps after the change is counted
+    trace, caps = [(1, 0)] * 4 + [(1, 4)] * 6, [-1] * 4 + [4] * 6
+    assert dynk.follow(trace, [0], dynk.decisions(trace, caps)) == [4]
+    # counted from the first step with evidence
+    trace, caps = [(1, 0)] * 3 + [(1, 0), (1, 4), (1, 4)], [0] * 3 + [-1, 4, 4]
+    assert dynk.follow(trace, [0], dynk.decisions(trace, caps)) == [1]
+    # a phase with no evidence at all
+    assert dynk.follow([(1, 0)] * 3, [0], [None] * 3) == [None]

@@ -155,7 +155,7 @@ def run_cheap(ctl, s, L, A, steps):
     """Steps of a token drafter: choose, draft L (or nothing when skipped), verify, observe."""
     picks = []
     for _ in range(steps):
-        ch = ctl.choose_before_cheap()
+        ch = ctl.choose_before_cheap(len(s))
         lengths = np.full(len(s), L if ch.k_draft else 0)
         k = ctl.choose_after(ch, s, lengths)
         ctl.observe(s, ch.k_draft, lengths, k, np.minimum(lengths, A))
@@ -191,6 +191,23 @@ def test_a_drafter_that_costs_next_to_nothing_keeps_drafting_through_dry_spells(
     picks = run_cheap(ctl, s, L=0, A=0, steps=40)
     assert kc.DRAFT_SKIP_BELOW < ctl.draft_value < 1
     assert all(p[0] == 4 for p in picks)
+
+
+def test_the_value_of_drafting_is_kept_per_batch_size():
+    """A load change: drafting pays at one request (every draft accepted, verify flat in K)
+    and not at 32 (verify cost per token, none accepted). After the 32 leave, the lone request
+    drafts again at once: the value learnt at 32 does not hold it back."""
+    ctl = make(cost=lambda rows, k: 1.0 + (rows > 1) * rows * (k + 1), batches=(1, 32))
+    ctl.record_draft(4, 1, 0.05)
+    one = ctl.slots(["a"])
+    assert all(p[:2] == (4, 4) for p in run_cheap(ctl, one, L=4, A=4, steps=20))
+    many = ctl.slots(["a"] + [f"b{i}" for i in range(31)])
+    picks = run_cheap(ctl, many, L=4, A=0, steps=40)
+    assert ctl.draft_value < kc.DRAFT_SKIP_BELOW and picks[-1][0] == 0   # skipping at 32
+    one = ctl.slots(["a"])
+    assert all(p[:2] == (4, 4) for p in run_cheap(ctl, one, L=4, A=4, steps=5))
+    assert ctl.draft_values[kc._bucket(1)] > 1 > ctl.draft_values[kc._bucket(32)]
+    assert [kc._bucket(b) for b in (1, 2, 3, 4, 7, 8, 64)] == [1, 2, 2, 3, 3, 4, 7]
 
 
 def test_host_time_is_kept_per_graph_not_per_request():
