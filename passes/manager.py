@@ -63,15 +63,16 @@ from typing import Optional, Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from npuspec import counters, envs
 from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, composed_ragged,
                             picks, prefix, residual_proof, rewrites, rowlocal, search_memo, shared,
-                            unmatched)
+                            trace_store, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 from npuspec.passes.rowlocal import _name
+from npuspec.passes.trace_store import trace_canonical  # noqa: F401 (the patterns' trace_fn)
 
 log = logging.getLogger("npuspec.passes")
 
@@ -90,20 +91,6 @@ def decomp_table(flavor: str) -> dict:
         return select_decomp_table()
 
 
-def trace_canonical(fn, args, *, get_decomp_fn=None, **_):
-    """Inductor's `fwd_only` trace, then canonical literals (the trace_fn of every pattern).
-
-    The module is lazy: the matcher reads its graph, never its code, and each match traces
-    its spelling twice (the search at the user's shapes, then the replacement), so generating
-    Python for the three recompiles of each trace was ~20 % of the passes' time."""
-    from torch._inductor.pattern_matcher import fwd_only
-    with _use_lazy_graph_module(True):
-        gm = fwd_only(fn, args, get_decomp_fn=get_decomp_fn or (lambda: {}))
-        canonical.canonicalize(gm.graph)
-        gm.recompile()
-    return gm
-
-
 class _Compiled:
     """One family's spellings registered into a PatternMatcherPass for one flavor."""
 
@@ -116,7 +103,10 @@ class _Compiled:
         for sp in pattern.spellings():
             ok = register_replacement(
                 sp.search, sp.replace, sp.example(),
-                trace_fn=search_memo.SearchMemo(sp.search, trace_canonical), pass_dicts=self.pass_,
+                trace_fn=search_memo.SearchMemo(
+                    sp.search, trace_canonical,
+                    stored=functools.partial(trace_store.entry_key, flavor, self.uuid, sp.name)),
+                pass_dicts=self.pass_,
                 extra_check=pattern.extra_check, skip_duplicates=True,
                 get_decomp_fn=lambda: table, pattern_name=f"{pattern.name}.{sp.name}",
                 scalar_workaround=sp.scalars or None)
@@ -383,7 +373,7 @@ class PassManager:
         h = hashlib.sha256(source_hash(inspect.getmodule(PassManager), canonical, picks, prefix,
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
                                        residual_proof, composed, composed_greedy,
-                                       composed_ragged, search_memo,
+                                       composed_ragged, search_memo, trace_store,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

@@ -34,6 +34,8 @@ from typing import Callable, Optional
 import torch
 from torch.fx.node import map_arg
 
+from npuspec.passes import trace_store
+
 STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
 
 
@@ -179,8 +181,10 @@ class SearchMemo:
     """One spelling's trace function for `register_replacement` (see the module docstring);
     `trace` is the trace it wraps, `search` the spelling's search function."""
 
-    def __init__(self, search: Callable, trace: Callable):
-        self.search, self.trace = search, trace
+    def __init__(self, search: Callable, trace: Callable, stored: Optional[Callable] = None):
+        """`stored(signature)`: the registration trace's key in the shipped store
+        (passes/trace_store.py), which gives the graph instead of tracing where it has it."""
+        self.search, self.trace, self.stored = search, trace, stored
         self.example = None  # (sizes, graph key, values) of the registration's trace
         self.kept: dict = {}  # signature -> _Kept
         self.witness: dict = {}  # signature -> (sizes, graph key) of its latest trace
@@ -189,6 +193,15 @@ class SearchMemo:
         if fn is not self.search:  # the replacement, or a wrapper for symbolic sizes
             return self.trace(fn, args, **kw)
         sig = signature(args)
+        if self.example is None:  # the first call is the registration's, at the examples
+            key = self.stored(sig) if self.stored is not None else None
+            gm = trace_store.load(key) if key is not None else None
+            if gm is None:
+                gm = self.trace(fn, args, **kw)
+                if key is not None:
+                    trace_store.record(key, gm)
+            self.example = (_sizes(args), graph_key(gm), _values(args))
+            return gm
         kept = self.kept.get(sig) if sig is not None else None
         if kept is not None and _fits(kept, args):
             STATS["reused"] += 1
@@ -196,9 +209,6 @@ class SearchMemo:
         gm = self.trace(fn, args, **kw)
         STATS["traced"] += 1
         sizes = _sizes(args)
-        if self.example is None:  # the first call is the registration's, at the examples
-            self.example = (sizes, graph_key(gm), _values(args))
-            return gm
         if sig is None:
             return gm
         key = graph_key(gm)

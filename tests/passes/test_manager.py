@@ -238,3 +238,24 @@ def test_sample_verify_gates():
     sampled = aten_graph(sample, torch.rand(B, K + 1, V), torch.randint(0, V, (B, K)),
                          torch.rand(B, K), torch.rand(B, V)).graph
     assert ge.applies(sampled) and not other.applies(sampled)
+
+
+@pytest.mark.parametrize("flavor", ["aten", "inductor"])
+def test_registration_traces_real_examples_as_fakes_to_the_same_graph(flavor):
+    """trace_canonical turns a registration's real example tensors into fakes under one mode
+    (each value traced from a real tensor built its own FakeTensorMode, which walks the
+    stack): the graph, literals included, is the one traced from the real tensors."""
+    from torch._inductor.pattern_matcher import fwd_only
+    from torch._subclasses.fake_tensor import FakeTensor
+    from npuspec.passes import canonical, manager
+    table = manager.decomp_table(flavor)
+    for pattern in PassManager().patterns:
+        sp = next(iter(pattern.spellings()))
+        ex = sp.example()
+        assert any(isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor) for a in ex)
+        ref = fwd_only(sp.search, ex, get_decomp_fn=lambda: table)
+        canonical.canonicalize(ref.graph)
+        got = manager.trace_canonical(sp.search, ex, get_decomp_fn=lambda: table)
+        assert str(got.graph) == str(ref.graph), pattern.name
+        vals = [n.meta["val"] for n in got.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)]
+        assert vals and len({id(v.fake_mode) for v in vals}) == 1, pattern.name

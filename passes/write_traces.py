@@ -1,0 +1,38 @@
+"""Writes passes/pattern_traces.json.gz (passes/trace_store.py): every default family's
+spellings, both flavours, traced in this process.
+
+    python -m npuspec.passes.write_traces
+
+Run it after editing a spelling, a family's config, the canonicaliser or trace_store, and
+after moving to another torch; tests/passes/test_trace_store.py says when it is stale.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+
+from npuspec.passes import manager, trace_store
+from npuspec.passes.patterns import default_patterns
+
+
+def write(path: str = trace_store.PATH) -> int:
+    """-> entries written. Every family is registered afresh here (a family registered
+    earlier in the process would not trace again)."""
+    manager._compiled.cache_clear()
+    trace_store.recording = {}
+    try:
+        for flavor in manager.FLAVORS:
+            for p in default_patterns():
+                manager.compiled(p, flavor)
+        entries = trace_store.recording
+    finally:
+        trace_store.recording = None
+        manager._compiled.cache_clear()
+    with gzip.open(path, "wt", compresslevel=9) as f:
+        json.dump({"file_key": trace_store.file_key(), "entries": entries}, f,
+                  separators=(",", ":"))
+    return len(entries)
+
+
+if __name__ == "__main__":
+    print(f"{write()} registration traces written to {trace_store.PATH}")
