@@ -105,7 +105,7 @@ class _Compiled:
                 sp.search, sp.replace, sp.example(),
                 trace_fn=search_memo.SearchMemo(
                     sp.search, trace_canonical,
-                    stored=functools.partial(trace_store.entry_key, flavor, self.uuid, sp.name)),
+                    shelf=trace_store.Shelf(flavor, self.uuid, sp.name)),
                 pass_dicts=self.pass_,
                 extra_check=pattern.extra_check, skip_duplicates=True,
                 get_decomp_fn=lambda: table, pattern_name=f"{pattern.name}.{sp.name}",

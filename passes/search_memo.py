@@ -28,13 +28,14 @@ trace had (a branch on `V > 64`) would be missed. The families' spellings branch
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from typing import Callable, Optional
 
 import torch
 from torch.fx.node import map_arg
 
-from npuspec.passes import trace_store
 
 STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
 
@@ -161,6 +162,44 @@ class _Kept:
     fixed: tuple   # per argument, the dims where the example's size equalled the match's
 
 
+SHIFT = 100  # a size class moved by this lands past every example size: no new coincidence
+
+
+def witness(trace: Callable, args, gm: torch.fx.GraphModule) -> Optional[tuple]:
+    """The registration's evidence, made once, offline (passes/write_traces.py), where a
+    process would wait for its first match: the sizes of the example arguments grouped by
+    value (B, K, K + 1, V are each one class), each class moved by SHIFT alone, then all the
+    classes that left the graph unchanged moved together. When that last trace is `gm` again,
+    -> per argument, the dims of the other classes: a match whose sizes equal the example's
+    there reuses `gm` (a `_Kept` of it, as if its first match had been traced at the moved
+    sizes). None when no class is free. Two traces, as at run time, and no more than that."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    sizes = _sizes(args)
+    classes = sorted({v for sz in sizes if sz for v in sz if v >= 2})
+    key = graph_key(gm)
+
+    def same(free: set) -> bool:
+        mode = FakeTensorMode()
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each failed meta
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        with mode, contextlib.ExitStack() as undo:
+            undo.callback(quiet.setLevel, level)
+            moved = [torch.empty([v + SHIFT if v in free else v for v in a.shape], dtype=a.dtype,
+                                 device=a.device) if isinstance(a, torch.Tensor) else a
+                     for a in args]
+            try:
+                return graph_key(trace(moved)) == key
+            except Exception:  # a shape the spelling cannot take: not free
+                return False
+
+    free = {v for v in classes if same({v})}
+    if not free or (len(free) > 1 and not same(free)):
+        return None
+    return tuple(tuple(d for d, v in enumerate(sz) if v not in free) if sz is not None else ()
+                 for sz in sizes)
+
+
 def _coincide(example: tuple, real: tuple) -> tuple:
     out = []
     for e, r in zip(example, real):
@@ -181,10 +220,11 @@ class SearchMemo:
     """One spelling's trace function for `register_replacement` (see the module docstring);
     `trace` is the trace it wraps, `search` the spelling's search function."""
 
-    def __init__(self, search: Callable, trace: Callable, stored: Optional[Callable] = None):
-        """`stored(signature)`: the registration trace's key in the shipped store
-        (passes/trace_store.py), which gives the graph instead of tracing where it has it."""
-        self.search, self.trace, self.stored = search, trace, stored
+    def __init__(self, search: Callable, trace: Callable, shelf=None):
+        """`shelf`: the spelling's place in the shipped registration traces
+        (`trace_store.Shelf`), which gives the registration's graph and witness instead of
+        tracing where it has them."""
+        self.search, self.trace, self.shelf = search, trace, shelf
         self.example = None  # (sizes, graph key, values) of the registration's trace
         self.kept: dict = {}  # signature -> _Kept
         self.witness: dict = {}  # signature -> (sizes, graph key) of its latest trace
@@ -194,12 +234,14 @@ class SearchMemo:
             return self.trace(fn, args, **kw)
         sig = signature(args)
         if self.example is None:  # the first call is the registration's, at the examples
-            key = self.stored(sig) if self.stored is not None else None
-            gm = trace_store.load(key) if key is not None else None
+            gm, fixed = self.shelf.get(sig) if self.shelf is not None else (None, None)
             if gm is None:
                 gm = self.trace(fn, args, **kw)
-                if key is not None:
-                    trace_store.record(key, gm)
+                if self.shelf is not None and self.shelf.recording():
+                    fixed = witness(lambda a: self.trace(fn, a, **kw), args, gm)
+                    self.shelf.put(sig, gm, fixed)
+            if fixed is not None and sig is not None:  # the witness trace was made offline
+                self.kept[sig] = _Kept(gm, _sizes(args), fixed)
             self.example = (_sizes(args), graph_key(gm), _values(args))
             return gm
         kept = self.kept.get(sig) if sig is not None else None

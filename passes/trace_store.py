@@ -20,6 +20,7 @@ tests/passes/test_trace_store.py fails while the file is stale for the pinned to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gzip
 import json
@@ -35,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule, _use_lazy_graph_module
 
 from npuspec import counters
-from npuspec.passes import canonical
+from npuspec.passes import canonical, search_memo
 from npuspec.passes.hashing import source_hash
 
 log = logging.getLogger("npuspec.passes")
@@ -80,7 +81,8 @@ def _fake_args(args):
 
 def file_key() -> str:
     """What every stored trace depends on besides its entry's key."""
-    return f"torch {torch.__version__}; " + source_hash(sys.modules[__name__], canonical)
+    return f"torch {torch.__version__}; " + source_hash(sys.modules[__name__], canonical,
+                                                        search_memo)
 
 
 def entry_key(flavor: str, uuid: str, spelling: str, sig) -> str:
@@ -198,10 +200,12 @@ def _shipped() -> dict:
     return data["entries"]
 
 
-def load(key: str) -> Optional[torch.fx.GraphModule]:
-    """The shipped registration trace for `key`, or None (counted; logged once per family)."""
+def load(key: str) -> tuple:
+    """(the shipped registration trace for `key`, its witness: per argument the dims a reuse
+    must match, or None; search_memo.witness), or (None, None) (counted; logged once per
+    family)."""
     if recording is not None:
-        return None
+        return None, None
     entry = _shipped().get(key)
     if entry is None:
         counters.bump("pattern_trace_store.traced")
@@ -210,13 +214,32 @@ def load(key: str) -> Optional[torch.fx.GraphModule]:
             _warned.add(family)
             log.info("npuspec: no shipped trace for %s; tracing it (python -m "
                      "npuspec.passes.write_traces refreshes them)", key)
-        return None
+        return None, None
     counters.bump("pattern_trace_store.loaded")
-    return decode(entry)
+    nodes, fixed = entry
+    return decode(nodes), (None if fixed is None else tuple(tuple(f) for f in fixed))
 
 
-def record(key: str, gm: torch.fx.GraphModule) -> None:
+def record(key: str, gm: torch.fx.GraphModule, fixed: Optional[tuple]) -> None:
     if recording is not None:
         nodes = encode(gm)
         if nodes is not None:
-            recording[key] = nodes
+            recording[key] = [nodes, fixed]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shelf:
+    """One spelling's place in the store (a SearchMemo's `shelf`)."""
+    flavor: str
+    uuid: str
+    spelling: str
+
+    def get(self, sig) -> tuple:
+        return load(entry_key(self.flavor, self.uuid, self.spelling, sig))
+
+    def put(self, sig, gm: torch.fx.GraphModule, fixed: Optional[tuple]) -> None:
+        record(entry_key(self.flavor, self.uuid, self.spelling, sig), gm, fixed)
+
+    @staticmethod
+    def recording() -> bool:
+        return recording is not None

@@ -26,9 +26,9 @@ def test_the_shipped_file_is_current(tmp_path):
         data = json.load(f)
     assert data["file_key"] == trace_store.file_key()
     assert sorted(data["entries"]) == sorted(shipped), "python -m npuspec.passes.write_traces"
-    for key, nodes in data["entries"].items():
-        assert shipped[key] == nodes, f"{key}: python -m npuspec.passes.write_traces"
-        assert trace_store.encode(trace_store.decode(nodes)) == nodes, key
+    for key, entry in data["entries"].items():
+        assert shipped[key] == entry, f"{key}: python -m npuspec.passes.write_traces"
+        assert trace_store.encode(trace_store.decode(entry[0])) == entry[0], key
 
 
 def test_round_trip_keeps_literals_kwargs_order_and_targets():
@@ -64,7 +64,7 @@ def test_what_cannot_be_stored_is_not():
 def test_a_key_the_file_lacks_is_traced_counted_and_logged(caplog):
     before = counters.snapshot()
     with caplog.at_level(logging.INFO, logger="npuspec.passes"):
-        assert trace_store.load("inductor|no-such-uuid|s|()") is None
+        assert trace_store.load("inductor|no-such-uuid|s|()") == (None, None)
     assert counters.delta(before).get("pattern_trace_store.traced") == 1
     assert "no shipped trace" in caplog.text and "write_traces" in caplog.text
 
