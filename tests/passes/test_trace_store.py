@@ -13,7 +13,8 @@ from npuspec.passes import manager, search_memo, trace_store
 from npuspec.passes.patterns import default_patterns
 
 
-def test_the_shipped_file_is_current(tmp_path):
+@pytest.mark.slow  # ~1 min: every spelling traced again, witnesses included; the quick suite
+def test_the_shipped_file_is_current(tmp_path):  # catches a stale key (test_registration_...)
     """The shipped entries are what tracing every default spelling gives now (stale after an
     edit to a spelling, a config, the canonicaliser or trace_store, or another torch: refresh
     with `python -m npuspec.passes.write_traces`), and each reads back to itself."""
