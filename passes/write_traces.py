@@ -28,9 +28,11 @@ def write(path: str = trace_store.PATH) -> int:
     finally:
         trace_store.recording = None
         manager._compiled.cache_clear()
-    with gzip.open(path, "wt", compresslevel=9) as f:
-        json.dump({"file_key": trace_store.file_key(), "entries": entries}, f,
-                  separators=(",", ":"))
+    data = json.dumps({"file_key": trace_store.file_key(), "entries": entries},
+                      separators=(",", ":")).encode()
+    # no name and no time in the gzip header: the same traces give the same bytes
+    with open(path, "wb") as raw, gzip.GzipFile("", "wb", 9, raw, mtime=0) as f:
+        f.write(data)
     return len(entries)
 
 

@@ -10,7 +10,9 @@ that verifies, from two things the engine measures as it runs:
   so a request expects 1 + sum_{i<=K} p[i] c[i] tokens from a step of K before drafting, and
   1 + sum_{i<=min(K, L)} c[i] once its L drafts are known;
 - cost, per (rows, K) graph: the verify step's seconds (warm-up measures every captured pair
-  once; later steps update it) and the host's bookkeeping around it, plus the drafter's
+  once; later steps update it: the lower median of the last VERIFY_WINDOW; a pair the drafts
+  allow but the choice has not run for REFRESH_EVERY steps is run once, its old figures
+  dropped) and the host's bookkeeping around it, plus the drafter's
   seconds per request for each K, plus, while prompts wait for the step's token budget, the
   prefill that K's verify tokens push to later steps (K per request, at the measured seconds
   per prefill token: `record_prefill`).
@@ -32,6 +34,7 @@ acceptances whose optimum is known).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import itertools
 import math
@@ -46,7 +49,13 @@ __all__ = ["KController", "Choice", "candidate_ks", "lengths_of", "cut"]
 ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
 ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
 POOL_EVERY = 4         # ... moved toward the running requests' mean every few steps
-ALPHA_TIME = 0.2       # step times: a few steps settle a changed load
+ALPHA_TIME = 0.2       # host and drafter times: a few steps settle a changed load
+VERIFY_WINDOW = 5      # a verify step's time: the lower median of its last few measurements,
+#                        so one stalled step (a collection, another process) moves nothing
+REFRESH_EVERY = 128    # steps after which a (rows, K) the drafts allow is verified once again,
+#   its old measurements dropped (the choice stops measuring a K it does not pick, so a figure
+#   inflated once held forever: the embedded model at one request ran at 0.85x the best fixed
+#   K with a K = 4 figure at twice that step's cost)
 PRIOR_P = 1.0          # before anything is measured: drafts are there ...
 PRIOR_C = 0.6          # ... and accepted often enough that speculating is tried
 EXPLORE_EVERY = 16     # one step in this many at K_max while a smaller K is chosen
@@ -109,6 +118,8 @@ class KController:
         self.slot: dict[str, int] = {}
         self.free: list[int] = []
         self.verify_s: dict[tuple[int, int], float] = {}   # (rows, K) -> seconds
+        self._verify_window: dict[tuple[int, int], collections.deque] = {}
+        self._measured_at: dict[tuple[int, int], int] = {}  # (rows, K) -> step
         self.draft_s: dict[int, float] = {}                 # K -> seconds per request
         self.book_s: dict[tuple[int, int], float] = {}      # (rows, K) -> the host's seconds
         self.book_per_req: dict[int, float] = {}            # K -> the same per request, for
@@ -215,7 +226,15 @@ class KController:
         return self.verify_s.get((rows, k), math.nan)
 
     def record_verify(self, rows: int, k: int, seconds: float) -> None:
-        self._ema(self.verify_s, (rows, k), seconds)
+        """A verify step's seconds: the estimate is the lower median of the pair's last
+        VERIFY_WINDOW measurements."""
+        key = (rows, k)
+        window = self._verify_window.get(key)
+        if window is None:
+            window = self._verify_window[key] = collections.deque(maxlen=VERIFY_WINDOW)
+        window.append(seconds)
+        self.verify_s[key] = sorted(window)[(len(window) - 1) // 2]
+        self._measured_at[key] = self._steps
 
     def record_draft(self, k: int, batch: int, seconds: float) -> None:
         """The drafter's seconds for a batch drafted at K (kept per request)."""
@@ -356,8 +375,23 @@ class KController:
         best = self._best(gain, cost)
         if choice.k_draft == self.k_max:
             self._value_of_drafting(B, gain, cost, best)
+        if not choice.explore:
+            best = self._stale(B, n, best)
         self.last_k = self.ks[n - 1] if choice.explore else self.ks[best]
         return self.last_k
+
+    def _stale(self, B: int, n: int, best: int) -> int:
+        """Index of the largest of the first n K whose step at B requests was last measured
+        REFRESH_EVERY steps ago or more (verified now, to measure it again); else `best`."""
+        rows = self._rows[B]
+        for i in range(n - 1, 0, -1):
+            at = self._measured_at.get((rows[i], self.ks[i]))
+            if i != best and at is not None and self._steps - at >= REFRESH_EVERY:
+                key = (rows[i], self.ks[i])
+                self._verify_window[key].clear()  # the next measurement is the figure
+                self._measured_at[key] = self._steps  # tried once, measured or not
+                return i
+        return best
 
     def _prior_on(self) -> bool:
         return self.prior is not None and self._steps < PRIOR_STEPS

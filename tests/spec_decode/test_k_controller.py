@@ -363,3 +363,37 @@ def test_a_prior_table_is_followed_for_the_first_steps_then_the_controller_takes
     early = kc.KController(KS, rows_exact, prior=lambda b: 4)
     s = early.slots(["x"])
     assert early.choose_after(kc.Choice(4, 4), s, np.array([2])) == 2
+
+
+def test_one_stalled_step_does_not_move_a_step_time():
+    ctl = make()
+    for _ in range(3):
+        ctl.record_verify(1, 4, 1.0)
+    ctl.record_verify(1, 4, 6.0)         # a collection or another process in one step
+    assert ctl.step_time(1, 4) == 1.0
+    for _ in range(3):                   # a lasting change moves it once most figures agree
+        ctl.record_verify(1, 4, 2.0)
+    assert ctl.step_time(1, 4) == 2.0
+
+
+def test_a_k_the_choice_stopped_running_is_measured_again():
+    """K = 4's figure is inflated (three times its cost) while the truth is flat: the choice
+    avoids K = 4 and so never measures it, until REFRESH_EVERY steps later one step runs
+    K = 4 with its old figures dropped; its true cost makes K = 4 the choice from then on."""
+    ctl = make(explore_every=10**9)
+    for _ in range(kc.VERIFY_WINDOW):
+        ctl.record_verify(1, 4, 3.0)
+    s = ctl.slots(["a"])
+    picks = []
+    for _ in range(kc.REFRESH_EVERY + 20):
+        ch = ctl.choose_before_cheap(1)
+        L = np.full(1, 4)
+        k = ctl.choose_after(ch, s, L)
+        ctl.observe(s, ch.k_draft, L, k, np.minimum(L, k))       # every draft accepted
+        ctl.record_verify(1, k, 1.0)                              # every K costs 1 s
+        picks.append(k)
+    first = picks.index(4)
+    assert set(picks[:first]) == {2} and kc.REFRESH_EVERY - 2 <= first <= kc.REFRESH_EVERY + 2
+    # K = 1, not run since the start either, gets its one step right after
+    assert picks[first:] == [4, 1] + [4] * (len(picks) - first - 2), picks[first:]
+    assert ctl.step_time(1, 4) == 1.0
