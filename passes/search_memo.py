@@ -22,6 +22,10 @@ exactly as a fresh trace would be; symbolic sizes are always traced. So the firs
 spelling in a process traces (twice where the example's ranks differ from the user's), and the
 graphs after it at new batch sizes do not.
 
+For the default families the registration's graph and a witness trace at moved sizes are
+made offline and shipped (passes/trace_store.py, `witness`), so a first match whose sizes equal
+the examples' wherever the spelling's literals follow a size reuses the registration's graph.
+
 The evidence is two traces, not a proof: a spelling whose graph changes only at sizes neither
 trace had (a branch on `V > 64`) would be missed. The families' spellings branch on no size
 (tests/passes/test_search_memo.py traces every one at a third set of sizes and compares).
@@ -34,8 +38,8 @@ import logging
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_arg
-
 
 STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
 
@@ -173,7 +177,6 @@ def witness(trace: Callable, args, gm: torch.fx.GraphModule) -> Optional[tuple]:
     -> per argument, the dims of the other classes: a match whose sizes equal the example's
     there reuses `gm` (a `_Kept` of it, as if its first match had been traced at the moved
     sizes). None when no class is free. Two traces, as at run time, and no more than that."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     sizes = _sizes(args)
     classes = sorted({v for sz in sizes if sz for v in sz if v >= 2})
     key = graph_key(gm)
