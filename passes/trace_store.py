@@ -187,9 +187,10 @@ def _shipped() -> dict:
     try:
         with gzip.open(PATH, "rt") as f:
             data = json.load(f)
-    except FileNotFoundError:
-        log.warning("npuspec: %s is missing, so verify patterns are traced when registered "
-                    "(python -m npuspec.passes.write_traces writes it)", PATH)
+        assert isinstance(data, dict) and isinstance(data.get("entries"), dict), PATH
+    except (OSError, EOFError, ValueError, AssertionError) as e:
+        log.warning("npuspec: cannot read %s (%s), so verify patterns are traced when "
+                    "registered (python -m npuspec.passes.write_traces writes it)", PATH, e)
         return {}
     if data.get("file_key") != file_key():
         log.warning("npuspec: the shipped pattern traces were made for %r, not %r, so verify "

@@ -101,3 +101,21 @@ def test_registration_reads_the_store_and_traces_nothing(monkeypatch):
     d = counters.delta(before)
     assert not calls and not d.get("pattern_trace_store.traced"), d
     assert d.get("pattern_trace_store.loaded") == 327, d
+
+
+@pytest.mark.parametrize("content", [None, b"not gzip", gzip.compress(b"{not json")])
+def test_a_missing_or_broken_file_is_named_and_traced_around(tmp_path, monkeypatch, caplog,
+                                                             content):
+    path = tmp_path / "t.json.gz"
+    if content is not None:
+        path.write_bytes(content)
+    monkeypatch.setattr(trace_store, "PATH", str(path))
+    trace_store._shipped.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="npuspec.passes"):
+            assert trace_store._shipped() == {}
+            assert trace_store.load("inductor|u|s|()") == (None, None)
+        assert str(path) in caplog.text and "write_traces" in caplog.text
+    finally:
+        monkeypatch.undo()
+        trace_store._shipped.cache_clear()
