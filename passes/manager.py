@@ -72,7 +72,7 @@ from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, co
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
 from npuspec.passes.rowlocal import _name
-from npuspec.passes.trace_store import trace_canonical  # noqa: F401 (the patterns' trace_fn)
+from npuspec.passes.trace_store import trace_canonical  # the patterns' trace_fn
 
 log = logging.getLogger("npuspec.passes")
 

@@ -182,12 +182,11 @@ def witness(trace: Callable, args, gm: torch.fx.GraphModule) -> Optional[tuple]:
     key = graph_key(gm)
 
     def same(free: set) -> bool:
-        mode = FakeTensorMode()
         quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each failed meta
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)
-        with mode, contextlib.ExitStack() as undo:
-            undo.callback(quiet.setLevel, level)
+        with contextlib.ExitStack() as undo:
+            undo.callback(quiet.setLevel, quiet.level)
+            quiet.setLevel(logging.CRITICAL)
+            undo.enter_context(FakeTensorMode())
             moved = [torch.empty([v + SHIFT if v in free else v for v in a.shape], dtype=a.dtype,
                                  device=a.device) if isinstance(a, torch.Tensor) else a
                      for a in args]

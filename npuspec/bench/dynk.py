@@ -204,9 +204,12 @@ def follow(trace, change, values=None) -> list[int]:
         start = next(i for i, (n, _) in enumerate(phase) if n >= top)
         end = next((i for i in range(start, len(phase)) if phase[i][0] < top), len(phase))
         seen = [(i, v) for i, v in enumerate(values[a + start:a + end]) if v is not None]
+        if not seen:
+            out.append(None)
+            continue
         i = _settled_after([v for _, v in seen])
-        out.append(None if not seen else seen[i][0] - seen[0][0] if i < len(seen)
-                   else end - start - seen[0][0])
+        settled = seen[i][0] if i < len(seen) else end - start   # in steps of the phase
+        out.append(settled - seen[0][0])
     return out
 
 

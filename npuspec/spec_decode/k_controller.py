@@ -385,9 +385,9 @@ class KController:
         REFRESH_EVERY steps ago or more (verified now, to measure it again); else `best`."""
         rows = self._rows[B]
         for i in range(n - 1, 0, -1):
-            at = self._measured_at.get((rows[i], self.ks[i]))
+            key = (rows[i], self.ks[i])
+            at = self._measured_at.get(key)
             if i != best and at is not None and self._steps - at >= REFRESH_EVERY:
-                key = (rows[i], self.ks[i])
                 self._verify_window[key].clear()  # the next measurement is the figure
                 self._measured_at[key] = self._steps  # tried once, measured or not
                 return i
