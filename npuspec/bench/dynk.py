@@ -235,39 +235,24 @@ def host_time_us(batch: int = 64, steps: int = 2000) -> float:
 
 
 def engine_host_us(llm, prompts, batch: int, max_tokens: int) -> tuple[float, int]:
-    """Median µs per step of the online engine's controller work inside the engine (its
-    calls before and after the verify step, the drafting itself excluded), over the steps of
-    one generate call that ran with at least 90% of `batch` requests; and how many there were.
-    Unlike `host_time_us` it runs where the engine does, after each model step has filled the
-    caches with its own data."""
+    """Median µs per step of the online engine's controller work inside the engine
+    (`OnlineK.host_s`: its calls before and after the verify step, the drafting itself
+    excluded, timed by OnlineK itself), over the steps of one generate call that ran with at
+    least 90% of `batch` requests; and how many there were. Unlike `host_time_us` it runs where
+    the engine does, after each model step has filled the caches with its own data."""
     on = llm.online
-    draft, verified = on.draft, on.verified
-    per_step, cur = [], {}
+    verified, per_step = on.verified, []
 
-    def timed_draft(reqs, fn):
-        inner = [0.0]
-
-        def fn_timed(b, k):
-            t = time.perf_counter()
-            out = fn(b, k)
-            inner[0] += time.perf_counter() - t
-            return out
-        t0 = time.perf_counter()
-        out = draft(reqs, fn_timed)
-        cur.update(b=len(reqs), s=time.perf_counter() - t0 - inner[0])
-        return out
-
-    def timed_verified(*a):
-        t0 = time.perf_counter()
-        verified(*a)
-        if cur.get("b", 0) >= 0.9 * batch:
-            per_step.append(cur["s"] + time.perf_counter() - t0)
-    on.draft, on.verified = timed_draft, timed_verified
+    def read_after(rows, k, res, *a):
+        verified(rows, k, res, *a)
+        if len(on._slots) >= 0.9 * batch:
+            per_step.append(on.host_s)
+    on.verified = read_after
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         llm.generate([prompts[i % len(prompts)] for i in range(batch)], sp)
     finally:
-        del on.draft, on.verified  # back to the class's methods
+        del on.verified  # back to the class's method
     return (statistics.median(per_step) * 1e6 if per_step else math.nan), len(per_step)
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from npuspec._counters import counters
-from npuspec.spec_decode.k_controller import KController, cut, lengths_of
+from npuspec.spec_decode.k_controller import KController, cut
 
 
 @dataclasses.dataclass
@@ -66,6 +66,8 @@ class OnlineK:
         self._snap = 0
         self._share: Optional[Callable[[list], list]] = None
         self._share_obj: Optional[Callable] = None
+        self._host = 0.0
+        self.host_s = math.nan  # the last step's seconds in this object, drafting excluded
 
     def agree_with(self, share_floats: Callable[[list], list], share_obj: Callable) -> None:
         """Tensor parallelism: `share_floats(xs)` / `share_obj(x)` return rank 0's on every
@@ -82,6 +84,7 @@ class OnlineK:
     def draft(self, batch: list, draft_fn):
         """-> (drafts [B, K], probs [B, K, V] | None, K) for this step. `draft_fn(batch, k)`
         is the engine's drafting at a given K."""
+        t_in = time.perf_counter()
         ctl = self.ctl
         slots = ctl.slots([r.req_id for r in batch])
         # a cheap drafter drafts at K_max and the drafts in hand decide
@@ -92,15 +95,16 @@ class OnlineK:
         t_draft = time.perf_counter() - t0
         self._snap = counters.disturbed
         self._t_draft = t_draft if choice.k_draft > 0 and snap == self._snap else math.nan
-        lengths = lengths_of(drafts)                                # [B]
+        k, lengths = ctl.choose_after_drafts(choice, slots, drafts)  # lengths [B]
         self._probing = choice.probe
         if choice.probe:
             self._probes.append(Probe(self._n, list(batch), slots.copy(),
-                                      [len(r.output) for r in batch], drafts.copy(), lengths))
-        k = ctl.choose_after(choice, slots, lengths)
+                                      [len(r.output) for r in batch], drafts.copy(),
+                                      lengths.copy()))
         if k < choice.k_draft:
             drafts, probs = cut(drafts, probs, k)
         self._slots, self._lengths, self._k_draft = slots, lengths, choice.k_draft
+        self._host = time.perf_counter() - t_in - t_draft
         return drafts, probs, k
 
     def prefill_pending(self, pending: bool) -> None:
@@ -113,11 +117,11 @@ class OnlineK:
         """After the step and its bookkeeping: res [rows, K+2] (num_emitted last), t_run the
         step's seconds, book_s the host's around it, prefill_tok_s this iteration's prefill
         seconds per token (NaN: none, or disturbed)."""
+        t_in = time.perf_counter()
         B = len(self._slots)
         # a probe's tokens are counted when it resolves; K = 0 teaches only availability
         if not self._probing and (k > 0 or self.ctl.availability):
-            accepted = res[:B, k + 1] - 1                           # [B] (observe clamps)
-            self.ctl.observe(self._slots, self._k_draft, self._lengths, k, accepted)
+            self.ctl.observe_result(self._slots, self._k_draft, self._lengths, k, res)
         self._n += 1
         while self._probes and self._n - self._probes[0].step >= self.ctl.k_max:
             self._resolve(self._probes.popleft())
@@ -134,6 +138,7 @@ class OnlineK:
         if t_run == t_run:
             self.ctl.record_verify(rows, k, t_run)
             self.ctl.record_book(rows, k, B, book_s)
+        self.host_s = self._host + time.perf_counter() - t_in
 
     def _resolve(self, pr: Probe) -> None:
         """Observe a probe: each request's leading drafts that the target went on to emit, over

@@ -43,6 +43,7 @@ from typing import Sequence
 import numpy as np
 
 from npuspec.config_fields import candidate_ks
+from npuspec.kernels import k_controller_cpu
 
 __all__ = ["KController", "Choice", "candidate_ks", "lengths_of", "cut"]
 
@@ -84,7 +85,8 @@ class KController:
     Python floats: there are at most a handful of K)."""
 
     def __init__(self, ks: Sequence[int], rows_for, explore_every: int = EXPLORE_EVERY,
-                 availability: bool = True, prior=None, probes: bool = False):
+                 availability: bool = True, prior=None, probes: bool = False,
+                 native: bool = True):
         """`ks`: the captured K values (ascending, 0 first); `rows_for(batch, k)`: the rows a
         step of `batch` requests runs at K (padded to a captured size); `availability`:
         learn p (only `choose_before` reads it; a token drafter's steps never call it);
@@ -93,7 +95,10 @@ class KController:
         `probes`: a token drafter's periodic step measures positions past the chosen K by
         comparing its drafts with the tokens the target emits next (`Choice.probe`) instead of
         verifying K_max; only right where acceptance is the target emitting the draft (greedy,
-        or rejection sampling of one-hot drafts; not block or entropy verify)."""
+        or rejection sampling of one-hot drafts; not block or entropy verify). `native`: the
+        engine's per-step calls (`choose_after_drafts`, `observe_result`) run their arithmetic
+        in C (kernels/k_controller_cpu.py) where it builds; the same state and choices as
+        the numpy reference, which runs otherwise."""
         assert list(ks) == sorted(set(ks)) and ks[0] == 0, ks
         self.ks = tuple(int(k) for k in ks)
         self.k_max = self.ks[-1]
@@ -144,6 +149,11 @@ class KController:
         self.since_explore = 0
         self.prior = prior
         self.probes = probes
+        self._lib = k_controller_cpu.library() if native else None
+        self._lengths = np.zeros(0, dtype=np.int64)   # native scratch: drafted lengths [B]
+        self._per_pos = np.zeros(km)                   # ... and per-position sums [K_max]
+        self._addrs: dict[int, tuple[np.ndarray, int]] = {}
+        self._lengths_b = self._lengths
 
     # -- requests ------------------------------------------------------------------------------
     def slots(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -351,14 +361,41 @@ class KController:
 
     def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
         """The K to verify, <= the K drafted, given each request's drafted length [B]."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        return self._after(choice, slots, lengths,
+                           lambda: (self._rows_of(slots)[1] * self._upto[lengths]).sum(0))
+
+    def choose_after_drafts(self, choice: Choice, slots: np.ndarray,
+                            drafts: np.ndarray) -> tuple[int, np.ndarray]:
+        """`choose_after` from the drafts [B, K_draft] themselves (-1 = none) -> (K, each
+        request's drafted length [B], valid until the next step). With the C library, one
+        call computes the lengths and the per-position sums."""
+        lib, B = self._lib, len(slots)
+        if (lib is None or choice.k_draft == 0 or drafts.dtype is not _I64
+                or (drafts.shape[1] > 1 and drafts.strides[1] != 8)):
+            lengths = lengths_of(drafts)
+            return self.choose_after(choice, slots, lengths), lengths
+        assert drafts.shape[0] == B, (drafts.shape, B)
+        if len(self._lengths) < B:
+            self._lengths = np.zeros(2 * B, dtype=np.int64)
+        c = self._rows_of(slots)[1]                                           # [B, K_max]
+        longest = lib.npuspec_kc_after(_addr(drafts), B, drafts.shape[1],
+                                       drafts.strides[0] // 8, self._addr(c), c.shape[1],
+                                       self._addr(self._lengths), self._addr(self._per_pos))
+        self._lengths_b = lengths = self._lengths[:B]
+        return self._after(choice, slots, longest, lambda: self._per_pos), lengths
+
+    def _after(self, choice: Choice, slots: np.ndarray, lengths, per_pos_of) -> int:
+        """choose_after's decision; `lengths`: the drafted lengths [B] or their maximum,
+        `per_pos_of()` -> sum over requests of c[i] at the positions each drafted [K_max]."""
         self._steps += 1
         if choice.k_draft == 0:
             self.last_k, self.last_cap = 0, -1
             return 0
         B = len(slots)
-        lengths = np.asarray(lengths, dtype=np.int64)
         # K past the smallest one that holds the longest draft verifies padding only
-        longest = min(choice.k_draft, int(lengths.max(initial=0)))
+        longest = lengths if isinstance(lengths, int) else int(lengths.max(initial=0))
+        longest = min(choice.k_draft, longest)
         n = bisect.bisect_left(self.ks, longest) + 1
         self.last_cap = self.ks[n - 1]
         if self._prior_on():  # the table's K, no more than the drafts need
@@ -370,8 +407,7 @@ class KController:
             self.last_k = 0
             return 0
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
-        per_pos = (self._rows_of(slots)[1] * self._upto[lengths]).sum(0)     # [K_max]
-        gain, cost = self._gains(B, per_pos, n), self._cost(B, n, draft=False)
+        gain, cost = self._gains(B, per_pos_of(), n), self._cost(B, n, draft=False)
         best = self._best(gain, cost)
         if choice.k_draft == self.k_max:
             self._value_of_drafting(B, gain, cost, best)
@@ -400,9 +436,9 @@ class KController:
     def observe(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,
                 accepted: np.ndarray) -> None:
         """One step: drafted for K_draft, each request's drafted length [B] (before any cut),
-        verified at K <= K_draft, accepted drafts [B] (clamped to min(drafted, K)). Availability learns from the drafts
-        before the cut (a step cut to K = 0 for lack of drafts still says so); acceptance from
-        the positions verified."""
+        verified at K <= K_draft, accepted drafts [B] (clamped to min(drafted, K)).
+        Availability learns from the drafts before the cut (a step cut to K = 0 for lack of
+        drafts still says so); acceptance from the positions verified."""
         if k_draft == 0 or len(slots) == 0 or (k == 0 and not self.availability):
             return  # nothing to learn: no position verified, and availability not kept
         L = np.asarray(drafted, dtype=np.int64)                             # [B]
@@ -415,8 +451,51 @@ class KController:
         c = (c * self._decay[verified]
              + self._gain[np.minimum(np.asarray(accepted, dtype=np.int64), verified)])
         self._store(slots, p, c)
+        self._pool(p, c)
+
+    def observe_result(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,
+                       res: np.ndarray) -> None:
+        """`observe` with the accepted drafts read from the verify step's result res
+        [>= B, K+2] (num_emitted - 1 at column K + 1). With the C library and an int32 res
+        (the engine's), one call updates the rows in place."""
+        B, lib = len(slots), self._lib
+        if (lib is None or res.dtype is not _I32 or res.strides[1] != 4
+                or (drafted is not self._lengths_b and (drafted.dtype is not _I64
+                                                         or drafted.strides != (8,)))):
+            self.observe(slots, k_draft, drafted, k, res[:B, k + 1] - 1)
+            return
+        if k_draft == 0 or B == 0 or (k == 0 and not self.availability):
+            return
+        p, c = self._rows_of(slots)                       # [B, K_max] each, updated in place
+        # the lengths choose_after_drafts returned: a view at the start of the scratch, whose
+        # address is kept (a view is a new object each step, and a fresh view's address cost
+        # ~25 µs in the engine)
+        L = self._addr(self._lengths) if drafted is self._lengths_b else _addr(drafted)
+        lib.npuspec_kc_observe(self._addr(p) if self.availability else None, self._addr(c), B,
+                               c.shape[1], L, k_draft, k, _addr(res),
+                               res.strides[0] // 4, k + 1, ALPHA_REQUEST)
+        if slots is not self._bslots:
+            self._store(slots, p, c)
+        self._pool(p, c)
+
+    def _addr(self, a: np.ndarray) -> int:
+        """The data address of one of the controller's own arrays, kept while the array lives
+        (the bound rows and the scratch change only when the batch does). Measured in the
+        engine at batch 64, three `.ctypes.data` reads right after a model step took 34 µs:
+        that attribute builds a Python-level object."""
+        hit = self._addrs.get(id(a))
+        if hit is not None and hit[0] is a:
+            return hit[1]
+        if len(self._addrs) > 8:
+            self._addrs.clear()
+        ptr = _addr(a)
+        self._addrs[id(a)] = (a, ptr)   # the array is held, so its id is not reused meanwhile
+        return ptr
+
+    def _pool(self, p: np.ndarray, c: np.ndarray) -> None:
+        """Every POOL_EVERY-th observation the pool follows the live requests' estimates."""
         self._observed += 1
-        if self._observed % POOL_EVERY == 0:  # the pool follows the live requests' estimates
+        if self._observed % POOL_EVERY == 0:
             if self.availability:
                 self.pool_p += ALPHA_POOL * (p.mean(0) - self.pool_p)
             self.pool_c += ALPHA_POOL * (c.mean(0) - self.pool_c)
@@ -433,6 +512,15 @@ class KController:
 def _bucket(batch: int) -> int:
     """Batch sizes that share a value of drafting: 1, 2-3, 4-7, 8-15, ..."""
     return max(int(batch), 1).bit_length()
+
+
+# the exact dtypes the C step reads (compared by identity: `!=` with a type converts it)
+_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+
+
+def _addr(a: np.ndarray) -> int:
+    """An array's data address (the C-level interface dict: `.ctypes` is Python code)."""
+    return a.__array_interface__["data"][0]
 
 
 def lengths_of(drafts: np.ndarray) -> np.ndarray:

@@ -1,0 +1,123 @@
+"""The K controller's C step (kernels/k_controller_cpu.py) against its numpy reference: the
+same choices and bit-equal state over random steps, with batches that change, requests that
+come and go, drafts of every length and a result array laid out as the engine's."""
+import numpy as np
+import pytest
+
+from npuspec.kernels import k_controller_cpu
+from npuspec.spec_decode import k_controller as kc
+
+pytestmark = pytest.mark.skipif(not k_controller_cpu.available(),
+                                reason="no C++ toolchain: the controller runs its reference")
+
+KS = (0, 1, 2, 4)
+
+
+def _pair(availability: bool, probes: bool = False):
+    def rows_for(b, k):
+        return -(-b // 8) * 8  # padded like a captured size
+    out = []
+    for native in (True, False):
+        ctl = kc.KController(KS, rows_for, explore_every=5, availability=availability,
+                             probes=probes, native=native)
+        for rows in (8, 16, 24, 32, 40, 48, 56, 64):
+            for k in KS:
+                ctl.record_verify(rows, k, 1e-3 * (1 + 0.3 * k) * (1 + rows / 64))
+        out.append(ctl)
+    assert out[0]._lib is not None and out[1]._lib is None
+    return out
+
+
+class _Counted:
+    """The library, counting its calls (so the test knows the native path ran)."""
+    def __init__(self, lib):
+        self.lib, self.calls = lib, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+
+        def call(*a):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a)
+        return call
+
+
+def _drafts(rng, B, k):
+    """int64 [B, k], each row a prefix of ids then -1; a few rows with none."""
+    lengths = rng.integers(0, k + 1, B)
+    d = rng.integers(0, 1000, (B, k))
+    d[np.arange(k)[None, :] >= lengths[:, None]] = -1
+    return d
+
+
+def _result(rng, B, k, lengths, rows):
+    """res [rows, K+2] as the engine's step returns it: num_emitted - 1 accepted drafts."""
+    res = np.full((rows, k + 2), -1, dtype=np.int32)
+    acc = np.minimum(rng.integers(0, k + 1, B), np.minimum(lengths, k))
+    res[:B, k + 1] = acc + 1
+    return res
+
+
+@pytest.mark.parametrize("availability", [False, True])
+def test_native_step_equals_the_numpy_reference(availability):
+    nat, ref = _pair(availability)
+    nat._lib = lib = _Counted(nat._lib)
+    rng = np.random.default_rng(1 + availability)
+    drafted = observed = 0
+    live = [f"r{i}" for i in range(40)]
+    next_id = 40
+    for step in range(300):
+        if step % 7 == 0:  # requests finish and others arrive: the bound batch changes
+            for rid in rng.choice(live, size=3, replace=False):
+                live.remove(rid)
+                nat.forget(rid), ref.forget(rid)
+            live += [f"r{next_id + i}" for i in range(int(rng.integers(0, 6)))]
+            next_id += 6
+        batch = live[:64]
+        s_n, s_r = nat.slots(batch), ref.slots(batch)
+        if availability:
+            ch_n, ch_r = nat.choose_before(s_n), ref.choose_before(s_r)
+        else:
+            ch_n, ch_r = nat.choose_before_cheap(len(batch)), ref.choose_before_cheap(len(batch))
+        assert ch_n == ch_r, step
+        drafts = (_drafts(rng, len(batch), ch_n.k_draft) if ch_n.k_draft
+                  else np.full((len(batch), 0), -1, dtype=np.int64))
+        drafted += ch_n.k_draft > 0
+        k_n, L_n = nat.choose_after_drafts(ch_n, s_n, drafts)
+        k_r, L_r = ref.choose_after_drafts(ch_r, s_r, drafts)
+        assert k_n == k_r and np.array_equal(L_n, L_r), step
+        res = _result(rng, len(batch), k_n, L_n, nat.rows_for(len(batch), k_n))
+        if ch_n.k_draft > 0 and (k_n > 0 or availability):
+            observed += 1
+        if k_n > 0 or availability:
+            nat.observe_result(s_n, ch_n.k_draft, L_n, k_n, res)
+            ref.observe_result(s_r, ch_r.k_draft, L_r, k_r, res)
+        for a, b in ((nat.p, ref.p), (nat.c, ref.c), (nat.pool_p, ref.pool_p),
+                     (nat.pool_c, ref.pool_c)):
+            assert np.array_equal(a, b), step
+        assert nat.draft_values == ref.draft_values and nat.last_k == ref.last_k
+    assert lib.calls == {"npuspec_kc_after": drafted, "npuspec_kc_observe": observed}, lib.calls
+    assert observed > 100
+
+
+def test_native_after_drafts_reads_strided_drafts_and_an_unbound_batch():
+    """Drafts sliced out of a wider array (row stride > K), and slots that are not the bound
+    batch (a probe's copy): the same lengths, K and state as the reference."""
+    nat, ref = _pair(False)
+    rng = np.random.default_rng(7)
+    ids = [f"r{i}" for i in range(24)]
+    s_n, s_r = nat.slots(ids), ref.slots(ids)
+    wide = _drafts(rng, 24, 6)
+    drafts = wide[:, :4]
+    assert drafts.strides[0] == 6 * 8
+    ch = kc.Choice(4, 4)
+    (k_n, L_n), (k_r, L_r) = (nat.choose_after_drafts(ch, s_n, drafts),
+                              ref.choose_after_drafts(ch, s_r, drafts))
+    assert k_n == k_r and np.array_equal(L_n, L_r)
+    assert np.array_equal(L_n, (drafts >= 0).sum(1))
+    res = _result(rng, 24, 4, L_n, 24)
+    copy_n, copy_r = s_n.copy(), s_r.copy()  # not the bound array: gathered and stored back
+    nat.observe_result(copy_n, 4, L_n.copy(), 4, res)
+    ref.observe_result(copy_r, 4, L_r.copy(), 4, res)
+    assert np.array_equal(nat.c, ref.c)
+    assert not np.array_equal(nat.c[s_n], np.full((24, 4), kc.PRIOR_C))  # it did learn
