@@ -11,7 +11,8 @@ It then replays a load that changes mid-run (1 request, then --burst more, then 
 online engine through the step API and prints K per step beside the batch size, and the steps
 the controller took to settle after each change. Its host time per step is measured twice:
 inside the engine, over one generate call at the largest batch (the controller's work before
-and after each verify step, drafting excluded, with the caches as the model step left them),
+and after each verify step, drafting excluded, with the caches as the model step left them;
+`OnlineK.host_s`, timed by OnlineK itself),
 and its calls alone at batch 64 on synthetic state (median of 2,000 steps).
 
     npuspec bench dynk --model tiny --methods ngram,suffix --batches 1,4,16,64
