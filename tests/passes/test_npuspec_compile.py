@@ -98,3 +98,40 @@ def test_decorator_forms_and_a_bad_argument():
     assert torch.equal(twice(x), x * 2) and torch.equal(thrice(x), x * 3)
     with pytest.raises(TypeError, match="npuspec.compile: fn=3 is not callable"):
         npuspec.compile(3)
+
+
+def pick_by_item(tp, toks):
+    """A tensor indexed by `.item()` values: PyTorch 2.13's Dynamo raises IndexError on the
+    unbacked SymInt with the capture flags on (flashinfer's chain-sampling reference writes
+    it this way), while it compiles without them."""
+    out = []
+    for s in range(toks.shape[0]):
+        out.append(tp[s, toks[s].item()] * 2)
+    return torch.stack(out)
+
+
+def test_a_frame_that_cannot_compile_with_the_flags_runs_eagerly_named_once(caplog):
+    tp, toks = torch.rand(3, 10), torch.tensor([1, 4, 7])
+    torch._dynamo.reset()
+    f = npuspec.compile(pick_by_item, options={"capture": False})
+    with caplog.at_level("WARNING", logger="npuspec.compile"):
+        d = _run(f, pick_by_item, (tp, toks))
+        assert d.get("npuspec_compile.eager_frames") == 1, d
+        again = _run(f, pick_by_item, (tp, toks))  # the frame stays eager, named once
+    assert "npuspec_compile.eager_frames" not in again, again
+    named = [r for r in caplog.records if r.name == "npuspec.compile"]
+    assert len(named) == 1 and "pick_by_item" in named[0].getMessage(), named
+    assert "IndexError" in named[0].getMessage()
+    # Dynamo's own report of it is not passed on
+    assert not any("WON'T CONVERT" in r.getMessage() for r in caplog.records)
+    # without the flags the same function compiles (graph breaks at .item())
+    torch._dynamo.reset()
+    plain = torch.compile(pick_by_item, backend="npuspec", options={"capture": False})
+    assert "npuspec_compile.eager_frames" not in _run(plain, pick_by_item, (tp, toks))
+
+
+def test_fullgraph_raises_instead_of_running_eagerly():
+    torch._dynamo.reset()
+    f = npuspec.compile(pick_by_item, fullgraph=True, options={"capture": False})
+    with pytest.raises(Exception, match="SymInt"):
+        f(torch.rand(3, 10), torch.tensor([1, 4, 7]))
