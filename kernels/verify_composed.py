@@ -96,7 +96,7 @@ def composed_verify(p: Tensor, ids: Tensor, q: Tensor, uniforms: Tensor, exponen
     if K > 0:
         b = torch.arange(B, device=p.device)
         nk = n.clamp_max(K - 1)                                     # a row for n = K too
-        row = lambda t: torch.broadcast_to(t, (B, K, V))[b, nk]      # noqa: E731  [B, V]
+        row = lambda t: _row_n(t, b, nk, K, V)                      # noqa: E731  [B, V]
         if residual_normalize == "none":  # elementwise: only row n is computed
             r = _residual(row(pk), row(q), "none", residual_nonneg, residual_floor)
         elif residual_normalize == "row" and _rows_sum_alike(pk, q):
@@ -104,10 +104,28 @@ def composed_verify(p: Tensor, ids: Tensor, q: Tensor, uniforms: Tensor, exponen
             r.div_(_row_sums(r, B * K))
         else:  # the sums as the narrow op adds them, then row n
             r = _residual(pk, q, residual_normalize, residual_nonneg, residual_floor)[b, nk]
-        e = torch.broadcast_to(exponentials, (B, K, V))[b, nk]      # [B, V]
+        e = _row_n(exponentials, b, nk, K, V)                       # [B, V]
         rec = residual_score(r, e, residual_sampler, residual_guard, residual_fill).argmax(-1)
         tok = torch.where(n < K, rec, tok)
     return _emit(ids, n, tok)
+
+
+def _row_n(t: Tensor, b: Tensor, nk: Tensor, K: int, V: int) -> Tensor:
+    """t broadcasting to [B, K, V] -> row nk[i] of request i, [B, V], to be read only (a view
+    where t has one row per request). Where t's rows lie V apart in memory (a [B, K(+1), V]
+    tensor, sliced or not) it picks them with index_select, a copy of each row, instead of
+    advanced indexing, which gathers element by element (8 rows of 32,000 fp32: ~170 µs on
+    one core). The same values either way."""
+    B = b.shape[0]
+    if t.dim() == 3 and t.shape[0] == B and t.stride(2) == 1 and t.shape[2] == V:
+        s0, s1 = t.stride(0), t.stride(1)
+        if t.shape[1] == 1:
+            return t[:, 0]
+        if t.shape[1] == K and s1 == V and s0 % V == 0 and s0 > 0:
+            per = s0 // V                                           # rows from one request to the next
+            rows = t.as_strided(((B - 1) * per + K, V), (V, 1))     # every row t spans
+            return rows.index_select(0, b * per + nk)
+    return torch.broadcast_to(t, (B, K, V))[b, nk]
 
 
 def _rows_sum_alike(pk: Tensor, q: Tensor) -> bool:

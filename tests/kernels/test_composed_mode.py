@@ -159,3 +159,31 @@ def test_row_normalised_residual_on_row_n_only_keeps_the_sums(threads):
                     assert torch.equal(bits, full[i, j].view(torch.int32)), (threads, b, k, i, j)
     finally:
         torch.set_num_threads(old)
+
+
+def test_row_n_picks_the_rows_advanced_indexing_picks():
+    """_row_n's index_select over every row a tensor spans, its views and its fallback: the
+    values of `broadcast_to(t, [B, K, V])[b, n]` in every layout the op meets."""
+    from npuspec.kernels.verify_composed import _row_n
+    g = torch.Generator().manual_seed(0)
+    for Bn in (1, B):
+        b = torch.arange(Bn)
+        nk = torch.randint(0, K, (Bn,), generator=g)
+        full = torch.randn(Bn, K + 1, V, generator=g)
+        big = torch.randn(Bn + 1, K + 2, V, generator=g)
+        layouts = {
+            "contiguous": full[:, :K].contiguous(),
+            "sliced [:, :K]": full[:, :K],
+            "sliced [:, 1:]": full[:, 1:],
+            "inside a larger tensor, at its end": big[1:, 2:],
+            "one row per request": full[:, :1],
+            "[K, V] (broadcast over requests)": full[0, :K].contiguous(),
+            "[V]": full[0, 0].contiguous(),
+            "expanded over K": full[:, :1].expand(Bn, K, V),
+            "V not innermost": full[:, :K].transpose(0, 1).contiguous().transpose(0, 1),
+            "columns strided": torch.randn(Bn, K, 2 * V, generator=g)[..., ::2],
+        }
+        for name, t in layouts.items():
+            want = torch.broadcast_to(t, (Bn, K, V))[b, nk]
+            got = _row_n(t, b, nk, K, V)
+            assert torch.equal(got, want), (Bn, name)
