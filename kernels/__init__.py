@@ -35,7 +35,8 @@ def prebuild_cpu_kernels() -> None:
     import torch._inductor.cpu_vec_isa  # noqa: F401
     # two g++ runs at a time (these machines have 2+ cores)
     # the native ops last: their library waits for the kernels it calls (kernels/native_cpu.py)
-    for chain in (("linear_packed_cpu", "paged_attention_cpu", "linear_quant_cpu", "k_controller_cpu"),
+    for chain in (("linear_packed_cpu", "paged_attention_cpu", "linear_quant_cpu", "k_controller_cpu",
+                   "race_rows_cpu"),
                   ("rms_norm_cpu", "verify_cpu", "suffix_cpu", "native_cpu")):
         threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",
                          daemon=True).start()

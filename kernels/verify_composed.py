@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from npuspec.kernels import race_rows_cpu
 from npuspec.kernels.accept import (GUARDS, NONNEG, NORMALIZE, SAMPLERS, _residual, accept_len,
                                     ratio_accept_ref, residual_sample_ref, residual_score)
 from npuspec.kernels.verify_probs import ACCEPT_MODES
@@ -97,6 +98,18 @@ def composed_verify(p: Tensor, ids: Tensor, q: Tensor, uniforms: Tensor, exponen
         b = torch.arange(B, device=p.device)
         nk = n.clamp_max(K - 1)                                     # a row for n = K too
         row = lambda t: _row_n(t, b, nk, K, V)                      # noqa: E731  [B, V]
+        score = None
+        valid = ((residual_nonneg == "clamp" or residual_floor == 0)   # else the PyTorch path
+                 and (residual_guard == "none" or residual_sampler == "race"))  # names the error
+        if valid and (residual_normalize == "none" or (residual_normalize == "row"
+                                                       and _rows_sum_alike(pk, q))):
+            sums = None if residual_normalize == "none" else (lambda r: _row_sums(r, B * K))
+            score = race_rows_cpu.race_scores(pk, q, exponentials, nk, K, residual_nonneg,
+                                              residual_floor, sums, residual_sampler,
+                                              residual_guard, residual_fill)
+        if score is not None:  # the CPU kernel: the same values, rows read in place
+            tok = torch.where(n < K, score[1], tok)
+            return _emit(ids, n, tok)
         if residual_normalize == "none":  # elementwise: only row n is computed
             r = _residual(row(pk), row(q), "none", residual_nonneg, residual_floor)
         elif residual_normalize == "row" and _rows_sum_alike(pk, q):
