@@ -179,18 +179,41 @@ def _offsets(t: Tensor, nk: Tensor, B: int, K: int, V: int) -> Optional[Tensor]:
     return torch.arange(B, dtype=torch.int64) * s0 + nk * s1
 
 
+def _flat_offsets(t: Tensor, rows: Tensor) -> Optional[Tensor]:
+    """int64 [B]: element offset of row rows[b] of a 2-D t [N, V] (V innermost), or None."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2:
+        return None
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        return None
+    return rows.to(torch.int64) * t.stride(0)
+
+
+def race_flat_rows(p: Tensor, q: Tensor, e: Tensor, t: Tensor, nonneg: str, floor: float,
+                   row_sums, sampler: str, guard: str, fill: float
+                   ) -> Optional[tuple[Tensor, Tensor]]:
+    """`race_scores` for the ragged mode's flat rows: p, q [N, V], row t[b] of request b,
+    raced against e [B, V] (its row b) -> (scores [B, V], argmax [B]), or None."""
+    B = t.shape[0]
+    eo = _flat_offsets(e, torch.arange(B)) if e.dim() == 2 and e.shape[0] == B else None
+    return _race(p, _flat_offsets(p, t), q, _flat_offsets(q, t), e, eo, B, p.shape[-1], nonneg,
+                 floor, row_sums, sampler, guard, fill)
+
+
 def race_scores(p: Tensor, q: Tensor, e: Tensor, nk: Tensor, K: int, nonneg: str, floor: float,
                 row_sums, sampler: str, guard: str, fill: float) -> Optional[tuple[Tensor, Tensor]]:
     """(row nk[b] of each request's race scores [B, V] (module doc), their argmax [B] as
     torch.argmax takes it: the first NaN, else the first maximum), or None when the library
     is missing or a layout, dtype or mode is not one it takes (the caller computes them in
     PyTorch). `row_sums(r)` -> the rows' sums [B, 1] to divide by; None: no division."""
-    lib = library()
     B, V = p.shape[0], p.shape[-1]
-    if lib is None or nonneg not in NONNEG_MODES or sampler not in SAMPLERS or B == 0:
-        return None
     po, qo, eo = (_offsets(t, nk, B, K, V) for t in (p, q, e))
-    if po is None or qo is None or eo is None:
+    return _race(p, po, q, qo, e, eo, B, V, nonneg, floor, row_sums, sampler, guard, fill)
+
+
+def _race(p, po, q, qo, e, eo, B, V, nonneg, floor, row_sums, sampler, guard, fill):
+    lib = library()
+    if (lib is None or nonneg not in NONNEG_MODES or sampler not in SAMPLERS or B == 0
+            or po is None or qo is None or eo is None):
         return None
     r = torch.empty(B, V)
     threads = torch.get_num_threads()

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from npuspec.kernels import race_rows_cpu
 from npuspec.kernels.accept import (GUARDS, NONNEG, NORMALIZE, SAMPLERS, _residual,
                                     residual_score)
 from npuspec.kernels.verify_composed import _row_sums, _rows_sum_alike
@@ -143,9 +144,21 @@ def ragged_verify(p: Tensor, ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
     tok = bonus.reshape(B).to(torch.int64)
     if N and M:
         t = (starts + a.clamp_max(M - 1)).clamp(0, N - 1)           # [B] the row emitted
-        r = _row_residual(p, q, ids, t, residual_normalize, residual_nonneg, residual_floor)
-        rec = residual_score(r, exponentials, residual_sampler, residual_guard,
-                             residual_fill).argmax(-1)
+        fast = None
+        if (q is not None and (residual_nonneg == "clamp" or residual_floor == 0)
+                and (residual_guard == "none" or residual_sampler == "race")
+                and (residual_normalize == "none"
+                     or (residual_normalize == "row" and _rows_sum_alike(p, q)))):
+            sums = None if residual_normalize == "none" else (lambda r: _row_sums(r, N))
+            fast = race_rows_cpu.race_flat_rows(p, q, exponentials, t, residual_nonneg,
+                                                residual_floor, sums, residual_sampler,
+                                                residual_guard, residual_fill)
+        if fast is not None:  # the CPU kernel (kernels/race_rows_cpu.py): the same values
+            rec = fast[1]
+        else:
+            r = _row_residual(p, q, ids, t, residual_normalize, residual_nonneg, residual_floor)
+            rec = residual_score(r, exponentials, residual_sampler, residual_guard,
+                                 residual_fill).argmax(-1)
         tok = torch.where(a < n, rec, tok)
     pos = torch.arange(M + 1, device=p.device)[None, :]
     xs = torch.cat([x, x.new_full((B, 1), -1)], dim=1)              # [B, M+1]
