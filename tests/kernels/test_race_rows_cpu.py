@@ -112,3 +112,20 @@ def test_argmax_takes_what_torch_argmax_takes(V_):
                                     "none", 0.0, None, "race", "none", 0.0)
     assert got is not None and torch.equal(_bits(got[0]), _bits(x))
     assert torch.equal(got[1], x.argmax(-1)), (got[1], x.argmax(-1))
+
+
+@pytest.mark.parametrize("normalize", ["none", "row"])
+def test_flat_rows_equal_the_pytorch_path(normalize):
+    """The ragged mode's layout: row t[b] of flat p, q [N, V] against e [B, V]."""
+    p, q, e, _ = _inputs(3)
+    pf, qf = p[:, :K].reshape(B * K, V), q.reshape(B * K, V)             # N = B * K flat rows
+    t = torch.tensor([0, 4, 8, 9, 14])
+    ef = e[:, 0].contiguous()
+    sums = None if normalize == "none" else (lambda r: _row_sums(r, B * K))
+    got = race_rows_cpu.race_flat_rows(pf, qf, ef, t, "clamp", 1e-5, sums, "race", "none", 0.0)
+    r = _residual(pf[t], qf[t], "none", "clamp", 1e-5)
+    if normalize == "row":
+        r.div_(_row_sums(r, B * K))
+    want = residual_score(r, ef, "race")
+    assert got is not None and torch.equal(_bits(got[0]), _bits(want))
+    assert torch.equal(got[1], want.argmax(-1))
