@@ -89,7 +89,8 @@ int64_t argmax_row(const float* x, int64_t V) {
 
 extern "C" {
 
-// r[b, :] = nonneg(p[po[b] + v] - q[qo[b] + v]); mode 0 clamp (at floor), 1 where, 2 none
+// r[b, :] = nonneg(p[po[b] + v] - q[qo[b] + v]); mode 0 clamp (at floor), 1 where, 2 none;
+// qo[b] < 0: no residual for that row, r[b, :] = p's row as it is
 void npuspec_residual_rows(const float* p, const int64_t* po, const float* q, const int64_t* qo,
                            int64_t B, int64_t V, int64_t mode, float floor, float* r,
                            int64_t threads) {
@@ -97,8 +98,12 @@ void npuspec_residual_rows(const float* p, const int64_t* po, const float* q, co
 #pragma omp parallel for num_threads(threads) if (threads > 1 && B > 1)
   for (int64_t b = 0; b < B; ++b) {
     const float* pr = p + po[b];
-    const float* qr = q + qo[b];
     float* rr = r + b * V;
+    if (qo[b] < 0) {
+      std::copy(pr, pr + V, rr);
+      continue;
+    }
+    const float* qr = q + qo[b];
     int64_t v = 0;
     for (; v + kL <= V; v += kL)
       nonneg(Vec::loadu(pr + v) - Vec::loadu(qr + v), mode, vfloor, zero).store(rr + v);
@@ -199,6 +204,31 @@ def race_flat_rows(p: Tensor, q: Tensor, e: Tensor, t: Tensor, nonneg: str, floo
                  floor, row_sums, sampler, guard, fill)
 
 
+def race_probs_rows(p: Tensor, q: Optional[Tensor], e: Tensor, n: Tensor, xn: Tensor,
+                    K: int) -> Optional[Tensor]:
+    """The probability mode's emitted token (kernels/verify_probs.py) -> argmax [B], or None:
+    row n[b] of p [B, K+1, V]; where the row has a draft xn[b] >= 0, max(p - q, 0) against q's
+    row (one-hot q, None: p with x_n zeroed), else p as it is; divided by E's row (e [B, V]
+    or [B, K+1, V])."""
+    B, V = p.shape[0], p.shape[-1]
+    po = _offsets(p, n, B, K + 1, V)
+    eo = _offsets(e, n, B, K + 1, V) if e.dim() == 3 else (
+        _flat_offsets(e, torch.arange(B)) if e.dim() == 2 and e.shape[0] == B else None)
+    has = xn >= 0                                                          # [B]
+    if q is None or K == 0:  # (K = 0: row n is the bonus row, no draft there)
+        qo, src = torch.full((B,), -1, dtype=torch.int64), p
+        rows, cols = torch.nonzero(has, as_tuple=True)[0], xn[has]
+
+        def between(r):  # the draft's own entry out of the one-hot residual
+            r[rows, cols] = 0.0
+            return None
+    else:
+        qo, src, between = _offsets(q, n.clamp_max(K - 1), B, K, V), q, None
+        qo = None if qo is None else torch.where(has, qo, -1)
+    out = _race(p, po, src, qo, e, eo, B, V, "clamp", 0.0, between, "race", "none", 0.0)
+    return None if out is None else out[1]
+
+
 def race_scores(p: Tensor, q: Tensor, e: Tensor, nk: Tensor, K: int, nonneg: str, floor: float,
                 row_sums, sampler: str, guard: str, fill: float) -> Optional[tuple[Tensor, Tensor]]:
     """(row nk[b] of each request's race scores [B, V] (module doc), their argmax [B] as
@@ -210,7 +240,9 @@ def race_scores(p: Tensor, q: Tensor, e: Tensor, nk: Tensor, K: int, nonneg: str
     return _race(p, po, q, qo, e, eo, B, V, nonneg, floor, row_sums, sampler, guard, fill)
 
 
-def _race(p, po, q, qo, e, eo, B, V, nonneg, floor, row_sums, sampler, guard, fill):
+def _race(p, po, q, qo, e, eo, B, V, nonneg, floor, between, sampler, guard, fill):
+    """The two passes; `between(r)` runs after the first: it may edit r in place and returns
+    the row sums to divide by, or None."""
     lib = library()
     if (lib is None or nonneg not in NONNEG_MODES or sampler not in SAMPLERS or B == 0
             or po is None or qo is None or eo is None):
@@ -219,7 +251,8 @@ def _race(p, po, q, qo, e, eo, B, V, nonneg, floor, row_sums, sampler, guard, fi
     threads = torch.get_num_threads()
     lib.npuspec_residual_rows(p.data_ptr(), po.data_ptr(), q.data_ptr(), qo.data_ptr(), B, V,
                               NONNEG_MODES[nonneg], floor, r.data_ptr(), threads)
-    s = None if row_sums is None else row_sums(r).contiguous()       # [B, 1]
+    s = None if between is None else between(r)
+    s = None if s is None else s.contiguous()                         # [B, 1]
     idx = torch.empty(B, dtype=torch.int64)
     lib.npuspec_race_scores(r.data_ptr(), 0 if s is None else s.data_ptr(), e.data_ptr(),
                             eo.data_ptr(), B, V, SAMPLERS[sampler], int(guard == "zero_inf"),

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from npuspec.kernels import race_rows_cpu
 from npuspec.kernels.verify_rows import _leading, _padded_drafts
 
 
@@ -78,16 +79,23 @@ def probs_verify(p: Tensor, draft_token_ids: Tensor, q: Optional[Tensor], unifor
             ok = ok & (qx > 0)
         n = _last_pass(has & ok)                                            # [B]
     b = torch.arange(B, device=p.device)
+    xn = xpad.gather(1, n[:, None])                             # [B, 1] draft at row n, or -1
+    tok = race_rows_cpu.race_probs_rows(p, q, exponentials, n, xn[:, 0], K)
+    if tok is not None:  # the CPU kernel (kernels/race_rows_cpu.py): the same values
+        return _emit(xpad, n, tok, K1)
     pn = p[b, n]                                                # [B, V] p at row n (a copy)
     e = exponentials.float()
     en = e if e.dim() == 2 else e[b, n]                         # [B, V]
-    xn = xpad.gather(1, n[:, None])                             # [B, 1] draft at row n, or -1
     if q is None or K == 0:  # (K = 0: row n is the bonus row, xn = -1, r = pn)
         r = pn.masked_fill_(torch.arange(V, device=p.device) == xn, 0.0)
     else:  # max(p - q, 0) in place: the same values as torch.clamp(p - q, min=0)
         r = torch.where(xn >= 0, torch.sub(pn, q.float()[b, n.clamp_max(K - 1)]).clamp_min_(0), pn)
     tok = r.div_(en).argmax(-1)                                 # [B]
-    pos = torch.arange(K1, device=p.device)[None, :]
+    return _emit(xpad, n, tok, K1)
+
+
+def _emit(xpad: Tensor, n: Tensor, tok: Tensor, K1: int) -> tuple[Tensor, Tensor]:
+    pos = torch.arange(K1, device=xpad.device)[None, :]
     out = torch.where(pos < n[:, None], xpad, -1)
     out = torch.where(pos == n[:, None], tok[:, None], out)
     return out.to(torch.int32), (n + 1).to(torch.int32)

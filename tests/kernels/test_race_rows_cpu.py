@@ -129,3 +129,37 @@ def test_flat_rows_equal_the_pytorch_path(normalize):
     want = residual_score(r, ef, "race")
     assert got is not None and torch.equal(_bits(got[0]), _bits(want))
     assert torch.equal(got[1], want.argmax(-1))
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+@pytest.mark.parametrize("e_rows", [0, K + 1])
+def test_probability_mode_takes_the_same_tokens_with_and_without_it(one_hot, e_rows, monkeypatch):
+    """probs_verify through race_probs_rows against its PyTorch branch (the library hidden):
+    rows with and without a draft at n, the bonus row, K = 0, NaN / inf / zero draws."""
+    from npuspec.kernels.verify_probs import probs_verify
+    for seed in range(4):
+        p, q, e, _ = _inputs(seed)
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.multinomial(q.reshape(-1, V).nan_to_num(0.5).clamp_min(0), 1,
+                                generator=g).reshape(B, K)
+        ids[0] = p[0, :K].argmax(-1)                   # likely all accepted: the bonus row
+        ids[1, 1:] = -1                                # a request with one draft
+        u = torch.rand(B, K, generator=g)
+        E = (torch.empty(B, V).exponential_(generator=g) if e_rows == 0
+             else torch.empty(B, K + 1, V).exponential_(generator=g))
+        E[..., 9] = 0.0
+        E[..., V - 2] = float("inf")
+        # request 2 rejects its first draft, p's largest entry, with flat draws: the residual
+        # must drop that token (the one-hot q zeroes it) or the race picks it again
+        ids[2] = p[2, :K].argmax(-1)
+        u[2] = 1.0
+        E[2] = 1.0
+        for k in (K, 0):
+            pk, ids_k = p[:, :k + 1], ids[:, :k]
+            qk = None if one_hot else q[:, :k]
+            Ek = E if e_rows == 0 else E[:, :k + 1]
+            got = probs_verify(pk, ids_k, qk, u[:, :k], Ek)
+            with monkeypatch.context() as m:
+                m.setattr(race_rows_cpu, "library", lambda: None)
+                want = probs_verify(pk, ids_k, qk, u[:, :k], Ek)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (seed, k)
