@@ -14,6 +14,7 @@ Inductor's first graph would otherwise build on the critical path.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import shutil
@@ -70,6 +71,20 @@ def load_library(source: str, what: str, fallback: str, signatures: dict):
         if argtypes is not None:
             fn.argtypes = argtypes
     return lib
+
+
+def load_pylibrary(source: str, what: str, fallback: str, signatures: dict):
+    """`load_library`, reopened as a ctypes.PyDLL: its calls keep the GIL (for calls of a few
+    µs, cheaper than releasing and re-taking it, and two Python threads are never inside it at
+    once). None (logged once) when it cannot be built."""
+    lib = load_library(source, what, fallback, signatures)
+    if lib is None:
+        return None
+    pylib = ctypes.PyDLL(lib._name)
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(pylib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return pylib
 
 
 def toolchain_present() -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from npuspec.kernels.cpp_build import load_library
+from npuspec.kernels.cpp_build import load_pylibrary
 
 SOURCE = r"""
 #include <torch/csrc/inductor/cpp_prefix.h>
@@ -97,16 +97,10 @@ SIGNATURES = {
 def library():
     """The compiled library (a ctypes PyDLL: a call of a few µs keeps the GIL), or None
     (logged once) when it cannot be built."""
-    lib = load_library(SOURCE, "compiled K controller step",
-                       "the K controller runs its numpy reference (same choices, more host time)",
-                       SIGNATURES)
-    if lib is None:
-        return None
-    pylib = ctypes.PyDLL(lib._name)
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(pylib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return pylib
+    return load_pylibrary(SOURCE, "compiled K controller step",
+                          "the K controller runs its numpy reference (same choices, more host "
+                          "time)",
+                          SIGNATURES)
 
 
 def available() -> bool:

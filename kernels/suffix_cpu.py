@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from npuspec.kernels.cpp_build import load_library
+from npuspec.kernels.cpp_build import load_pylibrary
 from npuspec.kernels.suffix_cpu_source import SOURCE
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -35,16 +35,9 @@ SIGNATURES = {
 @functools.lru_cache(maxsize=None)
 def library():
     """The compiled library (a ctypes PyDLL), or None (logged once) when it cannot be built."""
-    lib = load_library(SOURCE, "compiled suffix proposer",
-                       "SuffixProposer runs the Python reference (same drafts, 4-5x slower)",
-                       SIGNATURES)
-    if lib is None:
-        return None
-    pylib = ctypes.PyDLL(lib._name)
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(pylib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return pylib
+    return load_pylibrary(SOURCE, "compiled suffix proposer",
+                          "SuffixProposer runs the Python reference (same drafts, 4-5x slower)",
+                          SIGNATURES)
 
 
 def available() -> bool:

@@ -135,7 +135,7 @@ def _row_n(t: Tensor, b: Tensor, nk: Tensor, K: int, V: int) -> Tensor:
         if t.shape[1] == 1:
             return t[:, 0]
         if t.shape[1] == K and s1 == V and s0 % V == 0 and s0 > 0:
-            per = s0 // V                                           # rows from one request to the next
+            per = s0 // V                                   # rows from one request to the next
             rows = t.as_strided(((B - 1) * per + K, V), (V, 1))     # every row t spans
             return rows.index_select(0, b * per + nk)
     return torch.broadcast_to(t, (B, K, V))[b, nk]
