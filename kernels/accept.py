@@ -99,7 +99,11 @@ def greedy_accept_ref(draft_ids: Tensor, target_ids: Tensor) -> Tensor:
 # standard (ratio) accept length
 # ---------------------------------------------------------------------------------------------
 def _at_ids(p: Tensor, ids: Tensor) -> Tensor:
-    """p: [..., K, V], ids: [..., K] -> p[..., k, ids[..., k]]  [..., K]"""
+    """p: [..., K, V], ids: [..., K] -> p[..., k, ids[..., k]]  [..., K]. A p of one value per
+    position ([..., K, 1], broadcast over V, as the composed mode takes the test's q from a pick
+    the user already made) gives that value whatever the id."""
+    if p.shape[-1] == 1:
+        return p[..., 0].expand(ids.shape)
     return p.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
@@ -140,7 +144,9 @@ def _(p, q, draft_ids, uniforms, mode="ge"):
 def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor,
                      mode: str = "ge") -> Tensor:
     px = p.gather(-1, draft_ids[..., None])[..., 0]
-    ratio = px if q is None else px / q.gather(-1, draft_ids[..., None])[..., 0]
+    qx = None if q is None else torch.broadcast_to(
+        q, (*draft_ids.shape, max(p.shape[-1], q.shape[-1]))).gather(-1, draft_ids[..., None])[..., 0]
+    ratio = px if q is None else px / qx
     ok = {"ge": lambda: uniforms <= ratio, "gt": lambda: uniforms < ratio,
           "not_lt": lambda: ~(uniforms > ratio), "not_le": lambda: ~(uniforms >= ratio)}[mode]()
     return prefix_len_ref(ok)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Graph, Node
 
-from npuspec.passes import search_memo
+from npuspec.passes import picks, search_memo
 from npuspec.passes.prefix import _attr
 from npuspec.passes.residual_proof import _cpu
 from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
@@ -256,6 +256,11 @@ def _replace(graph: Graph, t: Node, r: Node, out: Node, below: set, B: int, K: i
     b = _bound(r)
     kw = {f"residual_{k}": b[k] for k in _RESIDUAL_KEYS}
     q_test = None if _same_value(a["q"], b["q"]) else a["q"]
+    if q_test is not None and len(q_test.users) == 1:
+        # vLLM v1's pad fill, moved onto q by picks._fill_before_pick so the families could
+        # read it: the op reads the test's q only at the ids, so it takes the filled picks
+        # [B, K, 1] instead of a [B, K, V] copy of q (5 MB a step at B = 8, K = 4, V = 32000)
+        q_test = picks.picked_fill(graph, q_test, b["q"], a["draft_ids"]) or q_test
     replace_with_op(graph, out, t, flavor,
                     (a["p"], a["draft_ids"], b["q"], None, None, None, a["uniforms"], b["noise"],
                      False, None, None, None, bonus, q_test),

@@ -275,6 +275,39 @@ def _fill_before_pick(graph: Graph, n: Node) -> Optional[Node]:
     return _new(graph, aten.squeeze.dim, (g, 2), n)
 
 
+def picked_fill(graph: Graph, f: Node, q: Node, ids: Node) -> Optional[Node]:
+    """The inverse of `_fill_before_pick` where only the picks are read: for f = fill(q, mask
+    rows, c) (a bool [B, K] mask over whole [V] rows of q, spelled as _FILLS), ->
+    fill(q.gather(2, ids[..., None]), mask rows, c), [B, K, 1]: at every id the values f gives,
+    bit for bit, without f's [B, K, V] copy of q. c a scalar or a 0-d tensor of q's dtype (a
+    lifted `torch.tensor(inf)`). Inserted before f. None when f is not that fill of q, or ids
+    are not int64 [B, K]."""
+    parts = _fill_parts(f)
+    if parts is None:
+        return None
+    x, mask, c, kind = parts
+    if x is not q or not isinstance(mask, Node):
+        return None
+    cv = _val(c) if isinstance(c, Node) else c
+    if isinstance(cv, torch.Tensor) and (cv.dim() != 0 or cv.dtype != _val(q).dtype):
+        return None
+    if kind != "index_put":
+        if mask.target is not aten.unsqueeze.default or mask.args[1] != 2:
+            return None
+        mask = mask.args[0]
+    qv, mv, iv = _val(q), _val(mask), _val(ids)
+    if (any(v is None for v in (qv, mv, iv)) or qv.dim() != 3 or mv.dtype != torch.bool
+            or mv.dim() != 2 or iv.dtype != torch.int64 or tuple(iv.shape) != tuple(mv.shape)
+            or not isinstance(cv, (float, int, torch.Tensor)) or isinstance(cv, bool)):
+        return None
+    u = _new(graph, aten.unsqueeze.default, (ids, 2), f)                       # [B, K, 1]
+    g = _new(graph, aten.gather.default, (q, 2, u), f)                         # [B, K, 1]
+    if kind == "index_put":
+        return _new(graph, aten.index_put.default, (g, [mask], c), f)
+    rows = _new(graph, aten.unsqueeze.default, (mask, 2), f)
+    return _new(graph, f.target, (g, rows, c) if kind == "masked_fill" else (rows, c, g), f)
+
+
 def _read_back(n: Node) -> bool:
     """select(select_scatter(base, x, d, i), d, i): x itself (what functionalizing a write into
     a `[..., 0]` view leaves behind: vLLM v1's `draft_px[pad] = inf` on a pick spelled

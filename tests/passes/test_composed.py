@@ -268,3 +268,31 @@ def test_greedy_replacements_equal_eager_on_nan_logits(lowering):
     torch._dynamo.reset()
     f = npuspec.compile(e.fn, options={"lowering": lowering, "capture": False})
     assert torch.equal(f(drafts.clone(), target.clone()), e.fn(drafts.clone(), target.clone()))
+
+
+def test_the_pad_fill_is_made_on_the_picks_not_on_q(monkeypatch):
+    """vLLM v1 fills padded slots' q with inf; picks._fill_before_pick moves that fill onto q
+    ([B, K, V]) for the families to read, and once the step is one call the op reads the
+    test's q only at the ids: picks.picked_fill gives it the filled picks [B, K, 1] instead,
+    so no node of the graph writes a [B, K, V] copy of q."""
+    from npuspec.compilation import lowering
+    e = BY_NAME["vllm_v1_native_random"]
+    args = e.make(3)
+    q_shape = tuple(args[1].shape)                                         # draft_probs
+    seen = []
+
+    def keep(gm, flavor="aten", manager=None):
+        out = run(gm, flavor=flavor, manager=manager)
+        seen.append(gm)
+        return out
+    run = lowering.run_passes
+    monkeypatch.setattr(lowering, "run_passes", keep)
+    torch._dynamo.reset()
+    three_way(e.fn, args, lowering="eager", matched=None, appear=("npuspec.rejection_sample",))
+    ops = [n for gm in seen for n in gm.graph.nodes if n.op == "call_function"]
+    assert any(n.target is torch.ops.npuspec.rejection_sample.default for n in ops)
+    fills = [n for n in ops if "fill" in str(n.target) or "index_put" in str(n.target)
+             or n.target is torch.ops.aten.where.self]
+    big = [n for n in fills if tuple(n.meta["val"].shape) == q_shape]
+    assert not big, [n.format_node() for n in big]
+    assert any(tuple(n.meta["val"].shape) == (*q_shape[:2], 1) for n in fills), fills
