@@ -144,9 +144,8 @@ def _(p, q, draft_ids, uniforms, mode="ge"):
 def ratio_accept_ref(p: Tensor, q: Optional[Tensor], draft_ids: Tensor, uniforms: Tensor,
                      mode: str = "ge") -> Tensor:
     px = p.gather(-1, draft_ids[..., None])[..., 0]
-    qx = None if q is None else torch.broadcast_to(
-        q, (*draft_ids.shape, max(p.shape[-1], q.shape[-1]))).gather(-1, draft_ids[..., None])[..., 0]
-    ratio = px if q is None else px / qx
+    ratio = px if q is None else px / torch.broadcast_to(q, p.shape).gather(
+        -1, draft_ids[..., None])[..., 0]
     ok = {"ge": lambda: uniforms <= ratio, "gt": lambda: uniforms < ratio,
           "not_lt": lambda: ~(uniforms > ratio), "not_le": lambda: ~(uniforms >= ratio)}[mode]()
     return prefix_len_ref(ok)

@@ -193,11 +193,21 @@ def _flat_offsets(t: Tensor, rows: Tensor) -> Optional[Tensor]:
     return rows.to(torch.int64) * t.stride(0)
 
 
+def _takes(nonneg: str, floor: float, sampler: str, guard: str) -> bool:
+    """The library is built and the residual's settings are ones it runs. Combinations the
+    PyTorch path refuses (a floor without clamp, a guard without the race) go there, which
+    names the error."""
+    return (library() is not None and nonneg in NONNEG_MODES and sampler in SAMPLERS
+            and (nonneg == "clamp" or floor == 0) and (guard == "none" or sampler == "race"))
+
+
 def race_flat_rows(p: Tensor, q: Tensor, e: Tensor, t: Tensor, nonneg: str, floor: float,
                    row_sums, sampler: str, guard: str, fill: float
                    ) -> Optional[tuple[Tensor, Tensor]]:
     """`race_scores` for the ragged mode's flat rows: p, q [N, V], row t[b] of request b,
     raced against e [B, V] (its row b) -> (scores [B, V], argmax [B]), or None."""
+    if not _takes(nonneg, floor, sampler, guard):
+        return None
     B = t.shape[0]
     eo = _flat_offsets(e, torch.arange(B)) if e.dim() == 2 and e.shape[0] == B else None
     return _race(p, _flat_offsets(p, t), q, _flat_offsets(q, t), e, eo, B, p.shape[-1], nonneg,
@@ -210,6 +220,8 @@ def race_probs_rows(p: Tensor, q: Optional[Tensor], e: Tensor, n: Tensor, xn: Te
     row n[b] of p [B, K+1, V]; where the row has a draft xn[b] >= 0, max(p - q, 0) against q's
     row (one-hot q, None: p with x_n zeroed), else p as it is; divided by E's row (e [B, V]
     or [B, K+1, V])."""
+    if library() is None:
+        return None
     B, V = p.shape[0], p.shape[-1]
     po = _offsets(p, n, B, K + 1, V)
     eo = _offsets(e, n, B, K + 1, V) if e.dim() == 3 else (
@@ -217,10 +229,9 @@ def race_probs_rows(p: Tensor, q: Optional[Tensor], e: Tensor, n: Tensor, xn: Te
     has = xn >= 0                                                          # [B]
     if q is None or K == 0:  # (K = 0: row n is the bonus row, no draft there)
         qo, src = torch.full((B,), -1, dtype=torch.int64), p
-        rows, cols = torch.nonzero(has, as_tuple=True)[0], xn[has]
 
         def between(r):  # the draft's own entry out of the one-hot residual
-            r[rows, cols] = 0.0
+            r[torch.nonzero(has, as_tuple=True)[0], xn[has]] = 0.0
             return None
     else:
         qo, src, between = _offsets(q, n.clamp_max(K - 1), B, K, V), q, None
@@ -235,6 +246,8 @@ def race_scores(p: Tensor, q: Tensor, e: Tensor, nk: Tensor, K: int, nonneg: str
     torch.argmax takes it: the first NaN, else the first maximum), or None when the library
     is missing or a layout, dtype or mode is not one it takes (the caller computes them in
     PyTorch). `row_sums(r)` -> the rows' sums [B, 1] to divide by; None: no division."""
+    if not _takes(nonneg, floor, sampler, guard):
+        return None
     B, V = p.shape[0], p.shape[-1]
     po, qo, eo = (_offsets(t, nk, B, K, V) for t in (p, q, e))
     return _race(p, po, q, qo, e, eo, B, V, nonneg, floor, row_sums, sampler, guard, fill)
@@ -244,8 +257,7 @@ def _race(p, po, q, qo, e, eo, B, V, nonneg, floor, between, sampler, guard, fil
     """The two passes; `between(r)` runs after the first: it may edit r in place and returns
     the row sums to divide by, or None."""
     lib = library()
-    if (lib is None or nonneg not in NONNEG_MODES or sampler not in SAMPLERS or B == 0
-            or po is None or qo is None or eo is None):
+    if B == 0 or po is None or qo is None or eo is None:
         return None
     r = torch.empty(B, V)
     threads = torch.get_num_threads()

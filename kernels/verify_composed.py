@@ -99,10 +99,8 @@ def composed_verify(p: Tensor, ids: Tensor, q: Tensor, uniforms: Tensor, exponen
         nk = n.clamp_max(K - 1)                                     # a row for n = K too
         row = lambda t: _row_n(t, b, nk, K, V)                      # noqa: E731  [B, V]
         score = None
-        valid = ((residual_nonneg == "clamp" or residual_floor == 0)   # else the PyTorch path
-                 and (residual_guard == "none" or residual_sampler == "race"))  # names the error
-        if valid and (residual_normalize == "none" or (residual_normalize == "row"
-                                                       and _rows_sum_alike(pk, q))):
+        if residual_normalize == "none" or (residual_normalize == "row"
+                                            and _rows_sum_alike(pk, q)):
             sums = None if residual_normalize == "none" else (lambda r: _row_sums(r, B * K))
             score = race_rows_cpu.race_scores(pk, q, exponentials, nk, K, residual_nonneg,
                                               residual_floor, sums, residual_sampler,

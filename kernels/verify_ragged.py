@@ -145,10 +145,8 @@ def ragged_verify(p: Tensor, ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
     if N and M:
         t = (starts + a.clamp_max(M - 1)).clamp(0, N - 1)           # [B] the row emitted
         fast = None
-        if (q is not None and (residual_nonneg == "clamp" or residual_floor == 0)
-                and (residual_guard == "none" or residual_sampler == "race")
-                and (residual_normalize == "none"
-                     or (residual_normalize == "row" and _rows_sum_alike(p, q)))):
+        if q is not None and (residual_normalize == "none"
+                              or (residual_normalize == "row" and _rows_sum_alike(p, q))):
             sums = None if residual_normalize == "none" else (lambda r: _row_sums(r, N))
             fast = race_rows_cpu.race_flat_rows(p, q, exponentials, t, residual_nonneg,
                                                 residual_floor, sums, residual_sampler,

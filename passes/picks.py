@@ -288,14 +288,14 @@ def picked_fill(graph: Graph, f: Node, q: Node, ids: Node) -> Optional[Node]:
     x, mask, c, kind = parts
     if x is not q or not isinstance(mask, Node):
         return None
-    cv = _val(c) if isinstance(c, Node) else c
-    if isinstance(cv, torch.Tensor) and (cv.dim() != 0 or cv.dtype != _val(q).dtype):
-        return None
     if kind != "index_put":
         if mask.target is not aten.unsqueeze.default or mask.args[1] != 2:
             return None
         mask = mask.args[0]
     qv, mv, iv = _val(q), _val(mask), _val(ids)
+    cv = _val(c) if isinstance(c, Node) else c
+    if isinstance(cv, torch.Tensor) and (cv.dim() != 0 or qv is None or cv.dtype != qv.dtype):
+        return None
     if (any(v is None for v in (qv, mv, iv)) or qv.dim() != 3 or mv.dtype != torch.bool
             or mv.dim() != 2 or iv.dtype != torch.int64 or tuple(iv.shape) != tuple(mv.shape)
             or not isinstance(cv, (float, int, torch.Tensor)) or isinstance(cv, bool)):

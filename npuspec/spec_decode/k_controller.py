@@ -362,7 +362,7 @@ class KController:
     def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
         """The K to verify, <= the K drafted, given each request's drafted length [B]."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        return self._after(choice, slots, lengths,
+        return self._after(choice, slots, int(lengths.max(initial=0)),
                            lambda: (self._rows_of(slots)[1] * self._upto[lengths]).sum(0))
 
     def choose_after_drafts(self, choice: Choice, slots: np.ndarray,
@@ -385,16 +385,15 @@ class KController:
         self._lengths_b = lengths = self._lengths[:B]
         return self._after(choice, slots, longest, lambda: self._per_pos), lengths
 
-    def _after(self, choice: Choice, slots: np.ndarray, lengths, per_pos_of) -> int:
-        """choose_after's decision; `lengths`: the drafted lengths [B] or their maximum,
-        `per_pos_of()` -> sum over requests of c[i] at the positions each drafted [K_max]."""
+    def _after(self, choice: Choice, slots: np.ndarray, longest: int, per_pos_of) -> int:
+        """choose_after's decision; `longest`: the longest draft, `per_pos_of()` -> sum over
+        requests of c[i] at the positions each drafted [K_max]."""
         self._steps += 1
         if choice.k_draft == 0:
             self.last_k, self.last_cap = 0, -1
             return 0
         B = len(slots)
         # K past the smallest one that holds the longest draft verifies padding only
-        longest = lengths if isinstance(lengths, int) else int(lengths.max(initial=0))
         longest = min(choice.k_draft, longest)
         n = bisect.bisect_left(self.ks, longest) + 1
         self.last_cap = self.ks[n - 1]
