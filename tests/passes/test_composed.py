@@ -289,6 +289,7 @@ def test_the_pad_fill_is_made_on_the_picks_not_on_q(monkeypatch):
     monkeypatch.setattr(lowering, "run_passes", keep)
     torch._dynamo.reset()
     three_way(e.fn, args, lowering="eager", matched=None, appear=("npuspec.rejection_sample",))
+    assert _matched(three_way.last_delta) == 1, three_way.last_delta
     ops = [n for gm in seen for n in gm.graph.nodes if n.op == "call_function"]
     assert any(n.target is torch.ops.npuspec.rejection_sample.default for n in ops)
     fills = [n for n in ops if "fill" in str(n.target) or "index_put" in str(n.target)
