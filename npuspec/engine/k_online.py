@@ -118,26 +118,17 @@ class OnlineK:
         step's seconds, book_s the host's around it, prefill_tok_s this iteration's prefill
         seconds per token (NaN: none, or disturbed)."""
         t_in = time.perf_counter()
-        B = len(self._slots)
-        # a probe's tokens are counted when it resolves; K = 0 teaches only availability
-        if not self._probing and (k > 0 or self.ctl.availability):
-            self.ctl.observe_result(self._slots, self._k_draft, self._lengths, k, res)
-        self._n += 1
-        while self._probes and self._n - self._probes[0].step >= self.ctl.k_max:
-            self._resolve(self._probes.popleft())
         times = [self._t_draft, t_run, book_s, prefill_tok_s]
         if self._snap != counters.disturbed:
             times[1:3] = [math.nan, math.nan]
         if self._share is not None:
             times = self._share(times)
-        t_draft, t_run, book_s, prefill_tok_s = times
-        if prefill_tok_s == prefill_tok_s:
-            self.ctl.record_prefill(prefill_tok_s)
-        if t_draft == t_draft:
-            self.ctl.record_draft(self._k_draft, B, t_draft)
-        if t_run == t_run:
-            self.ctl.record_verify(rows, k, t_run)
-            self.ctl.record_book(rows, k, B, book_s)
+        # a probe's tokens are counted when it resolves; K = 0 teaches only availability
+        self.ctl.after_step(self._slots, self._k_draft, self._lengths, k, res,
+                            not self._probing, rows, *times)
+        self._n += 1
+        while self._probes and self._n - self._probes[0].step >= self.ctl.k_max:
+            self._resolve(self._probes.popleft())
         self.host_s = self._host + time.perf_counter() - t_in
 
     def _resolve(self, pr: Probe) -> None:

@@ -27,14 +27,15 @@ measured; those steps are not cut after drafting. A token drafter verified token
 probes instead (`probes`): that step drafts at K_max and chooses as usual, and the engine
 compares its drafts with the tokens the target emits next (npuspec/engine/k_online.py).
 
-The state is a few [slots, K_max] float arrays and a dict of step times; everything is numpy on
-the host (tests/spec_decode/test_k_controller.py checks it against synthetic costs and
-acceptances whose optimum is known).
+The state is a few [slots, K_max] float arrays and the step costs' flat arrays (StepCosts,
+npuspec/spec_decode/k_costs.py). The engine's two per-step calls (`choose_after_drafts`,
+`after_step`) run in C (kernels/k_controller_cpu.py) where it builds, bit for bit the Python
+reference here, which runs otherwise (tests/spec_decode/test_k_controller.py checks the choices
+against synthetic costs and acceptances whose optimum is known).
 """
 from __future__ import annotations
 
 import bisect
-import collections
 import dataclasses
 import itertools
 import math
@@ -44,19 +45,15 @@ import numpy as np
 
 from npuspec.config_fields import candidate_ks
 from npuspec.kernels import k_controller_cpu
+from npuspec.spec_decode.k_costs import MAX_KS, StepCosts, bucket as _bucket
+from npuspec.spec_decode.k_costs import ALPHA_TIME, REFRESH_EVERY, VERIFY_WINDOW  # noqa: F401
+#   (the controller's constants, read from here by tests and docs)
 
 __all__ = ["KController", "Choice", "candidate_ks", "lengths_of", "cut"]
 
 ALPHA_REQUEST = 0.25   # a request's own estimate: its text drifts, recent steps weigh most
 ALPHA_POOL = 0.1       # the pooled estimate new requests start from ...
 POOL_EVERY = 4         # ... moved toward the running requests' mean every few steps
-ALPHA_TIME = 0.2       # host and drafter times: a few steps settle a changed load
-VERIFY_WINDOW = 5      # a verify step's time: the lower median of its last few measurements,
-#                        so one stalled step (a collection, another process) moves nothing
-REFRESH_EVERY = 128    # steps after which a (rows, K) the drafts allow is verified once again,
-#   its old measurements dropped (the choice stops measuring a K it does not pick, so a figure
-#   inflated once held forever: the embedded model at one request ran at 0.85x the best fixed
-#   K with a K = 4 figure at twice that step's cost)
 PRIOR_P = 1.0          # before anything is measured: drafts are there ...
 PRIOR_C = 0.6          # ... and accepted often enough that speculating is tried
 EXPLORE_EVERY = 16     # one step in this many at K_max while a smaller K is chosen
@@ -67,7 +64,7 @@ PRIOR_STEPS = 32       # steps that follow a prior policy (a tuned batch-size ta
 DRAFT_SKIP_BELOW = 0.98
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Choice:
     """One step's decision: the K to draft for, the K verified, whether it explores (verifies
     K_max to measure every position) or probes (keeps its K_max drafts to compare with the
@@ -76,6 +73,9 @@ class Choice:
     k: int = 0
     explore: bool = False
     probe: bool = False
+
+
+_SKIP = Choice(0, 0)   # a step that does not draft (choices are shared: frozen)
 
 
 class KController:
@@ -96,9 +96,9 @@ class KController:
         comparing its drafts with the tokens the target emits next (`Choice.probe`) instead of
         verifying K_max; only right where acceptance is the target emitting the draft (greedy,
         or rejection sampling of one-hot drafts; not block or entropy verify). `native`: the
-        engine's per-step calls (`choose_after_drafts`, `observe_result`) run their arithmetic
-        in C (kernels/k_controller_cpu.py) where it builds; the same state and choices as
-        the numpy reference, which runs otherwise."""
+        engine's per-step calls (`choose_after_drafts`, `after_step`) run in C
+        (kernels/k_controller_cpu.py) where it builds; the same state and choices as the
+        Python reference, which runs otherwise."""
         assert list(ks) == sorted(set(ks)) and ks[0] == 0, ks
         self.ks = tuple(int(k) for k in ks)
         self.k_max = self.ks[-1]
@@ -122,38 +122,27 @@ class KController:
         self._bc = self._c[:0]
         self.slot: dict[str, int] = {}
         self.free: list[int] = []
-        self.verify_s: dict[tuple[int, int], float] = {}   # (rows, K) -> seconds
-        self._verify_window: dict[tuple[int, int], collections.deque] = {}
-        self._measured_at: dict[tuple[int, int], int] = {}  # (rows, K) -> step
-        self.draft_s: dict[int, float] = {}                 # K -> seconds per request
-        self.book_s: dict[tuple[int, int], float] = {}      # (rows, K) -> the host's seconds
-        self.book_per_req: dict[int, float] = {}            # K -> the same per request, for
-        #   a (rows, K) whose host time is not measured yet (part of it is fixed per step, so
-        #   a figure per request from other batch sizes is only a stand-in)
-        self._rows: dict[int, tuple[int, ...]] = {}         # batch -> rows at each K
+        self.costs = StepCosts(self.ks, rows_for, ALPHA_REQUEST)
         self._w: dict[int, np.ndarray] = {}
         self._observed = 0
         self._steps = 0
         # see choose_before_cheap; kept per batch size (`_bucket`): whether drafting pays
         # depends on the load, and one figure learnt at 32 requests would hold a lone request
         # back from drafting for many steps after the others finished
-        self.draft_values: dict[int, float] = {}
         self._last_bucket = 1
-        # prefill displaced by speculation (see record_prefill): seconds per prefill token,
-        # and whether prefill is waiting for budget this step
-        self.prefill_tok_s = math.nan
-        self.prefill_pending = False
         self.last_k = self.k_max
-        self.last_cap = -1   # the last step's largest useful K from its drafts (-1: not drafted)
+        # the last step's largest useful K from its drafts (-1: not drafted), where C writes it
+        self._cap = np.full(1, -1, dtype=np.int64)
         self.availability = availability
         self.since_explore = 0
         self.prior = prior
         self.probes = probes
-        self._lib = k_controller_cpu.library() if native else None
+        self._lib = k_controller_cpu.library() if native and len(ks) <= MAX_KS else None
         self._lengths = np.zeros(0, dtype=np.int64)   # native scratch: drafted lengths [B]
         self._per_pos = np.zeros(km)                   # ... and per-position sums [K_max]
         self._addrs: dict[int, tuple[np.ndarray, int]] = {}
-        self._lengths_b = self._lengths
+        self._none = np.zeros(0, dtype=np.int64)   # [B] no drafts (never written)
+        self._draft_all = Choice(self.k_max, self.k_max)
 
     # -- requests ------------------------------------------------------------------------------
     def slots(self, req_ids: Sequence[str]) -> np.ndarray:
@@ -228,68 +217,81 @@ class KController:
                 self._unbind()
             self.free.append(s)
 
-    # -- costs ---------------------------------------------------------------------------------
+    # -- costs (StepCosts) ---------------------------------------------------------------------
     def step_time(self, rows: int, k: int) -> float:
         """Seconds a verify step of `rows` rows at K takes; NaN until that graph has run (with
         graph capture, warm-up runs every pair; without it, the first step of each pair is
         its measurement)."""
-        return self.verify_s.get((rows, k), math.nan)
+        r = self.costs.row_ix.get(rows)
+        return math.nan if r is None else float(self.costs.verify[r * len(self.ks)
+                                                                  + self.ks.index(k)])
 
     def record_verify(self, rows: int, k: int, seconds: float) -> None:
         """A verify step's seconds: the estimate is the lower median of the pair's last
         VERIFY_WINDOW measurements."""
-        key = (rows, k)
-        window = self._verify_window.get(key)
-        if window is None:
-            window = self._verify_window[key] = collections.deque(maxlen=VERIFY_WINDOW)
-        window.append(seconds)
-        self.verify_s[key] = sorted(window)[(len(window) - 1) // 2]
-        self._measured_at[key] = self._steps
+        self.costs.record_verify(rows, k, seconds, self._steps)
 
     def record_draft(self, k: int, batch: int, seconds: float) -> None:
         """The drafter's seconds for a batch drafted at K (kept per request)."""
         assert k in self.ks, (k, self.ks)
-        self._ema(self.draft_s, k, seconds / max(batch, 1))
+        self.costs.record_draft(k, batch, seconds)
 
     def record_book(self, rows: int, k: int, batch: int, seconds: float) -> None:
         """The host's seconds around a verify step of `rows` rows at K: its inputs, the tokens'
-        bookkeeping (on a small model a real part of a step)."""
+        bookkeeping (on a small model a real part of a step). Kept per (rows, K) and per
+        request at K, the stand-in for a (rows, K) whose host time is not measured yet (part
+        of it is fixed per step, so a figure per request from other batch sizes is only
+        that)."""
         assert k in self.ks, (k, self.ks)
-        self._ema(self.book_s, (rows, k), seconds)
-        self._ema(self.book_per_req, k, seconds / max(batch, 1))
+        self.costs.record_book(rows, k, batch, seconds)
 
     def record_prefill(self, seconds_per_token: float) -> None:
         """A prefill chunk's seconds per token. The engine's step budget leaves K + 1 tokens
         to each running request, so while prompts wait for budget (`prefill_pending`) each
-        verify token of a K > 0 step pushes one prefill token to a later step: `_cost` charges
-        K tokens per request at this rate then. Without it a large batch still being
+        verify token of a K > 0 step pushes one prefill token to a later step: the cost
+        charges K tokens per request at this rate then. Without it a large batch still being
         admitted speculates at a K that is cheap for the step and slows admission."""
-        old = self.prefill_tok_s
-        self.prefill_tok_s = (seconds_per_token if old != old
-                              else old + ALPHA_TIME * (seconds_per_token - old))
+        self.costs.record_prefill(seconds_per_token)
 
-    @staticmethod
-    def _ema(table: dict, key, value: float) -> None:
-        old = table.get(key)
-        table[key] = value if old is None else old + ALPHA_TIME * (value - old)
+    @property
+    def prefill_tok_s(self) -> float:
+        return float(self.costs.scalars[0])
 
-    def _cost(self, B: int, n: int, draft: bool) -> list[float]:
-        """Seconds of a step of B requests at each of the first n K: verify, the host's
-        bookkeeping and (before drafting) the drafter; unmeasured host parts count as 0."""
-        rows = self._rows.get(B)
-        if rows is None:
-            rows = self._rows[B] = tuple(self.rows_for(B, k) for k in self.ks)
-        # the prefill each draft position displaces (nothing until a rate is measured)
-        displaced = self.prefill_tok_s if self.prefill_pending else 0.0
-        per_k = B * displaced if displaced == displaced else 0.0
-        out = []
-        for k, r in zip(self.ks[:n], rows):
-            book = self.book_s.get((r, k))
-            if book is None:
-                book = B * self.book_per_req.get(k, 0.0)
-            drafter = B * self.draft_s.get(k, 0.0) if draft else 0.0
-            out.append(self.verify_s.get((r, k), math.nan) + book + drafter + k * per_k)
-        return out
+    @property
+    def prefill_pending(self) -> bool:
+        """Whether prompts wait for the step's token budget (the engine sets it each step)."""
+        return bool(self.costs.scalars[1])
+
+    @prefill_pending.setter
+    def prefill_pending(self, pending: bool) -> None:
+        self.costs.scalars[1] = 1.0 if pending else 0.0
+
+    @property
+    def verify_s(self) -> dict[tuple[int, int], float]:
+        """{(rows, K): seconds} measured so far (a copy)."""
+        return self.costs.verify_table()
+
+    @property
+    def book_s(self) -> dict[tuple[int, int], float]:
+        return self.costs.book_table()
+
+    @property
+    def draft_s(self) -> dict[int, float]:
+        """{K: the drafter's seconds per request} (a copy)."""
+        return self.costs.per_k(self.costs.draft_s)
+
+    @property
+    def draft_values(self) -> dict[int, float]:
+        """{batch-size bucket: value of drafting} (a copy)."""
+        return {b: float(v) for b, v in enumerate(self.costs.draft_values) if v == v}
+
+    @property
+    def last_cap(self) -> int:
+        return int(self._cap[0])
+
+    @last_cap.setter
+    def last_cap(self, k: int) -> None:
+        self._cap[0] = k
 
     # -- choices -------------------------------------------------------------------------------
     @staticmethod
@@ -317,7 +319,7 @@ class KController:
         p, c = self._rows_of(slots)
         u = np.minimum.accumulate(p * c, axis=1).sum(0)                        # [K_max]
         n = len(self.ks)
-        k = self.ks[self._best(self._gains(B, u, n), self._cost(B, n, draft=True))]
+        k = self.ks[self._best(self._gains(B, u, n), self.costs.cost(B, n, draft=True))]
         if k < self.k_max:
             self.since_explore += 1
             if self.since_explore >= self.explore_every:
@@ -328,7 +330,7 @@ class KController:
     @property
     def draft_value(self) -> float:
         """The value of drafting (`_value_of_drafting`) at the last batch size seen."""
-        return self.draft_values.get(self._last_bucket, 1.0)
+        return self.costs.draft_value(self._last_bucket)
 
     def choose_before_cheap(self, batch: int) -> Choice:
         """For a drafter that drafts at K_max whatever K (ngram, suffix): draft, unless
@@ -346,18 +348,7 @@ class KController:
                 self.since_explore = 0
                 return Choice(self.k_max, self.k_max, explore=not self.probes,
                               probe=self.probes)
-        return Choice(0, 0) if skip else Choice(self.k_max, self.k_max)
-
-    def _value_of_drafting(self, B: int, gain: list[float], cost: list[float], best: int) -> None:
-        """This batch size's draft value <- running average of (best rate after drafting,
-        drafter's time included) / (rate of a K = 0 step without drafting)."""
-        if cost[0] != cost[0] or cost[best] != cost[best]:
-            return
-        drafter = B * self.draft_s.get(self.k_max, 0.0)
-        ratio = (gain[best] / (cost[best] + drafter)) / (B / cost[0])
-        key = _bucket(B)
-        old = self.draft_values.get(key, 1.0)
-        self.draft_values[key] = old + ALPHA_TIME * (ratio - old)
+        return _SKIP if skip else self._draft_all
 
     def choose_after(self, choice: Choice, slots: np.ndarray, lengths: np.ndarray) -> int:
         """The K to verify, <= the K drafted, given each request's drafted length [B]."""
@@ -369,21 +360,30 @@ class KController:
                             drafts: np.ndarray) -> tuple[int, np.ndarray]:
         """`choose_after` from the drafts [B, K_draft] themselves (-1 = none) -> (K, each
         request's drafted length [B], valid until the next step). With the C library, one
-        call computes the lengths and the per-position sums."""
+        call computes the lengths, the per-position sums and the decision."""
         lib, B = self._lib, len(slots)
-        if (lib is None or B < NATIVE_MIN_BATCH or choice.k_draft == 0
-                or drafts.dtype is not _I64 or (drafts.shape[1] > 1 and drafts.strides[1] != 8)):
-            lengths = lengths_of(drafts)
-            return self.choose_after(choice, slots, lengths), lengths
-        assert drafts.shape[0] == B, (drafts.shape, B)
-        if len(self._lengths) < B:
-            self._lengths = np.zeros(2 * B, dtype=np.int64)
-        c = self._rows_of(slots)[1]                                           # [B, K_max]
-        longest = lib.npuspec_kc_after(_addr(drafts), B, drafts.shape[1],
-                                       drafts.strides[0] // 8, self._addr(c), c.shape[1],
-                                       self._addr(self._lengths), self._addr(self._per_pos))
-        self._lengths_b = lengths = self._lengths[:B]
-        return self._after(choice, slots, longest, lambda: self._per_pos), lengths
+        if not choice.k_draft:  # nothing drafted: K = 0 (`_after`), without numpy calls
+            self._steps += 1
+            self.last_k, self.last_cap = 0, -1
+            if len(self._none) < B:
+                self._none = np.zeros(2 * B, dtype=np.int64)
+            return 0, self._none[:B]
+        if lib is not None and B >= NATIVE_MIN_BATCH and not self._prior_on():
+            if len(self._lengths) < B:
+                self._lengths = np.zeros(2 * B, dtype=np.int64)
+            c = self._rows_of(slots)[1]                                       # [B, K_max]
+            idx = self.costs.of_batch(B)   # may grow the tables, so before their addresses
+            k = lib.npuspec_kc_choose(self.costs.ctx_addr, drafts, B, self._addr(c),
+                                      self._addr(self._lengths), self._addr(self._per_pos),
+                                      self._addr(idx), choice.k_draft, choice.explore,
+                                      self._steps + 1, self._addr(self._cap))
+            if k != -2:  # -2: drafts laid out otherwise (not int64 rows), nothing changed
+                assert k >= 0, (k, self.ks)
+                self._steps += 1
+                self.last_k = k
+                return k, self._lengths[:B]
+        lengths = lengths_of(drafts)
+        return self.choose_after(choice, slots, lengths), lengths
 
     def _after(self, choice: Choice, slots: np.ndarray, longest: int, per_pos_of) -> int:
         """choose_after's decision; `longest`: the longest draft, `per_pos_of()` -> sum over
@@ -402,31 +402,18 @@ class KController:
             return self.last_k
         if n == 1:  # no drafts: K = 0, and the drafting that found none is weighed
             if choice.k_draft == self.k_max:
-                self._value_of_drafting(B, [float(B)], self._cost(B, 1, draft=False), 0)
+                self.costs.value_of_drafting(B, [float(B)], self.costs.cost(B, 1, draft=False), 0)
             self.last_k = 0
             return 0
         # request b gets 1 + sum of c[i] over i <= min(K, L_b)
-        gain, cost = self._gains(B, per_pos_of(), n), self._cost(B, n, draft=False)
+        gain, cost = self._gains(B, per_pos_of(), n), self.costs.cost(B, n, draft=False)
         best = self._best(gain, cost)
         if choice.k_draft == self.k_max:
-            self._value_of_drafting(B, gain, cost, best)
+            self.costs.value_of_drafting(B, gain, cost, best)
         if not choice.explore:
-            best = self._stale(B, n, best)
+            best = self.costs.stale(B, n, best, self._steps)
         self.last_k = self.ks[n - 1] if choice.explore else self.ks[best]
         return self.last_k
-
-    def _stale(self, B: int, n: int, best: int) -> int:
-        """Index of the largest of the first n K whose step at B requests was last measured
-        REFRESH_EVERY steps ago or more (verified now, to measure it again); else `best`."""
-        rows = self._rows[B]
-        for i in range(n - 1, 0, -1):
-            key = (rows[i], self.ks[i])
-            at = self._measured_at.get(key)
-            if i != best and at is not None and self._steps - at >= REFRESH_EVERY:
-                self._verify_window[key].clear()  # the next measurement is the figure
-                self._measured_at[key] = self._steps  # tried once, measured or not
-                return i
-        return best
 
     def _prior_on(self) -> bool:
         return self.prior is not None and self._steps < PRIOR_STEPS
@@ -455,27 +442,46 @@ class KController:
     def observe_result(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,
                        res: np.ndarray) -> None:
         """`observe` with the accepted drafts read from the verify step's result res
-        [>= B, K+2] (num_emitted - 1 at column K + 1). With the C library and an int32 res
-        (the engine's), one call updates the rows in place."""
+        [>= B, K+2] (num_emitted - 1 at column K + 1)."""
+        nan = math.nan
+        self.after_step(slots, k_draft, drafted, k, res, True, 0, nan, nan, nan, nan)
+
+    def after_step(self, slots: np.ndarray, k_draft: int, drafted: np.ndarray, k: int,
+                   res: np.ndarray, observe: bool, rows: int, t_draft: float, t_run: float,
+                   book_s: float, prefill_tok_s: float) -> None:
+        """The engine's call after a verify step: `observe_result` if `observe`, then the
+        step's times, each NaN where not measured (record_prefill, record_draft at K_draft,
+        record_verify and record_book at (rows, K)). With the C library, one call does it all
+        where res is int32 and the lengths int64 (the engine's; others take the reference)."""
         B, lib = len(slots), self._lib
-        if (lib is None or B < NATIVE_MIN_BATCH or res.dtype is not _I32 or res.strides[1] != 4
-                or (drafted is not self._lengths_b and (drafted.dtype is not _I64
-                                                         or drafted.strides != (8,)))):
+        learn = observe and k_draft != 0 and B != 0 and (k != 0 or self.availability)
+        if lib is not None and B >= NATIVE_MIN_BATCH:
+            assert t_draft != t_draft or k_draft in self.ks, (k_draft, self.ks)
+            ix = self.costs.index(rows, k) if t_run == t_run else -1  # may grow the tables
+            p, c = self._rows_of(slots)                   # [B, K_max] each, updated in place
+            if lib.npuspec_kc_verified(self.costs.ctx_addr,
+                                       self._addr(p) if self.availability else None,
+                                       self._addr(c), B, drafted, k_draft, k, res, learn, ix,
+                                       t_draft, t_run, book_s, prefill_tok_s, self._steps) == 0:
+                if learn:
+                    if slots is not self._bslots:
+                        self._store(slots, p, c)
+                    self._pool(p, c)
+                return
+            # -2: the lengths or res laid out otherwise (not int64 / int32 rows), nothing done
+        if learn:
             self.observe(slots, k_draft, drafted, k, res[:B, k + 1] - 1)
-            return
-        if k_draft == 0 or B == 0 or (k == 0 and not self.availability):
-            return
-        p, c = self._rows_of(slots)                       # [B, K_max] each, updated in place
-        # the lengths choose_after_drafts returned: a view at the start of the scratch, whose
-        # address is kept (a view is a new object each step, and a fresh view's address cost
-        # ~25 µs in the engine)
-        L = self._addr(self._lengths) if drafted is self._lengths_b else _addr(drafted)
-        lib.npuspec_kc_observe(self._addr(p) if self.availability else None, self._addr(c), B,
-                               c.shape[1], L, k_draft, k, _addr(res),
-                               res.strides[0] // 4, k + 1, ALPHA_REQUEST)
-        if slots is not self._bslots:
-            self._store(slots, p, c)
-        self._pool(p, c)
+        self._record(rows, k, k_draft, B, t_draft, t_run, book_s, prefill_tok_s)
+
+    def _record(self, rows: int, k: int, k_draft: int, batch: int, t_draft: float,
+                t_run: float, book_s: float, prefill_tok_s: float) -> None:
+        if prefill_tok_s == prefill_tok_s:
+            self.record_prefill(prefill_tok_s)
+        if t_draft == t_draft:
+            self.record_draft(k_draft, batch, t_draft)
+        if t_run == t_run:
+            self.record_verify(rows, k, t_run)
+            self.record_book(rows, k, batch, book_s)
 
     def _addr(self, a: np.ndarray) -> int:
         """The data address of one of the controller's own arrays, kept while the array lives
@@ -508,17 +514,11 @@ class KController:
 
 
 
-def _bucket(batch: int) -> int:
-    """Batch sizes that share a value of drafting: 1, 2-3, 4-7, 8-15, ..."""
-    return max(int(batch), 1).bit_length()
-
-
-# below this many requests the numpy path costs less inside the engine than the C call's
-# argument handling (embedded model, ngram, interleaved: 44 against 53 µs a step at one
-# request; 106 against 85 µs at four, 117 against 87 at 16, 228-234 against 171-174 at 64)
-NATIVE_MIN_BATCH = 4
-# the exact dtypes the C step reads (compared by identity: `!=` with a type converts it)
-_I32, _I64 = np.dtype(np.int32), np.dtype(np.int64)
+# below this many requests the Python reference runs. 1: with the decision and the records in
+# C the C step costs less at every batch size (embedded model, ngram, in the engine: 38
+# against 57 µs a step at one request, 81 against 245 at 64); before that, with only the
+# arithmetic in C, the reference cost less at one request (44 against 53 µs)
+NATIVE_MIN_BATCH = 1
 
 
 def _addr(a: np.ndarray) -> int:

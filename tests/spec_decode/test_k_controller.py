@@ -217,10 +217,10 @@ def test_host_time_is_kept_per_graph_not_per_request():
     ctl = make(batches=(1, 64))
     ctl.record_book(1, 0, 1, 0.5)      # 0.5 s at one request ...
     ctl.record_book(64, 0, 64, 0.5)    # ... and at 64: fixed
-    assert ctl._cost(64, 1, draft=False) == [1.0 + 0.5]
-    assert ctl._cost(1, 1, draft=False) == [1.0 + 0.5]
+    assert ctl.costs.cost(64, 1, draft=False) == [1.0 + 0.5]
+    assert ctl.costs.cost(1, 1, draft=False) == [1.0 + 0.5]
     ctl.record_book(1, 1, 1, 0.25)     # K = 1 measured at one request only
-    assert ctl._cost(64, 2, draft=False)[1] == 1.0 + 64 * 0.25
+    assert ctl.costs.cost(64, 2, draft=False)[1] == 1.0 + 64 * 0.25
 
 
 def test_draft_cost_counts_before_drafting():

@@ -1,6 +1,7 @@
-"""The K controller's C step (kernels/k_controller_cpu.py) against its numpy reference: the
-same choices and bit-equal state over random steps, with batches that change, requests that
-come and go, drafts of every length and a result array laid out as the engine's."""
+"""The K controller's C step (kernels/k_controller_cpu.py) against its Python reference: the
+same choices and bit-equal state (acceptance rows and every cost table) over random steps,
+with batches that change, requests that come and go, drafts of every length, a result array
+laid out as the engine's, and step times that are measured, missing or stalled."""
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ def _pair(availability: bool, probes: bool = False):
     for native in (True, False):
         ctl = kc.KController(KS, rows_for, explore_every=5, availability=availability,
                              probes=probes, native=native)
-        for rows in (8, 16, 24, 32, 40, 48, 56, 64):
+        for rows in (8, 16, 24, 32, 40, 48):   # 56 and 64 rows: unmeasured (tried first)
             for k in KS:
                 ctl.record_verify(rows, k, 1e-3 * (1 + 0.3 * k) * (1 + rows / 64))
         out.append(ctl)
@@ -58,12 +59,17 @@ def _result(rng, B, k, lengths, rows):
     return res
 
 
+@pytest.mark.parametrize("min_batch", [1, 4])
 @pytest.mark.parametrize("availability", [False, True])
-def test_native_step_equals_the_numpy_reference(availability):
+def test_native_step_equals_the_numpy_reference(availability, min_batch, monkeypatch):
+    """min_batch 4: two-request steps of the same controller take the reference, so the state
+    passes between the two paths."""
+    monkeypatch.setattr(kc, "NATIVE_MIN_BATCH", min_batch)
     nat, ref = _pair(availability)
     nat._lib = lib = _Counted(nat._lib)
     rng = np.random.default_rng(1 + availability)
     drafted = observed = 0
+    picked = set()
     live = [f"r{i}" for i in range(40)]
     next_id = 40
     for step in range(300):
@@ -88,18 +94,32 @@ def test_native_step_equals_the_numpy_reference(availability):
         k_n, L_n = nat.choose_after_drafts(ch_n, s_n, drafts)
         k_r, L_r = ref.choose_after_drafts(ch_r, s_r, drafts)
         assert k_n == k_r and np.array_equal(L_n, L_r), step
-        res = _result(rng, len(batch), k_n, L_n, nat.rows_for(len(batch), k_n))
+        rows = nat.rows_for(len(batch), k_n)
+        res = _result(rng, len(batch), k_n, L_n, rows)
         if native and ch_n.k_draft > 0 and (k_n > 0 or availability):
             observed += 1
-        if k_n > 0 or availability:
-            nat.observe_result(s_n, ch_n.k_draft, L_n, k_n, res)
-            ref.observe_result(s_r, ch_r.k_draft, L_r, k_r, res)
+        # the step's times: some not measured (NaN), a few stalled ones
+        times = [float(x) if rng.random() > 0.2 else np.nan
+                 for x in 1e-3 * rng.gamma(2.0, 1.0, 4) * (1 + 9 * (rng.random() < 0.05))]
+        # drafting: cheap next to the step at first, then dear, so that drafting stops
+        times[0] *= 0.02 if step < 150 else 5.0
+        learn = k_n > 0 or availability
+        nat.after_step(s_n, ch_n.k_draft, L_n, k_n, res, learn, rows, *times)
+        ref.after_step(s_r, ch_r.k_draft, L_r, k_r, res, learn, rows, *times)
+        nat.prefill_pending = ref.prefill_pending = bool(rng.random() < 0.3)
         for a, b in ((nat.p, ref.p), (nat.c, ref.c), (nat.pool_p, ref.pool_p),
                      (nat.pool_c, ref.pool_c)):
             assert np.array_equal(a, b), step
-        assert nat.draft_values == ref.draft_values and nat.last_k == ref.last_k
-    assert lib.calls == {"npuspec_kc_after": drafted, "npuspec_kc_observe": observed}, lib.calls
-    assert observed > 100 and drafted < step + 1
+        for name in ("verify", "book", "book_per_req", "draft_s", "draft_values", "measured_at",
+                     "window", "wn", "wpos", "scalars"):
+            assert np.array_equal(getattr(nat.costs, name), getattr(ref.costs, name),
+                                  equal_nan=True), (step, name)
+        assert nat.last_k == ref.last_k and nat.last_cap == ref.last_cap, step
+        picked.add(k_n)
+    assert lib.calls["npuspec_kc_choose"] == drafted and drafted < step + 1, lib.calls
+    assert lib.calls["npuspec_kc_verified"] >= observed > 100, lib.calls
+    assert len(picked) >= 3, picked  # the choice moved: the decision itself was compared
+    assert np.isnan(nat.costs.verify).sum() < nat.costs.verify.size  # times were kept
 
 
 def test_native_after_drafts_reads_strided_drafts_and_an_unbound_batch():
