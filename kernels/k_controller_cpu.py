@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import types
 
 from npuspec.kernels.cpp_build import load_pylibrary
 
@@ -337,23 +338,89 @@ int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
 }
 
 }  // extern "C"
+
+namespace {
+
+// The two entries as Python builtins (METH_FASTCALL): a ctypes call converts each argument
+// through its type's from_param and prepares a libffi call every time (~11 µs for these in
+// the engine, cold); a builtin reads its arguments from the interpreter's own array.
+bool int_args(PyObject* const* a, Py_ssize_t n, int64_t* v, int skip) {
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i == skip) continue;
+    v[i] = a[i] == Py_None ? 0 : PyLong_AsLongLong(a[i]);
+    if (v[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
+PyObject* py_choose(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 11) {
+    PyErr_SetString(PyExc_TypeError, "choose takes 11 arguments (KController)");
+    return nullptr;
+  }
+  int64_t v[11];
+  if (!int_args(a, n, v, 1)) return nullptr;
+  return PyLong_FromLongLong(npuspec_kc_choose(
+      (const int64_t*)v[0], a[1], v[2], (const double*)v[3], (int64_t*)v[4], (double*)v[5],
+      (const int64_t*)v[6], v[7], v[8], v[9], (int64_t*)v[10]));
+}
+
+PyObject* py_verified(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 15) {
+    PyErr_SetString(PyExc_TypeError, "verified takes 15 arguments (KController)");
+    return nullptr;
+  }
+  int64_t v[15];
+  double f[4];
+  for (int i = 0; i < 4; ++i) {
+    f[i] = PyFloat_AsDouble(a[10 + i]);
+    if (f[i] == -1.0 && PyErr_Occurred()) return nullptr;
+  }
+  for (int i : {0, 1, 2, 3, 5, 6, 8, 9, 14}) {
+    v[i] = a[i] == Py_None ? 0 : PyLong_AsLongLong(a[i]);
+    if (v[i] == -1 && PyErr_Occurred()) return nullptr;
+  }
+  return PyLong_FromLongLong(npuspec_kc_verified(
+      (const int64_t*)v[0], (double*)v[1], (double*)v[2], v[3], a[4], v[5], v[6], a[7], v[8],
+      v[9], f[0], f[1], f[2], f[3], v[14]));
+}
+
+PyMethodDef METHODS[] = {
+    {"choose", (PyCFunction)(void (*)(void))py_choose, METH_FASTCALL, "npuspec_kc_choose"},
+    {"verified", (PyCFunction)(void (*)(void))py_verified, METH_FASTCALL,
+     "npuspec_kc_verified"},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+// -> (choose, verified) as builtins; called once, through ctypes
+extern "C" PyObject* npuspec_kc_functions() {
+  return Py_BuildValue("(NN)", PyCFunction_New(&METHODS[0], nullptr),
+                       PyCFunction_New(&METHODS[1], nullptr));
+}
 """
 
 _P, _I, _D, _O = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.py_object
-SIGNATURES = {
+SIGNATURES = {  # the C entries (ctypes, for tests that call them alone) and the builtins'
     "npuspec_kc_choose": (_I, [_P, _O, _I, _P, _P, _P, _P, _I, _I, _I, _P]),
     "npuspec_kc_verified": (_I, [_P, _P, _P, _I, _O, _I, _I, _O, _I, _I, _D, _D, _D, _D, _I]),
+    "npuspec_kc_functions": (_O, []),
 }
 
 
 @functools.lru_cache(maxsize=None)
 def library():
-    """The compiled library (a ctypes PyDLL: a call of a few µs keeps the GIL), or None
-    (logged once) when it cannot be built."""
-    return load_pylibrary(SOURCE, "compiled K controller step",
-                          "the K controller runs its Python reference (same choices, more host "
-                          "time)",
-                          SIGNATURES)
+    """The compiled step as `.choose(...)` and `.verified(...)`, Python builtins with the C
+    entries' arguments (addresses as ints; arrays as themselves; None for a null pointer),
+    or None (logged once) when it cannot be built."""
+    lib = load_pylibrary(SOURCE, "compiled K controller step",
+                         "the K controller runs its Python reference (same choices, more host "
+                         "time)",
+                         SIGNATURES)
+    if lib is None:
+        return None
+    choose, verified = lib.npuspec_kc_functions()
+    return types.SimpleNamespace(choose=choose, verified=verified, dll=lib)
 
 
 def available() -> bool:

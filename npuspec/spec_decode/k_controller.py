@@ -373,10 +373,10 @@ class KController:
                 self._lengths = np.zeros(2 * B, dtype=np.int64)
             c = self._rows_of(slots)[1]                                       # [B, K_max]
             idx = self.costs.of_batch(B)   # may grow the tables, so before their addresses
-            k = lib.npuspec_kc_choose(self.costs.ctx_addr, drafts, B, self._addr(c),
-                                      self._addr(self._lengths), self._addr(self._per_pos),
-                                      self._addr(idx), choice.k_draft, choice.explore,
-                                      self._steps + 1, self._addr(self._cap))
+            k = lib.choose(self.costs.ctx_addr, drafts, B, self._addr(c),
+                           self._addr(self._lengths), self._addr(self._per_pos),
+                           self._addr(idx), choice.k_draft, choice.explore, self._steps + 1,
+                           self._addr(self._cap))
             if k != -2:  # -2: drafts laid out otherwise (not int64 rows), nothing changed
                 assert k >= 0, (k, self.ks)
                 self._steps += 1
@@ -459,10 +459,9 @@ class KController:
             assert t_draft != t_draft or k_draft in self.ks, (k_draft, self.ks)
             ix = self.costs.index(rows, k) if t_run == t_run else -1  # may grow the tables
             p, c = self._rows_of(slots)                   # [B, K_max] each, updated in place
-            if lib.npuspec_kc_verified(self.costs.ctx_addr,
-                                       self._addr(p) if self.availability else None,
-                                       self._addr(c), B, drafted, k_draft, k, res, learn, ix,
-                                       t_draft, t_run, book_s, prefill_tok_s, self._steps) == 0:
+            if lib.verified(self.costs.ctx_addr, self._addr(p) if self.availability else None,
+                            self._addr(c), B, drafted, k_draft, k, res, learn, ix,
+                            t_draft, t_run, book_s, prefill_tok_s, self._steps) == 0:
                 if learn:
                     if slots is not self._bslots:
                         self._store(slots, p, c)
