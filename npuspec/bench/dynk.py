@@ -215,8 +215,10 @@ def follow(trace, change, values=None) -> list[int]:
 
 
 def host_time_us(batch: int = 64, steps: int = 2000) -> float:
-    """Median µs of one step's controller calls (slots, choose_before, choose_after,
-    observe) at `batch`, every captured pair measured."""
+    """Median µs of one step's controller calls as the engine makes them (slots,
+    choose_before, choose_after_drafts, after_step with the step's times) at `batch`, on
+    synthetic drafts and results, every captured pair measured; warm, unlike
+    `engine_host_us`."""
     ks = candidate_ks(4)
     ctl = KController(ks, lambda b, k: b)
     for k in ks:
@@ -226,12 +228,18 @@ def host_time_us(batch: int = 64, steps: int = 2000) -> float:
     ts = []
     for _ in range(steps):
         L = rng.integers(0, 5, batch)
+        drafts = np.where(np.arange(4) < L[:, None], 7, -1)                     # [B, 4]
         t0 = time.perf_counter()
         s = ctl.slots(ids)
         ch = ctl.choose_before(s)
-        k = ctl.choose_after(ch, s, L)
-        ctl.observe(s, ch.k_draft, L, k, np.minimum(L, k) // 2)
-        ts.append(time.perf_counter() - t0)
+        k, lengths = ctl.choose_after_drafts(ch, s, drafts[:, :ch.k_draft])
+        t1 = time.perf_counter()
+        res = np.zeros((batch, k + 2), dtype=np.int32)
+        res[:, k + 1] = np.minimum(lengths, k) // 2 + 1                       # num_emitted
+        t2 = time.perf_counter()
+        ctl.after_step(s, ch.k_draft, lengths, k, res, True, batch, 1e-4, 0.01 * (1 + k),
+                       1e-4, math.nan)
+        ts.append(time.perf_counter() - t2 + t1 - t0)
     return statistics.median(ts) * 1e6
 
 
