@@ -4,7 +4,9 @@ Inside the engine the controller's Python runs right after a model step has fill
 with its own data, and each numpy call or Python-level lookup then costs several µs (batch 64,
 embedded model: `choose_after` 36-45 µs, `observe` 49-56 µs, `lengths_of` 10-11 µs; with only
 the arithmetic in C, the argument handling and the decision in Python still took ~100 µs). So
-each of the engine's two per-step calls is one C call:
+each of the engine's two per-step calls is one C call, reached as a Python builtin
+(`library().choose` / `.verified`, METH_FASTCALL: a ctypes call of these arguments cost
+11-14 µs cold):
 
 - `npuspec_kc_choose`: each row's drafted length (drafts >= 0), the per-position sums
   `sum_b c[b, i] * [i < L_b]`, and the decision of `KController._after`: the expected tokens
@@ -17,8 +19,8 @@ each of the engine's two per-step calls is one C call:
 
 The cost tables are StepCosts' arrays (npuspec/spec_decode/k_costs.py), read through `ctx`, an
 int64 array of their addresses and sizes (k_costs.CTX_FIELDS, the order of `struct Ctx`; the
-running averages' weights are in its `scalars`, so this source holds no tuning constant). Every figure rounds as
-the Python reference does: the same operations in the same order, every product rounded before
+running averages' weights are in its `scalars`, so this source holds no tuning constant).
+Every figure rounds as the Python reference does: the same operations in the same order, every product rounded before
 its sum (`volatile`, so no FMA contraction), so the state, and every K chosen from it, is bit
 for bit the reference's (tests/spec_decode/test_k_controller_native.py). The reference is the
 Python path in KController and StepCosts; it runs when this library cannot be built.
@@ -344,9 +346,10 @@ namespace {
 // The two entries as Python builtins (METH_FASTCALL): a ctypes call converts each argument
 // through its type's from_param and prepares a libffi call every time (~11 µs for these in
 // the engine, cold); a builtin reads its arguments from the interpreter's own array.
-bool int_args(PyObject* const* a, Py_ssize_t n, int64_t* v, int skip) {
+// v[i] <- a[i] as an int (None: 0) for every i not in `skip` (a bit mask)
+bool int_args(PyObject* const* a, Py_ssize_t n, int64_t* v, uint32_t skip) {
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (i == skip) continue;
+    if (skip >> i & 1u) continue;
     v[i] = a[i] == Py_None ? 0 : PyLong_AsLongLong(a[i]);
     if (v[i] == -1 && PyErr_Occurred()) return false;
   }
@@ -359,7 +362,7 @@ PyObject* py_choose(PyObject*, PyObject* const* a, Py_ssize_t n) {
     return nullptr;
   }
   int64_t v[11];
-  if (!int_args(a, n, v, 1)) return nullptr;
+  if (!int_args(a, n, v, 1u << 1)) return nullptr;
   return PyLong_FromLongLong(npuspec_kc_choose(
       (const int64_t*)v[0], a[1], v[2], (const double*)v[3], (int64_t*)v[4], (double*)v[5],
       (const int64_t*)v[6], v[7], v[8], v[9], (int64_t*)v[10]));
@@ -376,10 +379,7 @@ PyObject* py_verified(PyObject*, PyObject* const* a, Py_ssize_t n) {
     f[i] = PyFloat_AsDouble(a[10 + i]);
     if (f[i] == -1.0 && PyErr_Occurred()) return nullptr;
   }
-  for (int i : {0, 1, 2, 3, 5, 6, 8, 9, 14}) {
-    v[i] = a[i] == Py_None ? 0 : PyLong_AsLongLong(a[i]);
-    if (v[i] == -1 && PyErr_Occurred()) return nullptr;
-  }
+  if (!int_args(a, n, v, 1u << 4 | 1u << 7 | 0xFu << 10)) return nullptr;  // arrays, floats
   return PyLong_FromLongLong(npuspec_kc_verified(
       (const int64_t*)v[0], (double*)v[1], (double*)v[2], v[3], a[4], v[5], v[6], a[7], v[8],
       v[9], f[0], f[1], f[2], f[3], v[14]));
@@ -400,12 +400,7 @@ extern "C" PyObject* npuspec_kc_functions() {
 }
 """
 
-_P, _I, _D, _O = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.py_object
-SIGNATURES = {  # the C entries (ctypes, for tests that call them alone) and the builtins'
-    "npuspec_kc_choose": (_I, [_P, _O, _I, _P, _P, _P, _P, _I, _I, _I, _P]),
-    "npuspec_kc_verified": (_I, [_P, _P, _P, _I, _O, _I, _I, _O, _I, _I, _D, _D, _D, _D, _I]),
-    "npuspec_kc_functions": (_O, []),
-}
+SIGNATURES = {"npuspec_kc_functions": (ctypes.py_object, [])}  # -> the two builtins
 
 
 @functools.lru_cache(maxsize=None)

@@ -278,7 +278,7 @@ class KController:
     @property
     def draft_s(self) -> dict[int, float]:
         """{K: the drafter's seconds per request} (a copy)."""
-        return self.costs.per_k(self.costs.draft_s)
+        return self.costs.by_k(self.costs.draft_s)
 
     @property
     def draft_values(self) -> dict[int, float]:

@@ -192,5 +192,5 @@ class StepCosts:
                     out[(rows, k)] = v
         return out
 
-    def per_k(self, a: np.ndarray) -> dict[int, float]:
+    def by_k(self, a: np.ndarray) -> dict[int, float]:
         return {k: float(v) for k, v in zip(self.ks, a) if v == v}
