@@ -103,7 +103,9 @@ def test_registration_reads_the_store_and_traces_nothing(monkeypatch):
     assert d.get("pattern_trace_store.loaded") == 327, d
 
 
-@pytest.mark.parametrize("content", [None, b"not gzip", gzip.compress(b"{not json")])
+# mtime=0 and ids: a gzip header carries the time, and xdist workers must collect the same ids.
+@pytest.mark.parametrize("content", [None, b"not gzip", gzip.compress(b"{not json", mtime=0)],
+                         ids=["missing", "not_gzip", "not_json"])
 def test_a_missing_or_broken_file_is_named_and_traced_around(tmp_path, monkeypatch, caplog,
                                                              content):
     path = tmp_path / "t.json.gz"
