@@ -25,6 +25,11 @@ graphs after it at new batch sizes do not.
 For the default families the registration's graph and a witness trace at moved sizes are
 made offline and shipped (passes/trace_store.py, `witness`), so a first match whose sizes equal
 the examples' wherever the spelling's literals follow a size reuses the registration's graph.
+Two more kinds of evidence are made there: each spelling traced again with a leading dim on
+every argument (`variants`: a row rule applied to [B, K, V]), with its own witness, and for
+each trace whether it is the same with every argument strided (`strides_free`), so that
+sliced arguments (vLLM's `probs[:, :K]`) take the contiguous one's graph. A first match
+whose signature is one of these reuses it (`SearchMemo._shipped`).
 
 The evidence is two traces, not a proof: a spelling whose graph changes only at sizes neither
 trace had (a branch on `V > 64`) would be missed. The families' spellings branch on no size
@@ -39,7 +44,7 @@ from typing import Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.node import map_arg
+from torch.fx.node import map_aggregate, map_arg
 
 STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
 
@@ -169,6 +174,29 @@ class _Kept:
 SHIFT = 100  # a size class moved by this lands past every example size: no new coincidence
 
 
+@contextlib.contextmanager
+def quiet():
+    """Fake tensors log each meta that fails: a spelling that cannot take a shape is expected."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _traces_to(trace: Callable, args, key, make) -> bool:
+    """Whether `trace` of `args`, each tensor remade as `make(a)` under a FakeTensorMode,
+    gives the graph whose graph_key is `key` (False where it cannot trace them)."""
+    with quiet(), FakeTensorMode():
+        moved = [make(a) if isinstance(a, torch.Tensor) else a for a in args]
+        try:
+            return graph_key(trace(moved)) == key
+        except Exception:  # a shape the spelling cannot take
+            return False
+
+
 def witness(trace: Callable, args, gm: torch.fx.GraphModule) -> Optional[tuple]:
     """The registration's evidence, made once, offline (passes/write_traces.py), where a
     process would wait for its first match: the sizes of the example arguments grouped by
@@ -182,24 +210,86 @@ def witness(trace: Callable, args, gm: torch.fx.GraphModule) -> Optional[tuple]:
     key = graph_key(gm)
 
     def same(free: set) -> bool:
-        quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs each failed meta
-        with contextlib.ExitStack() as undo:
-            undo.callback(quiet.setLevel, quiet.level)
-            quiet.setLevel(logging.CRITICAL)
-            undo.enter_context(FakeTensorMode())
-            moved = [torch.empty([v + SHIFT if v in free else v for v in a.shape], dtype=a.dtype,
-                                 device=a.device) if isinstance(a, torch.Tensor) else a
-                     for a in args]
-            try:
-                return graph_key(trace(moved)) == key
-            except Exception:  # a shape the spelling cannot take: not free
-                return False
+        return _traces_to(trace, args, key, lambda a: torch.empty(
+            [v + SHIFT if v in free else v for v in a.shape], dtype=a.dtype, device=a.device))
 
     free = {v for v in classes if same({v})}
     if not free or (len(free) > 1 and not same(free)):
         return None
     return tuple(tuple(d for d, v in enumerate(sz) if v not in free) if sz is not None else ()
                  for sz in sizes)
+
+
+def _strided(a: torch.Tensor) -> torch.Tensor:
+    """`a`'s shape with no dim contiguous: each stride one element past the contiguous one."""
+    strides, acc = [], 1
+    for n in reversed(a.shape):
+        strides.append(acc + 1)
+        acc = (acc + 1) * n
+    return torch.empty_strided(a.shape, tuple(reversed(strides)), dtype=a.dtype,
+                               device=a.device)
+
+
+def strides_free(trace: Callable, args, gm: torch.fx.GraphModule) -> bool:
+    """Offline evidence that the spelling's graph does not follow its arguments' strides: at
+    the example sizes, every tensor argument strided in every dim (`_strided`) traces to `gm`
+    again. A decomposition that reads strides (a reshape that is a view only when contiguous,
+    a `.contiguous()`) changes the graph at that extreme. Such a spelling's trace is reused
+    for a match whose arguments are slices of larger tensors (vLLM's `probs[:, :K]`): as
+    everywhere here, the reused graph is then matched with every literal compared."""
+    return _traces_to(trace, args, graph_key(gm), _strided)
+
+
+def variants(args) -> list:
+    """Argument lists a spelling is also traced at offline, beside its examples: every tensor
+    with a leading dim of 3 (a [B, V] row rule applied to [B, K, V], as vLLM's residual is)."""
+    if not any(isinstance(a, torch.Tensor) for a in args):
+        return []
+    return [[a.unsqueeze(0).expand(3, *a.shape).contiguous() if isinstance(a, torch.Tensor)
+             else a for a in args]]
+
+
+def loose(sig: tuple) -> tuple:
+    """`sig` with every tensor's dims called contiguous: the key of a strides-free trace."""
+    return tuple(s[:5] + ((True,) * s[3],) if s[0] == "T" else s for s in sig)
+
+
+def with_float(gm: torch.fx.GraphModule, old: float, new: float) -> torch.fx.GraphModule:
+    """A copy of `gm` with every float literal equal to `old` written `new`."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    g, env = torch.fx.Graph(), {}
+
+    def leaf(a):
+        if isinstance(a, torch.fx.Node):
+            return env[a]
+        return new if type(a) is float and a == old else a
+
+    for n in gm.graph.nodes:
+        env[n] = g.create_node(n.op, n.target, map_aggregate(n.args, leaf),
+                               map_aggregate(n.kwargs, leaf), name=n.name)
+    return _LazyGraphModule(torch.nn.Module(), g)
+
+
+SENTINELS = (0.8125, 0.6875)
+
+
+def floats_free(trace: Callable, args, gm: torch.fx.GraphModule) -> list:
+    """Offline evidence, per float argument, that its value only passes through to the graph as
+    a literal: traced at another value, the graph is `gm` with that literal written anew. A
+    match whose float differs from the example's (vLLM's eps 1e-5) then takes the shipped
+    graph with the literal replaced. -> the positions where that held."""
+    out = []
+    for i, a in enumerate(args):
+        if type(a) is not float:
+            continue
+        other = SENTINELS[0] if a != SENTINELS[0] else SENTINELS[1]
+        moved = list(args)
+        moved[i] = other
+        if _traces_to(trace, moved, graph_key(with_float(gm, a, other)),
+                      lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                    device=t.device)):
+            out.append(i)
+    return out
 
 
 def _coincide(example: tuple, real: tuple) -> tuple:
@@ -230,6 +320,7 @@ class SearchMemo:
         self.example = None  # (sizes, graph key, values) of the registration's trace
         self.kept: dict = {}  # signature -> _Kept
         self.witness: dict = {}  # signature -> (sizes, graph key) of its latest trace
+        self.looked: set = set()  # signatures already looked up in the shelf
 
     def __call__(self, fn, args, **kw):
         if fn is not self.search:  # the replacement, or a wrapper for symbolic sizes
@@ -240,13 +331,14 @@ class SearchMemo:
             if gm is None:
                 gm = self.trace(fn, args, **kw)
                 if self.shelf is not None and self.shelf.recording():
-                    fixed = witness(lambda a: self.trace(fn, a, **kw), args, gm)
-                    self.shelf.put(sig, gm, fixed)
+                    fixed = self._record(lambda a: self.trace(fn, a, **kw), args, gm)
             if fixed is not None and sig is not None:  # the witness trace was made offline
                 self.kept[sig] = _Kept(gm, _sizes(args), fixed)
             self.example = (_sizes(args), graph_key(gm), _values(args))
             return gm
         kept = self.kept.get(sig) if sig is not None else None
+        if kept is None and sig is not None and self.shelf is not None:
+            kept = self._shipped(sig)
         if kept is not None and _fits(kept, args):
             STATS["reused"] += 1
             return kept.gm
@@ -263,6 +355,56 @@ class SearchMemo:
                 break
         self.witness[sig] = (sizes, key)
         return gm
+
+    def _record(self, trace: Callable, args, gm) -> Optional[tuple]:
+        """write_traces: the registration's evidence, and each of `variants` traced with its
+        own; -> the registration's witness."""
+        fixed = witness(trace, args, gm)
+        self.shelf.put(signature(args), gm, fixed, _sizes(args), strides_free(trace, args, gm),
+                       floats_free(trace, args, gm))
+        for v in variants(args):
+            try:
+                with quiet():
+                    vgm = trace(v)
+            except Exception:  # a spelling that takes no leading dim
+                continue
+            self.shelf.put(signature(v), vgm, witness(trace, v, vgm), _sizes(v),
+                           strides_free(trace, v, vgm), floats_free(trace, v, vgm))
+        return fixed
+
+    def _shipped(self, sig) -> Optional[_Kept]:
+        """The shipped trace for `sig` as a kept one: made offline at that signature (a
+        variant), or at its contiguous one when that graph is strides-free, with a float
+        argument's literal rewritten where its value only passes through; once per
+        signature."""
+        if sig in self.looked:
+            return None
+        self.looked.add(sig)
+        at, floats = self._at_example_floats(sig)
+        got = self.shelf.find(at)
+        if got is None and loose(at) != at:
+            got = self.shelf.find(loose(at))
+            got = got if got is not None and got.strides_free else None
+        if got is None or got.fixed is None or not set(floats) <= set(got.floats_free):
+            return None
+        gm = got.gm
+        for old, new in floats.values():
+            gm = with_float(gm, old, new)
+        self.kept[sig] = _Kept(gm, got.sizes, got.fixed)
+        return self.kept[sig]
+
+    def _at_example_floats(self, sig) -> tuple:
+        """(`sig` with each float argument at the example's value, {position: (example's
+        value, this one)} where they differ); nothing moved where two would share a value."""
+        values = self.example[2]
+        at, floats = list(sig), {}
+        for i, (s, e) in enumerate(zip(sig, values)):
+            if s[0] == "V" and s[1] == "float" and e is not None and e[0] == "float" \
+                    and s[2] != e[1]:
+                at[i], floats[i] = ("V", "float", e[1]), (e[1], s[2])
+        if len({old for old, _ in floats.values()}) < len(floats):
+            return sig, {}
+        return tuple(at), floats
 
     def _evidence(self, sig, sizes: tuple, values: tuple) -> list:
         """Earlier traces this one may be compared with: the registration's when its ranks and

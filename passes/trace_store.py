@@ -217,15 +217,42 @@ def load(key: str) -> tuple:
                      "npuspec.passes.write_traces refreshes them)", key)
         return None, None
     counters.bump("pattern_trace_store.loaded")
-    nodes, fixed = entry
-    return decode(nodes), (None if fixed is None else tuple(tuple(f) for f in fixed))
+    return decode(entry[0]), _fixed(entry[1])
 
 
-def record(key: str, gm: torch.fx.GraphModule, fixed: Optional[tuple]) -> None:
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A shipped trace with its evidence (search_memo): the arguments' sizes it was traced
+    at, the dims a reuse must match (`witness`), whether the graph is the same with every
+    argument strided (`strides_free`), which float arguments only pass through as literals."""
+    gm: torch.fx.GraphModule
+    sizes: tuple
+    fixed: Optional[tuple]
+    strides_free: bool
+    floats_free: tuple   # the float arguments whose value is only a literal (floats_free)
+
+
+def find(key: str) -> Optional[Stored]:
+    """The shipped trace for `key` with its evidence, or None; neither counted nor logged (a
+    variant's lookup: most signatures have none)."""
+    entry = None if recording is not None else _shipped().get(key)
+    if entry is None:
+        return None
+    nodes, fixed, sizes, free, floats = entry
+    return Stored(decode(nodes), tuple(None if s is None else tuple(s) for s in sizes),
+                  _fixed(fixed), bool(free), tuple(floats))
+
+
+def _fixed(fixed) -> Optional[tuple]:
+    return None if fixed is None else tuple(tuple(f) for f in fixed)
+
+
+def record(key: str, gm: torch.fx.GraphModule, fixed: Optional[tuple], sizes: tuple = (),
+           strides_free: bool = False, floats_free: tuple = ()) -> None:
     if recording is not None:
         nodes = encode(gm)
         if nodes is not None:
-            recording[key] = [nodes, fixed]
+            recording[key] = [nodes, fixed, sizes, strides_free, list(floats_free)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,10 +263,17 @@ class Shelf:
     spelling: str
 
     def get(self, sig) -> tuple:
-        return load(entry_key(self.flavor, self.uuid, self.spelling, sig))
+        return load(self.key(sig))
 
-    def put(self, sig, gm: torch.fx.GraphModule, fixed: Optional[tuple]) -> None:
-        record(entry_key(self.flavor, self.uuid, self.spelling, sig), gm, fixed)
+    def find(self, sig) -> Optional[Stored]:
+        return find(self.key(sig))
+
+    def put(self, sig, gm: torch.fx.GraphModule, fixed: Optional[tuple], sizes: tuple = (),
+            strides_free: bool = False, floats_free: tuple = ()) -> None:
+        record(self.key(sig), gm, fixed, sizes, strides_free, floats_free)
+
+    def key(self, sig) -> str:
+        return entry_key(self.flavor, self.uuid, self.spelling, sig)
 
     @staticmethod
     def recording() -> bool:

@@ -126,7 +126,8 @@ def test_no_spelling_changes_its_graph_only_at_some_sizes():
     """Each spelling traced at its example sizes, at every size + 3 and at every size + 7:
     either all three graphs are one (its literals take no size), or both shifted ones differ
     from the example's (a literal follows a size). A graph that changed at one shift and not
-    the other would branch on a size, which the memo's two-trace evidence cannot see."""
+    the other would branch on a size, which the memo's two-trace evidence cannot see. And at
+    the example sizes with its arguments sliced, the same graph as contiguous."""
     families = default_patterns() + [SampleVerify(SampleVerifyConfig(modes=OTHER_MODES))]
     free = follows = 0
     seen = set()
@@ -144,6 +145,17 @@ def test_no_spelling_changes_its_graph_only_at_some_sizes():
                     keys.append(search_memo.graph_key(manager.trace_canonical(sp.search, args)))
             same3, same7 = keys[1] == keys[0], keys[2] == keys[0]
             assert same3 == same7, f"{fam.name}.{sp.name}: graph changes at one shift only"
+            # the strides write_traces did not try (it strides every dim): each argument
+            # sliced in its second dim, as vLLM's probs[:, :K] is; the shipped file calls
+            # every spelling strides-free
+            mode = FakeTensorMode()
+            with mode:
+                sliced = [a if not isinstance(a, torch.Tensor) else
+                          torch.empty(a.shape, dtype=a.dtype) if a.dim() < 2 else
+                          torch.empty([*a.shape[:1], a.shape[1] + 1, *a.shape[2:]],
+                                      dtype=a.dtype)[:, :a.shape[1]] for a in example]
+                assert search_memo.graph_key(manager.trace_canonical(sp.search, sliced)) == \
+                    keys[0], f"{fam.name}.{sp.name}: graph follows the strides"
             free += same3
             follows += not same3
     print(f"{free} spellings shape-free, {follows} with a literal from a size")
@@ -182,3 +194,91 @@ def test_signature_names_the_device_and_the_scalars():
     assert search_memo.signature([a, 1e-5]) != search_memo.signature([a, 2e-5])
     assert search_memo.signature([a, 1e-5]) == search_memo.signature([torch.empty(5, 7), 1e-5])
     assert search_memo.signature([a.t()]) != search_memo.signature([torch.empty(3, 2)])
+
+
+# -- evidence made offline for signatures other than the example's (write_traces) -----------
+
+def contiguous_first(x):
+    return x.contiguous() + 1
+
+
+def floored(p, c):
+    return p.clamp_min(c) * 2
+
+
+def one_minus(p, c):
+    return p * (1 - c)
+
+
+def test_strides_free_sees_a_graph_that_follows_strides():
+    trace = lambda f: (lambda a: manager.trace_canonical(f, a))  # noqa: E731
+    for fn, free in [(shape_free, True), (flat, False), (contiguous_first, False)]:
+        ex = [torch.rand(2, 9)]
+        gm = manager.trace_canonical(fn, ex)
+        assert search_memo.strides_free(trace(fn), ex, gm) is free, fn.__name__
+
+
+def test_floats_free_only_where_the_value_is_the_literal():
+    ex = [torch.rand(2, 9), 0.3125]
+    for fn, free in [(floored, [1]), (one_minus, [])]:
+        gm = manager.trace_canonical(fn, ex)
+        got = search_memo.floats_free(lambda a, f=fn: manager.trace_canonical(f, a), ex, gm)
+        assert got == free, fn.__name__
+    gm = manager.trace_canonical(floored, ex)
+    moved = search_memo.with_float(gm, 0.3125, 1e-5)
+    fresh = manager.trace_canonical(floored, [torch.rand(2, 9), 1e-5])
+    assert search_memo.graph_key(moved) == search_memo.graph_key(fresh)
+    assert search_memo.graph_key(moved) != search_memo.graph_key(gm)
+
+
+def _shelved(monkeypatch, fn, example):
+    """A SearchMemo registered from a shelf that write_traces' recording filled for `fn`."""
+    from npuspec.passes import trace_store
+    shelf = trace_store.Shelf("eager", "test-uuid", fn.__name__)
+    monkeypatch.setattr(trace_store, "recording", {})
+    search_memo.SearchMemo(fn, manager.trace_canonical, shelf)(fn, example)
+    stored = dict(trace_store.recording)
+    monkeypatch.setattr(trace_store, "recording", None)
+    monkeypatch.setattr(trace_store, "_shipped", lambda: stored)
+    m = search_memo.SearchMemo(fn, manager.trace_canonical, shelf)
+    m(fn, example)
+    return m
+
+
+def test_sliced_wider_and_other_float_matches_reuse_the_shipped_graph(monkeypatch):
+    """A first match with an argument sliced from a larger tensor, with a leading dim, or with
+    another float reuses what write_traces shipped, and that graph is the one a fresh trace at
+    the match's arguments gives; a spelling whose graph follows strides traces."""
+    mode = FakeTensorMode()
+    m = _shelved(monkeypatch, floored, [torch.rand(2, 9), 0.3125])
+    with mode:
+        sliced = torch.empty(6, 12)[:, :10]                           # [6, 10], not contiguous
+        wide = torch.empty(5, 4, 11)
+    for args in ([sliced, 0.3125], [wide, 0.3125], [sliced, 1e-5], [wide, 1e-5]):
+        gm, d = _calls(m, floored, args)
+        assert d == {"traced": 0, "reused": 1, "kept": 0}, (args[0].shape, args[1], d)
+        with mode:
+            fresh = manager.trace_canonical(floored, args)
+        assert search_memo.graph_key(gm) == search_memo.graph_key(fresh)
+    m = _shelved(monkeypatch, contiguous_first, [torch.rand(2, 9)])
+    _, d = _calls(m, contiguous_first, [sliced])
+    assert d["traced"] == 1 and d["reused"] == 0
+
+
+def test_vllm_v1_first_graph_traces_no_search(monkeypatch):
+    """vLLM v1's step (sliced probs, rank-3 residual rows, a 1e-5 floor) compiled right after
+    the families register from the shipped file: every search comes from the file."""
+    from npuspec.bench import passes as bench
+    manager._compiled.cache_clear()
+    torch._dynamo.reset()
+    logits, drafts, q = bench.make_inputs(3, 4, 40, "cpu")
+    args = (torch.softmax(logits, -1), drafts, q, torch.tensor([1, 2, 3]),
+            torch.rand(3, 4), torch.empty(3, 4, 40).exponential_())
+    before = dict(search_memo.STATS)
+    try:
+        three_way(bench.vllm_v1_step_draws, args, matched=None,
+                  appear=("npuspec.rejection_sample",))
+    finally:
+        manager._compiled.cache_clear()
+    d = {k: search_memo.STATS[k] - before[k] for k in before}
+    assert d["traced"] == 0 and d["reused"] >= 3, d

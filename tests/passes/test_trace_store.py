@@ -22,7 +22,7 @@ def test_the_shipped_file_is_current(tmp_path):  # catches a stale key (test_reg
     shipped = trace_store._shipped()
     assert shipped, "pattern_traces.json.gz is missing or stale: python -m npuspec.passes.write_traces"
     fresh = tmp_path / "fresh.json.gz"
-    assert write_traces.write(str(fresh)) == 654
+    assert write_traces.write(str(fresh)) == 878
     with gzip.open(fresh, "rt") as f:
         data = json.load(f)
     assert data["file_key"] == trace_store.file_key()
