@@ -59,11 +59,14 @@ def _result(rng, B, k, lengths, rows):
     return res
 
 
-@pytest.mark.parametrize("min_batch", [1, 4])
+@pytest.mark.parametrize("min_batch,int64_res", [(1, False), (4, False), (1, True)])
 @pytest.mark.parametrize("availability", [False, True])
-def test_native_step_equals_the_numpy_reference(availability, min_batch, monkeypatch):
+def test_native_step_equals_the_numpy_reference(availability, min_batch, int64_res,
+                                                monkeypatch):
     """min_batch 4: two-request steps of the same controller take the reference, so the state
-    passes between the two paths."""
+    passes between the two paths. int64_res: every third step's result is int64, which the C
+    step leaves to the reference (-2), so the bound batch's rows become new arrays between two
+    C steps of the same batch (the C step's kept addresses must follow)."""
     monkeypatch.setattr(kc, "NATIVE_MIN_BATCH", min_batch)
     nat, ref = _pair(availability)
     nat._lib = lib = _Counted(nat._lib)
@@ -96,6 +99,8 @@ def test_native_step_equals_the_numpy_reference(availability, min_batch, monkeyp
         assert k_n == k_r and np.array_equal(L_n, L_r), step
         rows = nat.rows_for(len(batch), k_n)
         res = _result(rng, len(batch), k_n, L_n, rows)
+        if int64_res and step % 3 == 0:
+            res = res.astype(np.int64)
         if native and ch_n.k_draft > 0 and (k_n > 0 or availability):
             observed += 1
         # the step's times: some not measured (NaN), a few stalled ones
