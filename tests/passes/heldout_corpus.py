@@ -41,25 +41,32 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def compiled_leaves(entry, backend: str, options: dict) -> list:
-    """The leaves of `entry` compiled afresh with `backend` (FX graph cache off)."""
+def compiled_leaves(entry, backend: str, options: dict, capture: bool = False) -> list:
+    """The leaves of `entry` compiled afresh with `backend` (FX graph cache off); `capture`:
+    through `npuspec.compile` (Dynamo's capture flags on for it) instead of torch.compile."""
     from torch._inductor import config
     torch._dynamo.reset()
-    cf = torch.compile(entry["fn"], backend=backend, options=options)
+    if capture:
+        import npuspec
+        assert backend == "npuspec", backend
+        cf = npuspec.compile(entry["fn"], options=options)
+    else:
+        cf = torch.compile(entry["fn"], backend=backend, options=options)
     args = entry["make"](INPUT_SEED)
     with config.patch(fx_graph_cache=False):
         torch.manual_seed(SEED)
         return pytree.tree_leaves(cf(*args))
 
 
-def run(entry, lowering: str = "eager") -> tuple[bool, bool, set]:
+def run(entry, lowering: str = "eager", capture: bool = False) -> tuple[bool, bool, set]:
     """(fused, equal to eager, npuspec ops after the passes): eager, then a fresh compile with
-    backend="npuspec", each from its own make() and the same torch RNG state."""
+    backend="npuspec" (`capture`: through npuspec.compile), each from its own make() and the
+    same torch RNG state."""
     torch.manual_seed(SEED)
     w = pytree.tree_leaves(entry["fn"](*entry["make"](INPUT_SEED)))
     manager.HISTORY.clear()
     before = counters.snapshot()
-    g = compiled_leaves(entry, "npuspec", {"lowering": lowering, "capture": False})
+    g = compiled_leaves(entry, "npuspec", {"lowering": lowering, "capture": False}, capture)
     delta = counters.delta(before)
     equal = len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
     ops = set(re.findall(r"npuspec\.\w+", "\n".join(t for _, _, t in manager.HISTORY)))
