@@ -15,7 +15,9 @@ each of the engine's two per-step calls is one C call, reached as a Python built
 - `npuspec_kc_verified`: `KController.observe`'s update in place (availability, optional;
   acceptance at the verified positions, the accepted counts read from the step's int32 result
   [rows, K+2]) and the step's records: the verify window and its lower median, the host's and
-  the drafter's running averages, the prefill rate (StepCosts' record_* methods).
+  the drafter's running averages, the prefill rate (StepCosts' record_* methods); on the
+  observations where `KController._pool` is due, the pooled estimates moved toward the rows'
+  means (its numpy calls cost ~70 µs cold every fourth step).
 
 The cost tables are StepCosts' arrays (npuspec/spec_decode/k_costs.py), read through `ctx`, an
 int64 array of their addresses and sizes (k_costs.CTX_FIELDS, the order of `struct Ctx`; the
@@ -276,6 +278,19 @@ int64_t npuspec_kc_choose(const int64_t* ctx, PyObject* drafts_obj, int64_t B, c
   return t.ks[best];
 }
 
+// pool <- pool + alpha * (rows.mean(0) - pool), as numpy rounds it: the column sums row by
+// row (an axis-0 reduction of a C-contiguous [B, km] array), then one division by B
+static void pool_toward(const double* rows, double* pool, int64_t B, int64_t km, double alpha) {
+  for (int64_t j = 0; j < km; ++j) {
+    volatile double s = 0.0;
+    for (int64_t b = 0; b < B; ++b) s = s + rows[b * km + j];
+    volatile double mean = s / (double)B;
+    volatile double d = mean - pool[j];
+    volatile double x = alpha * d;
+    pool[j] = pool[j] + x;
+  }
+}
+
 // After the verify step. observe: KController.observe on p (nullable) and c [B, km] in place,
 // with L the drafted lengths, v = min(L, k) the verified positions and a = min(res[b, k+1] - 1,
 // v) the accepted ones:
@@ -287,7 +302,8 @@ int64_t npuspec_kc_choose(const int64_t* ctx, PyObject* drafts_obj, int64_t B, c
 int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
                             PyObject* L_obj, int64_t k_draft, int64_t k, PyObject* res_obj,
                             int64_t observe, int64_t ix, double t_draft, double t_run,
-                            double book_s, double prefill_tok_s, int64_t step) {
+                            double book_s, double prefill_tok_s, int64_t step,
+                            double* pool_p, double* pool_c, double pool_alpha) {
   const Ctx t = ctx_of(ctx);
   const int64_t k_max = t.ks[t.nk - 1], km = k_max > 1 ? k_max : 1;
   const int64_t* L = nullptr;
@@ -322,6 +338,10 @@ int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
         volatile double x = cr[j] * (j < v ? keep : 1.0);
         cr[j] = x + (j < a ? alpha : 0.0);
       }
+    }
+    if (pool_alpha != 0.0) {  // KController._pool, on its POOL_EVERY-th observation
+      if (p != nullptr && pool_p != nullptr) pool_toward(p, pool_p, B, km, pool_alpha);
+      pool_toward(c, pool_c, B, km, pool_alpha);
     }
   }
   const double per = (double)(B > 1 ? B : 1);
@@ -369,20 +389,21 @@ PyObject* py_choose(PyObject*, PyObject* const* a, Py_ssize_t n) {
 }
 
 PyObject* py_verified(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 15) {
-    PyErr_SetString(PyExc_TypeError, "verified takes 15 arguments (KController)");
+  if (n != 18) {
+    PyErr_SetString(PyExc_TypeError, "verified takes 18 arguments (KController)");
     return nullptr;
   }
-  int64_t v[15];
-  double f[4];
-  for (int i = 0; i < 4; ++i) {
-    f[i] = PyFloat_AsDouble(a[10 + i]);
+  int64_t v[18];
+  double f[5];
+  for (int i = 0; i < 5; ++i) {
+    f[i] = PyFloat_AsDouble(a[i < 4 ? 10 + i : 17]);
     if (f[i] == -1.0 && PyErr_Occurred()) return nullptr;
   }
-  if (!int_args(a, n, v, 1u << 4 | 1u << 7 | 0xFu << 10)) return nullptr;  // arrays, floats
+  // arrays, floats
+  if (!int_args(a, n, v, 1u << 4 | 1u << 7 | 0xFu << 10 | 1u << 17)) return nullptr;
   return PyLong_FromLongLong(npuspec_kc_verified(
       (const int64_t*)v[0], (double*)v[1], (double*)v[2], v[3], a[4], v[5], v[6], a[7], v[8],
-      v[9], f[0], f[1], f[2], f[3], v[14]));
+      v[9], f[0], f[1], f[2], f[3], v[14], (double*)v[15], (double*)v[16], f[4]));
 }
 
 PyMethodDef METHODS[] = {

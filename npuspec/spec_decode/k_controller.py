@@ -125,6 +125,8 @@ class KController:
         self.costs = StepCosts(self.ks, rows_for, ALPHA_REQUEST)
         self._w: dict[int, np.ndarray] = {}
         self._observed = 0
+        # the pools are updated in place only, so the C step keeps their addresses
+        self._pool_addrs = (_addr(self.pool_p) if availability else None, _addr(self.pool_c))
         self._steps = 0
         # see choose_before_cheap; kept per batch size (`_bucket`): whether drafting pays
         # depends on the load, and one figure learnt at 32 requests would hold a lone request
@@ -459,13 +461,15 @@ class KController:
             assert t_draft != t_draft or k_draft in self.ks, (k_draft, self.ks)
             ix = self.costs.index(rows, k) if t_run == t_run else -1  # may grow the tables
             p, c = self._rows_of(slots)                   # [B, K_max] each, updated in place
+            pool_due = learn and (self._observed + 1) % POOL_EVERY == 0   # `_pool`, in C
             if lib.verified(self.costs.ctx_addr, self._addr(p) if self.availability else None,
                             self._addr(c), B, drafted, k_draft, k, res, learn, ix,
-                            t_draft, t_run, book_s, prefill_tok_s, self._steps) == 0:
+                            t_draft, t_run, book_s, prefill_tok_s, self._steps,
+                            *self._pool_addrs, ALPHA_POOL if pool_due else 0.0) == 0:
                 if learn:
                     if slots is not self._bslots:
                         self._store(slots, p, c)
-                    self._pool(p, c)
+                    self._observed += 1
                 return
             # -2: the lengths or res laid out otherwise (not int64 / int32 rows), nothing done
         if learn:
