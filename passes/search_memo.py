@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import map_aggregate, map_arg
 
 STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
@@ -256,7 +257,6 @@ def loose(sig: tuple) -> tuple:
 
 def with_float(gm: torch.fx.GraphModule, old: float, new: float) -> torch.fx.GraphModule:
     """A copy of `gm` with every float literal equal to `old` written `new`."""
-    from torch.fx._lazy_graph_module import _LazyGraphModule
     g, env = torch.fx.Graph(), {}
 
     def leaf(a):
