@@ -64,16 +64,31 @@ class NgramProposer(Proposer):
         self._index[req_id] = index
 
     def extend(self, req_id: str, new_tokens: Sequence[int]) -> None:
-        toks = self._tokens.get(req_id)
-        if toks is None:
-            raise unknown_request("NgramProposer.extend", req_id)
-        index = self._index[req_id]
-        nmin, nmax = self.nmin, self.nmax
-        for t in _as_list(new_tokens):
-            i = len(toks)  # position of t; the n-grams ending at i-1 now have a follower
-            toks.append(t)
-            for n in range(nmin, min(nmax, i) + 1):
-                index.setdefault(tuple(toks[i - n:i]), i - 1)
+        self.extend_batch((req_id,), (new_tokens,))
+
+    def extend_batch(self, req_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
+        """`extend` for a step's requests in one loop: at 16 requests the engine's call of
+        the default (one `extend` each) took ~60 µs a step, ~5 % of the embedded model's
+        step, paid at K = 0 too."""
+        all_toks, all_index, nmin, nmax = self._tokens, self._index, self.nmin, self.nmax
+        for rid, new in zip(req_ids, tokens):
+            toks = all_toks.get(rid)
+            if toks is None:
+                raise unknown_request("NgramProposer.extend", rid)
+            index = all_index[rid]
+            new = new if type(new) is list else _as_list(new)
+            if nmin == nmax:  # one n (the default 5): no inner loop
+                for t in new:
+                    i = len(toks)  # position of t; the n-gram ending at i-1 has a follower now
+                    toks.append(t)
+                    if i >= nmin:
+                        index.setdefault(tuple(toks[i - nmin:i]), i - 1)
+                continue
+            for t in new:
+                i = len(toks)
+                toks.append(t)
+                for n in range(nmin, min(nmax, i) + 1):
+                    index.setdefault(tuple(toks[i - n:i]), i - 1)
 
     def stop_request(self, req_id: str) -> None:
         if self._tokens.pop(req_id, None) is None:

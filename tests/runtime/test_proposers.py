@@ -429,3 +429,45 @@ def test_suffix_not_worse_than_arctic_on_shipped_traces(factor):
             emitted[who] += r["tokens/step"] * r["steps"]
             steps[who] += r["steps"]
     assert emitted["ours"] / steps["ours"] >= emitted["arctic"] / steps["arctic"]
+
+
+@SETTINGS
+@given(st.lists(st.lists(st.integers(0, 4), max_size=30), min_size=1, max_size=4),
+       st.lists(st.lists(st.integers(0, 4), max_size=3), max_size=20),
+       st.integers(1, 3), st.integers(0, 2))
+def test_ngram_extend_batch_equals_the_reference_per_request(prompts, steps, nmin, extra):
+    """A step's tokens for every request in one `extend_batch` (as lists, tuples or numpy,
+    possibly none for a request) give each request the drafts the scan reference gives on its
+    whole context; a request the drafter does not know is named."""
+    import numpy as np
+    nmax = nmin + extra
+    p = NgramProposer(prompt_lookup_min=nmin, prompt_lookup_max=nmax)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    ctx = {rid: list(pr) for rid, pr in zip(ids, prompts)}
+    for rid in ids:
+        p.start_request(rid, ctx[rid])
+    for s, new in enumerate(steps):
+        given_as = [new, tuple(new), np.array(new, dtype=np.int64)][s % 3]
+        p.extend_batch(ids, [given_as if i % 2 == 0 else [] for i in range(len(ids))])
+        for i, rid in enumerate(ids):
+            ctx[rid] += new if i % 2 == 0 else []
+    for rid in ids:
+        assert p.context(rid) == ctx[rid]
+        assert p.propose([rid], 3)[0] == ngram_reference(ctx[rid], nmin, nmax, 3)
+    with pytest.raises(KeyError, match="nope"):
+        p.extend_batch(["nope"], [[1]])
+
+
+def test_draft_batch_pads_each_row_with_minus_one_to_k():
+    import numpy as np
+    from npuspec.spec_decode.base import DraftBatch
+
+    class _R:
+        def __init__(self, rid):
+            self.req_id = rid
+    p = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=2)
+    p.start_request("a", [1, 2, 3, 1, 2])        # "1 2" recurs: drafts 3 1 2 ...
+    p.start_request("b", [7, 8, 9])              # nothing recurs: no drafts
+    d = p.draft_batch(DraftBatch([_R("a"), _R("b")], 4, [2, 4], None))
+    assert d.tokens.dtype == np.int64
+    assert d.tokens.tolist() == [[3, 1, -1, -1], [-1, -1, -1, -1]]
