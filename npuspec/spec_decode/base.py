@@ -137,11 +137,14 @@ class Proposer(metaclass=abc.ABCMeta):
     def draft_batch(self, batch: DraftBatch) -> Drafts:
         """The step's drafts. Default: propose() up to each cap, -1 padded, no probabilities
         (the verify step then treats the drafts as one-hot) and no confidences."""
-        rows = self.propose(batch.req_ids, batch.caps)
-        out = np.full((len(rows), batch.k), -1, dtype=np.int64)
+        rows, k = self.propose(batch.req_ids, batch.caps), batch.k
+        assert max(map(len, rows), default=0) <= k, (k, [len(r) for r in rows])
+        # -1 padded in one flat list, converted once: a numpy write per row cost more
+        # (16 rows: 9 µs against 3, hot)
+        flat = [-1] * (len(rows) * k)
         for b, row in enumerate(rows):
-            out[b, :len(row)] = row
-        return Drafts(out, None, None)
+            flat[b * k:b * k + len(row)] = row
+        return Drafts(np.array(flat, dtype=np.int64).reshape(len(rows), k), None, None)
 
     def on_prefill(self, rows: list, pre: dict) -> None:
         """After a prefill step of `rows` (PrefillRow), when `features` is set: `pre` holds

@@ -471,3 +471,9 @@ def test_draft_batch_pads_each_row_with_minus_one_to_k():
     d = p.draft_batch(DraftBatch([_R("a"), _R("b")], 4, [2, 4], None))
     assert d.tokens.dtype == np.int64
     assert d.tokens.tolist() == [[3, 1, -1, -1], [-1, -1, -1, -1]]
+
+    class _TooLong(NgramProposer):  # a drafter breaking propose's contract is not padded over
+        def propose(self, req_ids, caps):
+            return [[1, 2, 3]] * len(req_ids)
+    with pytest.raises(AssertionError):
+        _TooLong().draft_batch(DraftBatch([_R("a")], 2, [2], None))
