@@ -230,9 +230,7 @@ class KController:
         """Seconds a verify step of `rows` rows at K takes; NaN until that graph has run (with
         graph capture, warm-up runs every pair; without it, the first step of each pair is
         its measurement)."""
-        r = self.costs.row_ix.get(rows)
-        return math.nan if r is None else float(self.costs.verify[r * len(self.ks)
-                                                                  + self.ks.index(k)])
+        return self.costs.step_time(rows, k)
 
     def record_verify(self, rows: int, k: int, seconds: float) -> None:
         """A verify step's seconds: the estimate is the lower median of the pair's last

@@ -90,6 +90,11 @@ class StepCosts:
                 self._grow(2 * self._cap)
         return r * self.nk + self.ki[k]
 
+    def step_time(self, rows: int, k: int) -> float:
+        """The verify figure of (rows, K); NaN for a pair not measured (no row added)."""
+        r = self.row_ix.get(rows)
+        return math.nan if r is None else float(self.verify[r * self.nk + self.ki[k]])
+
     def of_batch(self, batch: int) -> np.ndarray:
         """[NK] flat index of (rows_for(batch, K), K) for each K."""
         idx = self._idx.get(batch)
