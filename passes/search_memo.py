@@ -18,7 +18,8 @@ every position where the two traces' sizes coincided: a literal derived from a s
 equal in both traces is then equal in this one too, and one derived from a size that differed
 would have made the two graphs differ (nothing kept; the next trace is compared again). Reuse
 only skips work: the kept graph is matched against the user's with every literal compared,
-exactly as a fresh trace would be; symbolic sizes are always traced. So the first graph of a
+exactly as a fresh trace would be; symbolic sizes are always traced. (A replacement is traced
+at every match; where it is only npuspec op calls that costs no make_fx: passes/direct_trace.py.) So the first graph of a
 spelling in a process traces (twice where the example's ranks differ from the user's), and the
 graphs after it at new batch sizes do not.
 
@@ -46,6 +47,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import map_aggregate, map_arg
+
+from npuspec.passes.direct_trace import direct_trace
 
 STATS = {"traced": 0, "reused": 0, "kept": 0}  # search re-traces over the process
 
@@ -324,7 +327,8 @@ class SearchMemo:
 
     def __call__(self, fn, args, **kw):
         if fn is not self.search:  # the replacement, or a wrapper for symbolic sizes
-            return self.trace(fn, args, **kw)
+            gm = direct_trace(fn, args)
+            return gm if gm is not None else self.trace(fn, args, **kw)
         sig = signature(args)
         if self.example is None:  # the first call is the registration's, at the examples
             gm, fixed = self.shelf.get(sig) if self.shelf is not None else (None, None)
