@@ -1,10 +1,10 @@
 """A replacement traced without make_fx, where it is only calls of npuspec's own ops.
 
 Every match traces its replacement at the match's fake values (Inductor's pattern matcher
-inserts that graph, metas and all). Most replacements are one `torch.ops.npuspec.*` call, yet
-make_fx costs 3-5 ms for it warm (its proxy mode intercepts each of the ~100 torch calls inside
-the op's fake implementation), two a verify step: a fifth of the passes' time on vLLM v1's
-step; built here it costs 1.4-2.1 ms, mostly the op's fake execution. Here the replacement runs once on the fake values under a torch-function mode that sees
+inserts that graph, metas and all). Many replacements are one `torch.ops.npuspec.*` call
+(vLLM v1's step has two), yet make_fx costs 3-5 ms for one warm: its proxy mode intercepts
+each of the ~100 torch calls inside the op's fake implementation. Built here it costs 1.4-2.1
+ms, mostly the op's fake execution. Here the replacement runs once on the fake values under a torch-function mode that sees
 only the calls the replacement itself makes: each must be an npuspec op on the inputs, earlier
 results or literals, and it becomes one node, its meta computed by running the op on the fake
 values (as make_fx stores it: `val`, `tensor_meta`, `original_aten`, `eager_input_vals`).
