@@ -149,24 +149,25 @@ def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:
     bshape = tuple(_val(bonus).shape)
     with unset_fake_temporarily(), torch.inference_mode():
         gen = torch.Generator().manual_seed(53)
-        pos = torch.arange(K + 1)[None, :]
+        pos = torch.arange(K + 1)[None, None, :]
+        cnts = (torch.arange(B)[None, :] + torch.arange(K + 1)[:, None]) % (K + 1)  # [K+1, B]
         for span, apart in ((1 << 20, True), (3, False)):  # distinct per source, then colliding
             x = torch.randint(0, span, (B, K), generator=gen)
             r = torch.randint(0, span, (B, K), generator=gen) + (span if apart else 0)
             bo = torch.randint(0, span, (B,), generator=gen) + (2 * span if apart else 0)
-            for t in range(K + 1):
-                cnt = (torch.arange(B) + t) % (K + 1)           # every count in every row
-                env = {n: cnt, rec: r.to(_val(rec).dtype), ids: x.to(_val(ids).dtype),
-                       bonus: bo.reshape(bshape).to(_val(bonus).dtype)}
+            # every count in every row: run t gives row b the count (b + t) % (K + 1)
+            tok = torch.where(cnts < K, r.T.gather(0, cnts.clamp_max(K - 1))
+                              if K else bo.expand(K + 1, B), bo)             # [K+1, B]
+            wants = torch.where(pos < cnts[..., None], F.pad(x, (0, 1), value=-1), -1)
+            wants = torch.where(pos == cnts[..., None], tok[..., None], wants)  # [K+1, B, K+1]
+            env0 = {rec: r.to(_val(rec).dtype), ids: x.to(_val(ids).dtype),
+                    bonus: bo.reshape(bshape).to(_val(bonus).dtype)}
+            for cnt, want in zip(cnts, wants):
                 try:
-                    got = _run(order, env)
+                    got = _run(order, {n: cnt, **env0})
                 except (RuntimeError, TypeError, ValueError, IndexError) as e:
                     log.debug("npuspec passes: an emission region did not evaluate: %s", e)
                     return False
-                tok = torch.where(cnt < K, r.gather(1, cnt.clamp_max(K - 1)[:, None])[:, 0]
-                                  if K else bo, bo)
-                want = torch.where(pos < cnt[:, None], F.pad(x, (0, 1), value=-1), -1)
-                want = torch.where(pos == cnt[:, None], tok[:, None], want)
                 if got.shape != want.shape or got.is_floating_point() or not torch.equal(
                         got.long(), want):
                     return False
