@@ -121,3 +121,4 @@ def test_a_compiled_step_uses_it_and_equals_eager():
     three_way(step, (logits, drafts), family="greedy_accept", appear=["npuspec.greedy_accept"],
               gone=["aten.cumprod"])
     assert three_way.last_delta.get("pattern_direct_trace.direct", 0) >= 1, three_way.last_delta
+

@@ -259,3 +259,28 @@ def test_registration_traces_real_examples_as_fakes_to_the_same_graph(flavor):
         assert str(got.graph) == str(ref.graph), pattern.name
         vals = [n.meta["val"] for n in got.graph.nodes if isinstance(n.meta.get("val"), FakeTensor)]
         assert vals and len({id(v.fake_mode) for v in vals}) == 1, pattern.name
+
+
+def test_the_passes_run_with_the_graph_s_fake_cache_off_and_restore_it(monkeypatch):
+    from npuspec.passes import manager
+    from torch._guards import detect_fake_mode
+    seen = []
+    rewrite = manager.PassManager._rewrite
+
+    def spy(self, graph, flavor):
+        vals = [n.meta["val"] for n in graph.find_nodes(op="placeholder")]
+        seen.append((detect_fake_mode(vals), detect_fake_mode(vals).cache_enabled))
+        return rewrite(self, graph, flavor)
+
+    monkeypatch.setattr(manager.PassManager, "_rewrite", spy)
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 5, 30, generator=g)
+    drafts = logits.argmax(-1)[:, :4].clone()
+
+    def step(logits, drafts):
+        t = logits.argmax(-1)
+        return t, (drafts == t[:, :-1]).cumprod(dim=1).sum(dim=1)
+
+    three_way(step, (logits, drafts), family="greedy_accept", appear=["npuspec.greedy_accept"])
+    assert seen and all(not enabled for _, enabled in seen)
+    assert all(mode.cache_enabled for mode, _ in seen)  # as Dynamo made it, after the passes
