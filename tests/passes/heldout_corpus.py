@@ -41,9 +41,12 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def compiled_leaves(entry, backend: str, options: dict, capture: bool = False) -> list:
+def compiled_leaves(entry, backend: str, options: dict, capture: bool = False,
+                    calls: int = 1) -> list:
     """The leaves of `entry` compiled afresh with `backend` (FX graph cache off); `capture`:
-    through `npuspec.compile` (Dynamo's capture flags on for it) instead of torch.compile."""
+    through `npuspec.compile` (Dynamo's capture flags on for it) instead of torch.compile.
+    `calls` > 1: a list of each call's leaves (the same compiled function, each call from a
+    fresh make() and the same RNG state)."""
     from torch._inductor import config
     torch._dynamo.reset()
     if capture:
@@ -52,22 +55,29 @@ def compiled_leaves(entry, backend: str, options: dict, capture: bool = False) -
         cf = npuspec.compile(entry["fn"], options=options)
     else:
         cf = torch.compile(entry["fn"], backend=backend, options=options)
-    args = entry["make"](INPUT_SEED)
-    with config.patch(fx_graph_cache=False):
-        torch.manual_seed(SEED)
-        return pytree.tree_leaves(cf(*args))
+    out = []
+    for _ in range(calls):
+        args = entry["make"](INPUT_SEED)
+        with config.patch(fx_graph_cache=False):
+            torch.manual_seed(SEED)
+            out.append(pytree.tree_leaves(cf(*args)))
+    return out[0] if calls == 1 else out
 
 
-def run(entry, lowering: str = "eager", capture: bool = False) -> tuple[bool, bool, set]:
+def run(entry, lowering: str = "eager", capture: bool = False,
+        calls: int = 1) -> tuple[bool, bool, set]:
     """(fused, equal to eager, npuspec ops after the passes): eager, then a fresh compile with
     backend="npuspec" (`capture`: through npuspec.compile), each from its own make() and the
-    same torch RNG state."""
+    same torch RNG state. `calls` > 1: the compiled function called that many times; fused
+    when any call fused, equal when every call was."""
     torch.manual_seed(SEED)
     w = pytree.tree_leaves(entry["fn"](*entry["make"](INPUT_SEED)))
     manager.HISTORY.clear()
     before = counters.snapshot()
-    g = compiled_leaves(entry, "npuspec", {"lowering": lowering, "capture": False}, capture)
+    got = compiled_leaves(entry, "npuspec", {"lowering": lowering, "capture": False}, capture,
+                          calls)
     delta = counters.delta(before)
-    equal = len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
+    equal = all(len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
+                for g in (got if calls > 1 else [got]))
     ops = set(re.findall(r"npuspec\.\w+", "\n".join(t for _, _, t in manager.HISTORY)))
     return delta.get("verify_patterns_matched", 0) > 0, equal, ops
