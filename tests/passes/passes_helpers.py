@@ -74,3 +74,16 @@ def aten_graph(fn, *args) -> torch.fx.GraphModule:
     """fn traced to ATen with fake tensors (what AOT autograd hands the eager lowering)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     return make_fx(fn, tracing_mode="fake")(*args)
+
+
+def every_spelling():
+    """(family, spelling) for every spelling of the default families and of SampleVerify's
+    other modes, each (family name, spelling name) once."""
+    from npuspec.passes.patterns import default_patterns
+    from npuspec.passes.patterns_sample import OTHER_MODES, SampleVerify, SampleVerifyConfig
+    seen = set()
+    for fam in default_patterns() + [SampleVerify(SampleVerifyConfig(modes=OTHER_MODES))]:
+        for sp in fam.spellings():
+            if (fam.name, sp.name) not in seen:
+                seen.add((fam.name, sp.name))
+                yield fam, sp

@@ -8,9 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from npuspec import counters
 from npuspec.passes import search_memo, trace_store
 from npuspec.passes.direct_trace import direct_trace
-from npuspec.passes.patterns import default_patterns
-from npuspec.passes.patterns_sample import OTHER_MODES, SampleVerify, SampleVerifyConfig
-from passes_helpers import three_way
+from passes_helpers import every_spelling, three_way
 
 
 def _fake(example, mode):
@@ -35,31 +33,25 @@ def _metas(gm):
 
 
 def test_every_replacement_built_directly_is_make_fx_s():
-    families = default_patterns() + [SampleVerify(SampleVerifyConfig(modes=OTHER_MODES))]
     direct = declined = 0
-    seen = set()
-    for fam in families:
-        for sp in fam.spellings():
-            if (fam.name, sp.name) in seen:
-                continue
-            seen.add((fam.name, sp.name))
-            mode = FakeTensorMode()
-            args = _fake(list(sp.example()) + list(sp.scalars.values()), mode)
-            with mode:  # as the matcher traces a replacement: under the graph's fake mode
-                got = direct_trace(sp.replace, args)
-                want = trace_store.trace_canonical(sp.replace, args)
-            where = f"{fam.name}.{sp.name}"
-            # built exactly when make_fx's graph is npuspec ops returning one tensor each
-            only_ours = all(n.op in ("placeholder", "output") or n.target.namespace == "npuspec"
-                            and isinstance(n.meta["val"], torch.Tensor)
-                            for n in want.graph.nodes)
-            assert (got is not None) == only_ours, where
-            if got is None:
-                declined += 1
-                continue
-            direct += 1
-            assert search_memo.graph_key(got) == search_memo.graph_key(want), where
-            assert _metas(got) == _metas(want), where
+    for fam, sp in every_spelling():
+        mode = FakeTensorMode()
+        args = _fake(list(sp.example()) + list(sp.scalars.values()), mode)
+        with mode:  # as the matcher traces a replacement: under the graph's fake mode
+            got = direct_trace(sp.replace, args)
+            want = trace_store.trace_canonical(sp.replace, args)
+        where = f"{fam.name}.{sp.name}"
+        # built exactly when make_fx's graph is npuspec ops returning one tensor each
+        only_ours = all(n.op in ("placeholder", "output") or n.target.namespace == "npuspec"
+                        and isinstance(n.meta["val"], torch.Tensor)
+                        for n in want.graph.nodes)
+        assert (got is not None) == only_ours, where
+        if got is None:
+            declined += 1
+            continue
+        direct += 1
+        assert search_memo.graph_key(got) == search_memo.graph_key(want), where
+        assert _metas(got) == _metas(want), where
     # the declined ones are `rejection_sample` (a tuple) with casts after it, or a draw
     print(f"{direct} replacements built directly, {declined} declined")
     assert direct > 0 and declined > 0

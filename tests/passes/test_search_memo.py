@@ -12,9 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from npuspec.passes import manager, search_memo
-from npuspec.passes.patterns import default_patterns
-from npuspec.passes.patterns_sample import OTHER_MODES, SampleVerify, SampleVerifyConfig
-from passes_helpers import three_way
+from passes_helpers import every_spelling, three_way
 
 
 def _fake(mode, *shapes, dtype=torch.float32):
@@ -128,36 +126,31 @@ def test_no_spelling_changes_its_graph_only_at_some_sizes():
     from the example's (a literal follows a size). A graph that changed at one shift and not
     the other would branch on a size, which the memo's two-trace evidence cannot see. And at
     the example sizes with its arguments sliced, the same graph as contiguous."""
-    families = default_patterns() + [SampleVerify(SampleVerifyConfig(modes=OTHER_MODES))]
     free = follows = 0
-    seen = set()
-    for fam in families:
-        for sp in fam.spellings():
-            if (fam.name, sp.name) in seen:
-                continue
-            seen.add((fam.name, sp.name))
-            example = list(sp.example()) + list(sp.scalars.values())
-            keys = []
-            for shift in (0, 3, 7):
-                mode = FakeTensorMode()
-                args = _mapped(example, lambda s, k=shift: s + k, mode)
-                with mode:  # as the matcher's check traces: under the graph's fake mode
-                    keys.append(search_memo.graph_key(manager.trace_canonical(sp.search, args)))
-            same3, same7 = keys[1] == keys[0], keys[2] == keys[0]
-            assert same3 == same7, f"{fam.name}.{sp.name}: graph changes at one shift only"
-            # the strides write_traces did not try (it strides every dim): each argument
-            # sliced in its second dim, as vLLM's probs[:, :K] is; the shipped file calls
-            # every spelling strides-free
+    seen = list(every_spelling())
+    for fam, sp in seen:
+        example = list(sp.example()) + list(sp.scalars.values())
+        keys = []
+        for shift in (0, 3, 7):
             mode = FakeTensorMode()
-            with mode:
-                sliced = [a if not isinstance(a, torch.Tensor) else
-                          torch.empty(a.shape, dtype=a.dtype) if a.dim() < 2 else
-                          torch.empty([*a.shape[:1], a.shape[1] + 1, *a.shape[2:]],
-                                      dtype=a.dtype)[:, :a.shape[1]] for a in example]
-                assert search_memo.graph_key(manager.trace_canonical(sp.search, sliced)) == \
-                    keys[0], f"{fam.name}.{sp.name}: graph follows the strides"
-            free += same3
-            follows += not same3
+            args = _mapped(example, lambda s, k=shift: s + k, mode)
+            with mode:  # as the matcher's check traces: under the graph's fake mode
+                keys.append(search_memo.graph_key(manager.trace_canonical(sp.search, args)))
+        same3, same7 = keys[1] == keys[0], keys[2] == keys[0]
+        assert same3 == same7, f"{fam.name}.{sp.name}: graph changes at one shift only"
+        # the strides write_traces did not try (it strides every dim): each argument
+        # sliced in its second dim, as vLLM's probs[:, :K] is; the shipped file calls
+        # every spelling strides-free
+        mode = FakeTensorMode()
+        with mode:
+            sliced = [a if not isinstance(a, torch.Tensor) else
+                      torch.empty(a.shape, dtype=a.dtype) if a.dim() < 2 else
+                      torch.empty([*a.shape[:1], a.shape[1] + 1, *a.shape[2:]],
+                                  dtype=a.dtype)[:, :a.shape[1]] for a in example]
+            assert search_memo.graph_key(manager.trace_canonical(sp.search, sliced)) == \
+                keys[0], f"{fam.name}.{sp.name}: graph follows the strides"
+        free += same3
+        follows += not same3
     print(f"{free} spellings shape-free, {follows} with a literal from a size")
     assert free > 0 and free + follows == len(seen)
 
