@@ -327,7 +327,7 @@ class SearchMemo:
 
     def __call__(self, fn, args, **kw):
         if fn is not self.search:  # the replacement, or a wrapper for symbolic sizes
-            gm = direct_trace(fn, args)
+            gm = direct_trace(fn, args, kw.get("get_decomp_fn"))
             return gm if gm is not None else self.trace(fn, args, **kw)
         sig = signature(args)
         if self.example is None:  # the first call is the registration's, at the examples
