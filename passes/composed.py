@@ -32,7 +32,7 @@ from torch.fx import Graph, Node
 from npuspec.passes import picks, search_memo
 from npuspec.passes.prefix import _attr
 from npuspec.passes.residual_proof import _cpu
-from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val, eager_op
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -128,7 +128,7 @@ def _run(order: list, env: dict) -> torch.Tensor:
             continue
         args = tuple(_arg(a, env) for a in m.args)
         kwargs = {k: _arg(a, env) for k, a in m.kwargs.items()}
-        env[m] = m.target(*args, **kwargs)
+        env[m] = eager_op(m.target)(*args, **kwargs)
     return env[order[-1]]
 
 

@@ -28,7 +28,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
-from npuspec.passes.rewrites.nodes import _cast, _val
+from npuspec.passes.rewrites.nodes import _cast, _val, eager_op
 from npuspec.passes.rowlocal import row_local
 
 log = logging.getLogger("npuspec.passes")
@@ -102,7 +102,7 @@ def run(order: list[Node], env: dict):
             continue
         args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.args)
         kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, m.kwargs)
-        env[m] = m.target(*args, **kwargs)
+        env[m] = eager_op(m.target)(*args, **kwargs)
     return env[order[-1]]
 
 

@@ -41,7 +41,7 @@ from torch.fx import Graph, Node
 import npuspec.kernels.accept as accept
 from npuspec.passes import search_memo
 from npuspec.passes.prefix import _attr
-from npuspec.passes.rewrites.nodes import _fake_meta, _val
+from npuspec.passes.rewrites.nodes import _fake_meta, _val, eager_op
 from npuspec.passes.rowlocal import _name
 
 log = logging.getLogger("npuspec.passes")
@@ -164,7 +164,7 @@ def _evaluate(order: list[Node], env: dict) -> torch.Tensor:
         if _name(m.target) in _FILLS:  # one value everywhere: a 0-d one broadcasts alike
             args = ([],) + tuple(args[1:])
         kwargs = {k: env[v] if isinstance(v, Node) else _cpu(v) for k, v in m.kwargs.items()}
-        env[m] = m.target(*args, **kwargs)
+        env[m] = eager_op(m.target)(*args, **kwargs)
     return env[order[-1]]
 
 

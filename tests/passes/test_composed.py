@@ -297,3 +297,28 @@ def test_the_pad_fill_is_made_on_the_picks_not_on_q(monkeypatch):
     big = [n for n in fills if tuple(n.meta["val"].shape) == q_shape]
     assert not big, [n.format_node() for n in big]
     assert any(tuple(n.meta["val"].shape) == (*q_shape[:2], 1) for n in fills), fills
+
+
+def test_the_region_checks_eager_stand_ins_for_prims_give_the_prims_values():
+    """nodes.eager_op: what a region check runs for a prims op gives the prim's own values,
+    dtype and strides (float -> int truncates, bool -> int, a transposed input keeps its
+    layout; iota at several starts, steps and dtypes)."""
+    from npuspec.passes.rewrites.nodes import eager_op
+    prims = torch.ops.prims
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(4, 5, generator=g) * 7, torch.rand(3, 4, generator=g) > 0.5,
+          torch.randint(-9, 9, (5, 3), generator=g), (torch.randn(5, 4, generator=g) * 3).T]
+    op = prims.convert_element_type.default
+    for x in xs:
+        for dt in (torch.int64, torch.int32, torch.float32, torch.float64, torch.bool):
+            want, got = op(x, dt), eager_op(op)(x, dt)
+            assert got.dtype == want.dtype and got.stride() == want.stride(), (x.dtype, dt)
+            assert torch.equal(got, want), (x.dtype, dt)
+    op = prims.iota.default
+    for length, start, step, dt in ((5, 0, 1, torch.int64), (4, 3, 2, torch.int32),
+                                    (6, -2, 3, torch.int64), (1, 7, 1, torch.int64)):
+        kw = dict(start=start, step=step, dtype=dt, device=torch.device("cpu"),
+                  requires_grad=False)
+        want, got = op(length, **kw), eager_op(op)(length, **kw)
+        assert got.dtype == want.dtype and torch.equal(got, want), (length, start, step, dt)
+    assert eager_op(torch.ops.aten.add.Tensor) is torch.ops.aten.add.Tensor
