@@ -5,7 +5,7 @@ Three ways through the backend (outputs equal eager's from the same RNG state, o
 `verify_patterns_matched.composed` moved), under both lowerings, for vLLM v1's forward_native
 (random and n-gram drafts, transcribed in field_vllm.py) and for an emission written another
 way that also returns the count; near misses (another fill, the token one slot late, a second
-ids tensor) stay as the narrow ops and equal eager. A correct emission the user then rewrites
+ids tensor, one row wrong at one count) stay as the narrow ops and equal eager. A correct emission the user then rewrites
 (`where(out == -1, -2, out)`) is fused up to the emission, the rewrite kept.
 """
 from __future__ import annotations
@@ -85,6 +85,15 @@ def other_ids(p, q, ids, u, e, bonus, ids2):
     return _emit(ids2, n, rec, bonus), n                                  # not the test's ids
 
 
+def first_row_other_bonus(p, q, ids, u, e, bonus):
+    # right everywhere but one (row, count): row 0, all K accepted, emits its last recovered
+    # token instead of the bonus. The check must give every row every count to see it (its
+    # first evaluation gives row 0 the count 0)
+    n, rec = _pieces(p, q, ids, u, e)
+    row0 = torch.arange(ids.shape[0]) == 0
+    return _emit(ids, n, rec, torch.where(row0, rec[:, -1], bonus)), n
+
+
 def _inputs(seed, b=None):
     B_ = B if b is None else b
     g = torch.Generator().manual_seed(seed)
@@ -108,7 +117,8 @@ def test_an_emission_written_otherwise(lowering):
     assert _matched(three_way.last_delta) == 1, three_way.last_delta
 
 
-@pytest.mark.parametrize("fn", [other_fill, token_late, other_ids], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [other_fill, token_late, other_ids, first_row_other_bonus],
+                         ids=lambda f: f.__name__)
 def test_near_misses_stay_as_written(fn):
     args = _inputs(2)
     if fn is other_ids:
