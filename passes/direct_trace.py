@@ -55,7 +55,8 @@ class _Unsupported(Exception):
 class _Recorder(TorchDispatchMode):
     def __init__(self, graph: torch.fx.Graph, nodes: dict, table: dict):
         super().__init__()
-        self.graph, self.nodes, self.table = graph, nodes, table  # nodes: id(value) -> (node, value)
+        self.graph, self.table = graph, table
+        self.nodes = nodes  # id(value) -> (node, value): the value held, so its id stays its own
         self.outer = None  # the outermost op dispatching now (make_fx's `original_aten`)
 
     def _arg(self, a):

@@ -19,9 +19,9 @@ equal in both traces is then equal in this one too, and one derived from a size 
 would have made the two graphs differ (nothing kept; the next trace is compared again). Reuse
 only skips work: the kept graph is matched against the user's with every literal compared,
 exactly as a fresh trace would be; symbolic sizes are always traced. (A replacement is traced
-at every match; where it is only npuspec op calls that costs no make_fx: passes/direct_trace.py.) So the first graph of a
-spelling in a process traces (twice where the example's ranks differ from the user's), and the
-graphs after it at new batch sizes do not.
+at every match, recorded without make_fx where it can be: passes/direct_trace.py.) So the
+first graph of a spelling in a process traces (twice where the example's ranks differ from
+the user's), and the graphs after it at new batch sizes do not.
 
 For the default families the registration's graph and a witness trace at moved sizes are
 made offline and shipped (passes/trace_store.py, `witness`), so a first match whose sizes equal

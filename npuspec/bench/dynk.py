@@ -248,8 +248,9 @@ def engine_host_us(llm, prompts, batch: int, max_tokens: int) -> tuple[float, fl
     (`OnlineK.host_s`: its calls before and after the verify step, the drafting itself
     excluded, timed by OnlineK itself), over the steps of one generate call that ran with at
     least 90% of `batch` requests; and how many there were. The mean carries the work done
-    every few steps (a probe resolved, a batch's rows bound anew) that the median hides. Unlike `host_time_us` it runs where
-    the engine does, after each model step has filled the caches with its own data."""
+    every few steps (a probe resolved, a batch's rows bound anew) that the median hides.
+    Unlike `host_time_us` it runs where the engine does, after each model step has filled the
+    caches with its own data."""
     on = llm.online
     verified, per_step = on.verified, []
 

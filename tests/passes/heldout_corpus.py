@@ -41,12 +41,15 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def compiled_leaves(entry, backend: str, options: dict, capture: bool = False,
-                    calls: int = 1) -> list:
+def compiled_leaves(entry, backend: str, options: dict, capture: bool = False) -> list:
     """The leaves of `entry` compiled afresh with `backend` (FX graph cache off); `capture`:
-    through `npuspec.compile` (Dynamo's capture flags on for it) instead of torch.compile.
-    `calls` > 1: a list of each call's leaves (the same compiled function, each call from a
-    fresh make() and the same RNG state)."""
+    through `npuspec.compile` (Dynamo's capture flags on for it) instead of torch.compile."""
+    return compiled_calls(entry, backend, options, capture, 1)[0]
+
+
+def compiled_calls(entry, backend: str, options: dict, capture: bool, calls: int) -> list:
+    """Each call's leaves, `calls` calls of one fresh compile (as `compiled_leaves`), each from
+    a fresh make() and the same RNG state."""
     from torch._inductor import config
     torch._dynamo.reset()
     if capture:
@@ -61,7 +64,7 @@ def compiled_leaves(entry, backend: str, options: dict, capture: bool = False,
         with config.patch(fx_graph_cache=False):
             torch.manual_seed(SEED)
             out.append(pytree.tree_leaves(cf(*args)))
-    return out[0] if calls == 1 else out
+    return out
 
 
 def run(entry, lowering: str = "eager", capture: bool = False,
@@ -74,10 +77,9 @@ def run(entry, lowering: str = "eager", capture: bool = False,
     w = pytree.tree_leaves(entry["fn"](*entry["make"](INPUT_SEED)))
     manager.HISTORY.clear()
     before = counters.snapshot()
-    got = compiled_leaves(entry, "npuspec", {"lowering": lowering, "capture": False}, capture,
-                          calls)
+    got = compiled_calls(entry, "npuspec", {"lowering": lowering, "capture": False}, capture,
+                         calls)
     delta = counters.delta(before)
-    equal = all(len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g))
-                for g in (got if calls > 1 else [got]))
+    equal = all(len(w) == len(g) and all(_equal(a, b) for a, b in zip(w, g)) for g in got)
     ops = set(re.findall(r"npuspec\.\w+", "\n".join(t for _, _, t in manager.HISTORY)))
     return delta.get("verify_patterns_matched", 0) > 0, equal, ops

@@ -5,8 +5,9 @@ Three ways through the backend (outputs equal eager's from the same RNG state, o
 `verify_patterns_matched.composed` moved), under both lowerings, for vLLM v1's forward_native
 (random and n-gram drafts, transcribed in field_vllm.py) and for an emission written another
 way that also returns the count; near misses (another fill, the token one slot late, a second
-ids tensor, one row wrong at one count) stay as the narrow ops and equal eager. A correct emission the user then rewrites
-(`where(out == -1, -2, out)`) is fused up to the emission, the rewrite kept.
+ids tensor, one row wrong at one count) stay as the narrow ops and equal eager. A correct
+emission the user then rewrites (`where(out == -1, -2, out)`) is fused up to the emission, the
+rewrite kept.
 """
 from __future__ import annotations
 

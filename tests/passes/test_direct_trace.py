@@ -28,7 +28,8 @@ def _metas(gm):
     for n in gm.graph.nodes:
         m = n.meta
         eager = m.get("eager_input_vals")
-        out.append((n.op, desc(m.get("val")), repr(m.get("tensor_meta")), str(m.get("original_aten")),
+        out.append((n.op, desc(m.get("val")), repr(m.get("tensor_meta")),
+                    str(m.get("original_aten")),
                     None if eager is None else torch.utils._pytree.tree_map(desc, eager)))
     return out
 
