@@ -102,6 +102,21 @@ int64_t bucket(const Ctx& t, int64_t batch) {  // k_costs.bucket: bit length of 
   return n < t.buckets ? n : t.buckets - 1;
 }
 
+// StepCosts.draft_per_request: the bucket's figure, else the nearest measured (lower first)
+double draft_per_request(const Ctx& t, int64_t ki, int64_t batch) {
+  const int64_t b = bucket(t, batch);
+  for (int64_t d = 0; d < t.buckets; ++d) {
+    const int64_t cand[2] = {b - d, b + d};
+    for (int64_t j = 0; j < (d ? 2 : 1); ++j) {
+      const int64_t bb = cand[j];
+      if (bb < 0 || bb >= t.buckets) continue;
+      const double v = t.draft_s[bb * t.nk + ki];
+      if (v == v) return v;
+    }
+  }
+  return 0.0;
+}
+
 // An integer array's layout from its buffer (numpy's, read through the Python buffer protocol:
 // in the engine, after a model step, reading a fresh array's address from Python cost ~17 µs).
 // False, nothing read: not a signed integer array of this item size and rank, or its last dim
@@ -155,7 +170,7 @@ void value_of_drafting(const Ctx& t, int64_t B, const double* gain, const double
                        int64_t best) {
   if (cost[0] != cost[0] || cost[best] != cost[best]) return;
   const double Bd = (double)B;
-  volatile double drafter = Bd * or_zero(t.draft_s[t.nk - 1]);
+  volatile double drafter = Bd * draft_per_request(t, t.nk - 1, B);
   volatile double den = cost[best] + drafter;
   volatile double rate = gain[best] / den;
   volatile double base = Bd / cost[0];
@@ -348,7 +363,10 @@ int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
   if (prefill_tok_s == prefill_tok_s) t.scalars[0] = ema(t, t.scalars[0], prefill_tok_s);
   if (t_draft == t_draft) {
     const int64_t i = k_index(t, k_draft);
-    if (i >= 0) t.draft_s[i] = ema(t, t.draft_s[i], t_draft / per);
+    if (i >= 0) {
+      double* d = t.draft_s + bucket(t, B) * t.nk + i;
+      *d = ema(t, *d, t_draft / per);
+    }
   }
   if (t_run == t_run && ix >= 0) {
     record_verify(t, ix, t_run, step);

@@ -13,7 +13,7 @@ that verifies, from two things the engine measures as it runs:
   once; later steps update it: the lower median of the last VERIFY_WINDOW; a pair the drafts
   allow but the choice has not run for REFRESH_EVERY steps is run once, its old figures
   dropped) and the host's bookkeeping around it, plus the drafter's
-  seconds per request for each K, plus, while prompts wait for the step's token budget, the
+  seconds per request for each K and batch-size bucket, plus, while prompts wait for the step's token budget, the
   prefill that K's verify tokens push to later steps (K per request, at the measured seconds
   per prefill token: `record_prefill`).
 
@@ -282,9 +282,9 @@ class KController:
         return self.costs.book_table()
 
     @property
-    def draft_s(self) -> dict[int, float]:
-        """{K: the drafter's seconds per request} (a copy)."""
-        return self.costs.by_k(self.costs.draft_s)
+    def draft_s(self) -> dict[tuple[int, int], float]:
+        """{(batch-size bucket, K): the drafter's seconds per request} (a copy)."""
+        return self.costs.draft_table()
 
     @property
     def draft_values(self) -> dict[int, float]:

@@ -2,8 +2,12 @@
 
 Per (rows, K) pair: the verify step's seconds (the lower median of its last VERIFY_WINDOW
 measurements), the step at which it was last measured, and the host's bookkeeping around it
-(a running average); per K: the drafter's and the host's seconds per request; per batch-size
-bucket: the value of drafting. A pair's entries sit at flat index `row * NK + K's index`, its
+(a running average); per K: the host's seconds per request; per batch-size bucket: the value
+of drafting and, per K, the drafter's seconds per request (its time is partly fixed per step,
+so a figure per request learnt at one request would be charged 16 times at 16 requests; the
+embedded model's n-gram drafter takes ~30 µs at one request and ~45 µs at 16, and one
+running figure per K had it at 165 µs there, ~13 % of the step, which kept drafting off
+at 8-15 requests). A bucket not measured yet takes the nearest measured one's figure. A pair's entries sit at flat index `row * NK + K's index`, its
 rows numbered in the order first seen, so an index stays valid as the tables grow. NaN is
 "not measured". The same arrays are the state of the numpy reference below and of the C step
 (kernels/k_controller_cpu.py), which reads their addresses from `ctx`, so both paths hold one
@@ -53,7 +57,7 @@ class StepCosts:
         self.row_ix: dict[int, int] = {}
         self._idx: dict[int, np.ndarray] = {}     # batch -> [NK] flat index at each K
         self.book_per_req = np.full(self.nk, math.nan)
-        self.draft_s = np.full(self.nk, math.nan)
+        self.draft_s = np.full(BUCKETS * self.nk, math.nan)   # [bucket * NK + K's index]
         self.draft_values = np.full(BUCKETS, math.nan)
         # [prefill seconds per token (NaN: none measured), prefill waiting for budget (0/1),
         #  and for the C step: ALPHA_TIME, the request's weight]
@@ -120,8 +124,8 @@ class StepCosts:
         self.book_per_req[ki] = _ema(float(self.book_per_req[ki]), seconds / max(batch, 1))
 
     def record_draft(self, k: int, batch: int, seconds: float) -> None:
-        ki = self.ki[k]
-        self.draft_s[ki] = _ema(float(self.draft_s[ki]), seconds / max(batch, 1))
+        i = min(bucket(batch), BUCKETS - 1) * self.nk + self.ki[k]
+        self.draft_s[i] = _ema(float(self.draft_s[i]), seconds / max(batch, 1))
 
     def record_prefill(self, seconds_per_token: float) -> None:
         self.scalars[0] = _ema(float(self.scalars[0]), seconds_per_token)
@@ -141,13 +145,21 @@ class StepCosts:
             if book != book:
                 per_req = float(self.book_per_req[ki])
                 book = batch * (0.0 if per_req != per_req else per_req)
-            drafter = batch * self._draft(ki) if draft else 0.0
+            drafter = batch * self.draft_per_request(ki, batch) if draft else 0.0
             out.append(float(self.verify[i]) + book + drafter + k * per_k)
         return out
 
-    def _draft(self, ki: int) -> float:
-        d = float(self.draft_s[ki])
-        return 0.0 if d != d else d
+    def draft_per_request(self, ki: int, batch: int) -> float:
+        """The drafter's seconds per request at K index ki for `batch` requests: its batch-size
+        bucket's figure, else the nearest measured bucket's (the lower first), else 0."""
+        b, nk = min(bucket(batch), BUCKETS - 1), self.nk
+        for d in range(BUCKETS):
+            for bb in (b - d, b + d) if d else (b,):
+                if 0 <= bb < BUCKETS:
+                    v = float(self.draft_s[bb * nk + ki])
+                    if v == v:
+                        return v
+        return 0.0
 
     def draft_value(self, bkt: int) -> float:
         """The value of drafting at a batch-size bucket (1 before any is measured)."""
@@ -160,7 +172,7 @@ class StepCosts:
         drafter's time included) / (rate of a K = 0 step without drafting)."""
         if cost[0] != cost[0] or cost[best] != cost[best]:
             return
-        drafter = batch * self._draft(self.nk - 1)
+        drafter = batch * self.draft_per_request(self.nk - 1, batch)
         ratio = (gain[best] / (cost[best] + drafter)) / (batch / cost[0])
         bkt = min(bucket(batch), BUCKETS - 1)
         old = self.draft_value(bkt)
@@ -197,5 +209,7 @@ class StepCosts:
                     out[(rows, k)] = v
         return out
 
-    def by_k(self, a: np.ndarray) -> dict[int, float]:
-        return {k: float(v) for k, v in zip(self.ks, a) if v == v}
+    def draft_table(self) -> dict[tuple[int, int], float]:
+        """{(batch-size bucket, K): the drafter's seconds per request} of those measured."""
+        return {(i // self.nk, self.ks[i % self.nk]): float(v)
+                for i, v in enumerate(self.draft_s) if v == v}

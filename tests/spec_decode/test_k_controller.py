@@ -223,6 +223,27 @@ def test_host_time_is_kept_per_graph_not_per_request():
     assert ctl.costs.cost(64, 2, draft=False)[1] == 1.0 + 64 * 0.25
 
 
+def test_drafter_time_is_kept_per_batch_size():
+    """A drafter's time is mostly fixed per step (a Python loop's set-up, one call): measured
+    at one request it must not be charged 16 times at 16 requests once 16's own figure is in.
+    A size not measured takes the nearest measured bucket's figure (the lower on a tie)."""
+    ctl = make(batches=(1, 16))
+    c, ki = ctl.costs, ctl.costs.ki[4]
+    ctl.record_draft(4, 1, 0.5)                 # 0.5 s at one request
+    assert c.draft_per_request(ki, 16) == 0.5   # nothing at 16 yet: one request's figure
+    ctl.record_draft(4, 16, 0.5)                # ... and 0.5 s at 16: fixed
+    assert c.draft_per_request(ki, 16) == 0.5 / 16 and c.draft_per_request(ki, 1) == 0.5
+    assert c.draft_per_request(ki, 64) == 0.5 / 16   # bucket 7: 16's (5) is nearer than 1's
+    assert c.draft_per_request(ki, 4) == 0.5         # bucket 3: a tie, the lower (1's)
+    assert c.draft_per_request(c.ki[2], 16) == 0.0   # K = 2 never measured
+    assert ctl.draft_s == {(kc._bucket(1), 4): 0.5, (kc._bucket(16), 4): 0.5 / 16}
+    assert c.cost(16, len(KS), draft=True)[-1] == 1.0 + 16 * (0.5 / 16)
+    # the choice: half the drafts accepted pay for a 0.5 s drafter at 16 requests (48 tokens
+    # in 1.5 s against 16 in 1 s); one figure per request (6.5 s) had skipped drafting
+    picks = run_cheap(ctl, ctl.slots([f"r{i}" for i in range(16)]), L=4, A=2, steps=20)
+    assert ctl.draft_value > 1 and all(p[0] == 4 for p in picks)
+
+
 def test_draft_cost_counts_before_drafting():
     """A drafter costing 1 s per request per step at K = 4 (and nothing at K = 2) moves the
     choice from 4 to 2 under a flat verify cost."""
