@@ -18,6 +18,10 @@ each of the engine's two per-step calls is one C call, reached as a Python built
   the drafter's running averages, the prefill rate (StepCosts' record_* methods); on the
   observations where `KController._pool` is due, the pooled estimates moved toward the rows'
   means (its numpy calls cost ~70 µs cold every fourth step).
+- `probe_match` (a builtin only): a probe's comparison (npuspec/engine/k_online.py,
+  `OnlineK._resolve`): each request's leading drafts that its output went on to emit, read
+  from the Requests' output lists; its Python loop cost ~125 µs cold at 64 requests, once
+  every EXPLORE_EVERY steps.
 
 The cost tables are StepCosts' arrays (npuspec/spec_decode/k_costs.py), read through `ctx`, an
 int64 array of their addresses and sizes (k_costs.CTX_FIELDS, the order of `struct Ctx`; the
@@ -135,9 +139,12 @@ bool int_format(const char* f, int64_t itemsize) {
   }
 }
 
-bool int_view(PyObject* o, int64_t itemsize, int ndim, View* out) {
+bool int_view(PyObject* o, int64_t itemsize, int ndim, View* out, bool writable = false) {
   Py_buffer v;
-  if (PyObject_GetBuffer(o, &v, PyBUF_RECORDS_RO) != 0) { PyErr_Clear(); return false; }
+  if (PyObject_GetBuffer(o, &v, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) != 0) {
+    PyErr_Clear();
+    return false;
+  }
   bool ok = v.ndim == ndim && v.itemsize == itemsize && int_format(v.format, itemsize);
   if (ok) {
     out->buf = (const char*)v.buf;
@@ -145,8 +152,9 @@ bool int_view(PyObject* o, int64_t itemsize, int ndim, View* out) {
     out->cols = ndim == 2 ? v.shape[1] : 1;
     const int64_t last = v.strides[ndim - 1];
     out->ld = ndim == 2 ? v.strides[0] / itemsize : 1;
-    ok = (out->cols <= 1 || last == itemsize)
-         && (ndim == 1 || (v.strides[0] >= 0 && v.strides[0] % itemsize == 0));
+    ok = ndim == 1 ? out->rows <= 1 || last == itemsize  // read as contiguous
+                   : (out->cols <= 1 || last == itemsize) && v.strides[0] >= 0
+                         && v.strides[0] % itemsize == 0;
   }
   PyBuffer_Release(&v);  // the caller holds the array, whose data does not move
   return ok;
@@ -424,22 +432,78 @@ PyObject* py_verified(PyObject*, PyObject* const* a, Py_ssize_t n) {
       v[9], f[0], f[1], f[2], f[3], v[14], (double*)v[15], (double*)v[16], f[4]));
 }
 
+// OnlineK._resolve's comparison: (reqs, starts, drafts [B, K] int64, lengths [B] int64, res
+// [B, K+2] int32, known [B] int64) -> B. For each request b: res[b, K+1] <- 1 + the leading
+// drafts[b] equal to reqs[b].output[starts[b]:], known[b] <- min(lengths[b], how many of those
+// K tokens exist). -2, nothing written: arguments laid out otherwise (the caller then runs its
+// Python loop).
+PyObject* py_probe_match(PyObject*, PyObject* const* a, Py_ssize_t n) {
+  if (n != 6) {
+    PyErr_SetString(PyExc_TypeError, "probe_match takes 6 arguments (OnlineK._resolve)");
+    return nullptr;
+  }
+  static PyObject* output_name = PyUnicode_InternFromString("output");
+  PyObject *reqs = a[0], *starts = a[1];
+  View d, len, r, kn;
+  if (!PyList_Check(reqs) || !PyList_Check(starts) || !int_view(a[2], 8, 2, &d)
+      || !int_view(a[3], 8, 1, &len) || !int_view(a[4], 4, 2, &r, true)
+      || !int_view(a[5], 8, 1, &kn, true))
+    return PyLong_FromLong(-2);
+  const Py_ssize_t B = PyList_GET_SIZE(reqs);
+  const int64_t K = d.cols;
+  if (PyList_GET_SIZE(starts) != B || d.rows != B || len.rows != B || r.rows != B
+      || r.cols != K + 2 || kn.rows != B)
+    return PyLong_FromLong(-2);
+  const int64_t* lengths = (const int64_t*)len.buf;
+  int32_t* res = (int32_t*)r.buf;
+  int64_t* known = (int64_t*)kn.buf;
+  for (Py_ssize_t b = 0; b < B; ++b) {
+    const int64_t start = PyLong_AsLongLong(PyList_GET_ITEM(starts, b));
+    if (start == -1 && PyErr_Occurred()) return nullptr;
+    PyObject* out = PyObject_GetAttr(PyList_GET_ITEM(reqs, b), output_name);
+    if (out == nullptr) return nullptr;
+    if (!PyList_Check(out)) {
+      Py_DECREF(out);
+      return PyLong_FromLong(-2);
+    }
+    int64_t have = (int64_t)PyList_GET_SIZE(out) - start;
+    have = have < 0 ? 0 : (have > K ? K : have);
+    const int64_t* dr = (const int64_t*)d.buf + b * d.ld;
+    int64_t m = 0;
+    for (; m < have; ++m) {  // a -1 draft matches no token
+      const long long tok = PyLong_AsLongLong(PyList_GET_ITEM(out, start + m));
+      if (tok == -1 && PyErr_Occurred()) {
+        Py_DECREF(out);
+        return nullptr;
+      }
+      if (tok != dr[m]) break;
+    }
+    Py_DECREF(out);
+    res[b * r.ld + K + 1] = (int32_t)(m + 1);
+    known[b] = lengths[b] < have ? lengths[b] : have;
+  }
+  return PyLong_FromSsize_t(B);
+}
+
 PyMethodDef METHODS[] = {
     {"choose", (PyCFunction)(void (*)(void))py_choose, METH_FASTCALL, "npuspec_kc_choose"},
     {"verified", (PyCFunction)(void (*)(void))py_verified, METH_FASTCALL,
      "npuspec_kc_verified"},
+    {"probe_match", (PyCFunction)(void (*)(void))py_probe_match, METH_FASTCALL,
+     "OnlineK._resolve's comparison"},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
 
-// -> (choose, verified) as builtins; called once, through ctypes
+// -> (choose, verified, probe_match) as builtins; called once, through ctypes
 extern "C" PyObject* npuspec_kc_functions() {
-  return Py_BuildValue("(NN)", PyCFunction_New(&METHODS[0], nullptr),
-                       PyCFunction_New(&METHODS[1], nullptr));
+  return Py_BuildValue("(NNN)", PyCFunction_New(&METHODS[0], nullptr),
+                       PyCFunction_New(&METHODS[1], nullptr),
+                       PyCFunction_New(&METHODS[2], nullptr));
 }
 """
 
-SIGNATURES = {"npuspec_kc_functions": (ctypes.py_object, [])}  # -> the two builtins
+SIGNATURES = {"npuspec_kc_functions": (ctypes.py_object, [])}  # -> the three builtins
 
 
 @functools.lru_cache(maxsize=None)
@@ -453,8 +517,9 @@ def library():
                          SIGNATURES)
     if lib is None:
         return None
-    choose, verified = lib.npuspec_kc_functions()
-    return types.SimpleNamespace(choose=choose, verified=verified, dll=lib)
+    choose, verified, probe_match = lib.npuspec_kc_functions()
+    return types.SimpleNamespace(choose=choose, verified=verified, probe_match=probe_match,
+                                 dll=lib)
 
 
 def available() -> bool:

@@ -42,7 +42,8 @@ class Probe:
     slots: np.ndarray         # [B] the controller's rows
     starts: list              # [B] len(output) when drafted
     drafts: np.ndarray        # [B, K_max], -1 = none
-    lengths: np.ndarray       # [B]
+    lengths: np.ndarray       # [B] int64
+    bound: Optional[np.ndarray] = None   # the controller's own slots array when drafted
 
 
 class OnlineK:
@@ -57,6 +58,8 @@ class OnlineK:
                                probes=probes)
         self.cheap = cheap_drafter
         self._probes: collections.deque = collections.deque()
+        self._gone: set = set()   # requests retired while a probe was pending
+        self._scratch: dict = {}  # (B, K_max) -> a probe's result and known arrays
         self._probing = False
         self._n = 0
         self._slots = np.zeros(0, dtype=np.int64)
@@ -100,7 +103,7 @@ class OnlineK:
         if choice.probe:
             self._probes.append(Probe(self._n, list(batch), slots.copy(),
                                       [len(r.output) for r in batch], drafts.copy(),
-                                      lengths.copy()))
+                                      lengths.copy(), slots))
         if k < choice.k_draft:
             drafts, probs = cut(drafts, probs, k)
         self._slots, self._lengths, self._k_draft = slots, lengths, choice.k_draft
@@ -134,25 +137,49 @@ class OnlineK:
     def _resolve(self, pr: Probe) -> None:
         """Observe a probe: each request's leading drafts that the target went on to emit, over
         the positions whose tokens are known (a request that stopped early, or was preempted,
-        knows fewer; one retired meanwhile, whose row may be another's now, none). In plain
-        lists, then one C call (`observe_result`): per-row numpy writes and a numpy observe
-        had cost ~250 µs at 64 requests, once every EXPLORE_EVERY steps."""
+        knows fewer; one retired meanwhile, whose row may be another's now, none). Written for
+        a cold cache (once every EXPLORE_EVERY steps, right after a model step, where each
+        numpy call costs several µs): the comparison is one C call where the library builds
+        (`probe_match`; its Python loop, `_match_py`, cost ~125 µs at 64 requests), into
+        scratch arrays kept per shape, and the batch's rows are recognised by identity."""
         B, K = pr.drafts.shape                                       # [B, K_max]
-        slot_of, match, known = self.ctl.slot, [], []
-        for r, start, s, n, d in zip(pr.reqs, pr.starts, pr.slots.tolist(),
-                                     pr.lengths.tolist(), pr.drafts.tolist()):
+        bufs = self._scratch.get((B, K))
+        if bufs is None:  # as a K_max step's result (only column K+1 is read), known [B]
+            bufs = self._scratch[(B, K)] = (np.zeros((B, K + 2), dtype=np.int32),
+                                           np.zeros(B, dtype=np.int64))
+        res, known = bufs
+        lib = self.ctl._lib
+        if lib is None or lib.probe_match(pr.reqs, pr.starts, pr.drafts, pr.lengths, res,
+                                          known) != B:
+            self._match_py(pr, res, known)
+        slot_of, gone = self.ctl.slot, self._gone
+        if gone:  # rows retired since: their slot may be another request's now
+            for i, r in enumerate(pr.reqs):
+                if slot_of.get(r.req_id) != pr.slots[i]:
+                    known[i] = 0
+        # the batch still bound since the probe: its own array (updated in place)
+        slots = pr.bound if pr.bound is self.ctl._bslots else pr.slots
+        self.ctl.observe_result(slots, K, known, K, res)
+        if not self._probes:
+            gone.clear()
+
+    @staticmethod
+    def _match_py(pr: Probe, res: np.ndarray, known: np.ndarray) -> None:
+        """`probe_match` in Python: res[b, K+1] <- 1 + the leading drafts the output matched,
+        known[b] <- min(drafted, the output's tokens past the start, K)."""
+        K = pr.drafts.shape[1]
+        for b, (r, start, d, n) in enumerate(zip(pr.reqs, pr.starts, pr.drafts.tolist(),
+                                                 pr.lengths.tolist())):
             out = r.output[start:start + K]
             m = 0
-            for a, b in zip(out, d):  # a -1 draft matches no token
-                if a != b:
+            for a, t in zip(out, d):  # a -1 draft matches no token
+                if a != t:
                     break
                 m += 1
-            match.append(m + 1)
-            known.append(min(n, len(out)) if slot_of.get(r.req_id) == s else 0)
-        res = np.zeros((B, K + 2), dtype=np.int32)                   # as a K_max step's result
-        res[:, K + 1] = match                                        # the C step clamps to known
-        self.ctl.observe_result(self.ctl.as_bound(pr.slots), K,
-                                np.array(known, dtype=np.int64), K, res)
+            res[b, K + 1] = m + 1
+            known[b] = min(n, len(out))
 
     def forget(self, req_id: str) -> None:
         self.ctl.forget(req_id)
+        if self._probes:  # its row in a pending probe is checked when that probe resolves
+            self._gone.add(req_id)

@@ -166,12 +166,6 @@ class KController:
         self._bslots, self._bp, self._bc = out, self._p[out], self._c[out]
         return out
 
-    def as_bound(self, slots: np.ndarray) -> np.ndarray:
-        """The bound batch's own array where `slots` holds the same rows (a probe's copy while
-        its batch still runs): updates then stay in the bound rows instead of unbinding them."""
-        b = self._bslots
-        return b if len(slots) == len(b) and np.array_equal(slots, b) else slots
-
     def _flush(self) -> None:
         """The bound batch's rows back into the table."""
         if len(self._bslots):

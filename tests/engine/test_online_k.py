@@ -199,7 +199,7 @@ def test_a_probe_of_a_request_retired_meanwhile_observes_nothing_for_it():
     online.ctl.since_explore = online.ctl.explore_every - 1
     online.ctl.last_k = 0
     online.draft(batch, lambda reqs, k: (np.full((2, k), 3), None))
-    online.ctl.forget("b")
+    online.forget("b")                        # the engine's call on retiring b
     newcomer = online.ctl.slots(["z"])[0]     # takes b's row
     before = online.ctl.c[newcomer].copy()
     for _ in range(2):

@@ -148,3 +148,42 @@ def test_native_after_drafts_reads_strided_drafts_and_an_unbound_batch():
     ref.observe_result(copy_r, 4, L_r.copy(), 4, res)
     assert np.array_equal(nat.c, ref.c)
     assert not np.array_equal(nat.c[s_n], np.full((24, 4), kc.PRIOR_C))  # it did learn
+
+
+def test_probe_match_is_the_python_loop():
+    """OnlineK._resolve's comparison in C against its Python loop: outputs shorter than the
+    probe's K (none at all, a start past the end), drafts -1 padded, matches of every length,
+    drafted lengths below K; and layouts it does not read (int32 drafts, strided lengths) are
+    refused with nothing written."""
+    from types import SimpleNamespace
+
+    from npuspec.engine.k_online import OnlineK, Probe
+    lib, rng, seen = k_controller_cpu.library(), np.random.default_rng(0), set()
+    for trial in range(50):
+        B, K = int(rng.integers(1, 20)), int(rng.integers(1, 6))
+        drafts = _drafts(rng, B, K) % 7 - (_drafts(rng, B, K) < 0)  # few ids: matches happen
+        reqs, starts = [], []
+        for b in range(B):
+            start = int(rng.integers(0, 5))
+            n = int(rng.integers(0, K + 3))  # tokens past the start (0: none yet)
+            tail = [int(t) if rng.random() < 0.7 and t >= 0 else int(rng.integers(0, 7))
+                    for t in list(drafts[b]) + [0] * 3][:n]
+            out = [int(x) for x in rng.integers(0, 7, start)] + tail
+            if rng.random() < 0.1:  # preempted: its output shorter than the start
+                out = out[:max(start - 1, 0)]
+            reqs.append(SimpleNamespace(output=out, req_id=f"r{b}"))
+            starts.append(start)
+        lengths = rng.integers(0, K + 1, B)
+        pr = Probe(0, reqs, np.arange(B), starts, drafts.copy(), lengths)
+        res_c, res_py = np.zeros((B, K + 2), np.int32), np.zeros((B, K + 2), np.int32)
+        have_c, have_py = np.empty(B, np.int64), np.empty(B, np.int64)
+        assert lib.probe_match(reqs, starts, drafts, lengths, res_c, have_c) == B
+        OnlineK._match_py(pr, res_py, have_py)
+        assert np.array_equal(res_c, res_py) and np.array_equal(have_c, have_py), trial
+        seen |= {int(m) for m in res_py[:, -1]}
+    res = np.zeros((B, K + 2), np.int32)
+    strided = np.repeat(lengths, 2)[::2]   # a view with stride 2: not read as contiguous
+    for args in ((drafts.astype(np.int32), lengths), (drafts, strided)):
+        assert lib.probe_match(reqs, starts, *args, res, have_c) == -2
+    assert not res.any()
+    assert seen == set(range(1, 7)), seen  # every match length up to K_max = 5
