@@ -16,8 +16,8 @@ from npuspec.kernels.cpp_build import vec_isa
 @functools.lru_cache(maxsize=None)
 def prebuild_cpu_kernels() -> None:
     """Compile the CPU kernels' C++ (packed and quantized linear, add+RMSNorm, paged attention,
-    fused verify, the suffix proposer, then the native ops that dispatch to them) on two
-    background threads.
+    fused verify, the suffix and n-gram proposers, then the native ops that dispatch to them)
+    on two background threads.
 
     Each library compiles on first use (g++, 1-4 s apiece once Inductor's precompiled
     cpp_prefix.h exists; the first build makes it, ~8 s, kernels/cpp_build.py). An engine
@@ -37,7 +37,7 @@ def prebuild_cpu_kernels() -> None:
     # the native ops last: their library waits for the kernels it calls (kernels/native_cpu.py)
     for chain in (("linear_packed_cpu", "paged_attention_cpu", "linear_quant_cpu", "k_controller_cpu",
                    "race_rows_cpu"),
-                  ("rms_norm_cpu", "verify_cpu", "suffix_cpu", "native_cpu")):
+                  ("rms_norm_cpu", "verify_cpu", "suffix_cpu", "ngram_cpu", "native_cpu")):
         threading.Thread(target=_prebuild, args=(chain,), name="npuspec-prebuild",
                          daemon=True).start()
 

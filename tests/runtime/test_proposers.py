@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from npuspec.runtime import NgramProposer, Proposer, SuffixProposer
+from npuspec.spec_decode.ngram_reference import NgramProposerReference
 from npuspec.spec_decode import suffix_tree as suffix_mod
 from npuspec.spec_decode.suffix_reference import SuffixProposerReference
 
@@ -472,7 +473,9 @@ def test_draft_batch_pads_each_row_with_minus_one_to_k():
     assert d.tokens.dtype == np.int64
     assert d.tokens.tolist() == [[3, 1, -1, -1], [-1, -1, -1, -1]]
 
-    class _TooLong(NgramProposer):  # a drafter breaking propose's contract is not padded over
+    # a drafter breaking propose's contract is not padded over by the default draft_batch
+    # (the reference's; the compiled NgramProposer drafts in one native call)
+    class _TooLong(NgramProposerReference):
         def propose(self, req_ids, caps):
             return [[1, 2, 3]] * len(req_ids)
     with pytest.raises(AssertionError):
