@@ -106,19 +106,11 @@ int64_t bucket(const Ctx& t, int64_t batch) {  // k_costs.bucket: bit length of 
   return n < t.buckets ? n : t.buckets - 1;
 }
 
-// StepCosts.draft_per_request: the bucket's figure, else the nearest measured (lower first)
+// StepCosts.draft_per_request: the bucket's figure, else the K's latest (bucket 0), else 0
 double draft_per_request(const Ctx& t, int64_t ki, int64_t batch) {
-  const int64_t b = bucket(t, batch);
-  for (int64_t d = 0; d < t.buckets; ++d) {
-    const int64_t cand[2] = {b - d, b + d};
-    for (int64_t j = 0; j < (d ? 2 : 1); ++j) {
-      const int64_t bb = cand[j];
-      if (bb < 0 || bb >= t.buckets) continue;
-      const double v = t.draft_s[bb * t.nk + ki];
-      if (v == v) return v;
-    }
-  }
-  return 0.0;
+  double v = t.draft_s[bucket(t, batch) * t.nk + ki];
+  if (v != v) v = t.draft_s[ki];
+  return or_zero(v);
 }
 
 // An integer array's layout from its buffer (numpy's, read through the Python buffer protocol:
@@ -374,6 +366,7 @@ int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
     if (i >= 0) {
       double* d = t.draft_s + bucket(t, B) * t.nk + i;
       *d = ema(t, *d, t_draft / per);
+      t.draft_s[i] = *d;  // bucket 0: the K's latest figure
     }
   }
   if (t_run == t_run && ix >= 0) {

@@ -7,7 +7,7 @@ of drafting and, per K, the drafter's seconds per request (its time is partly fi
 so a figure per request learnt at one request would be charged 16 times at 16 requests; the
 embedded model's n-gram drafter takes ~30 µs at one request and ~45 µs at 16, and one
 running figure per K had it at 165 µs there, ~13 % of the step, which kept drafting off
-at 8-15 requests). A bucket not measured yet takes the nearest measured one's figure. A pair's entries sit at flat index `row * NK + K's index`, its
+at 8-15 requests). A bucket not measured yet takes its K's latest figure. A pair's entries sit at flat index `row * NK + K's index`, its
 rows numbered in the order first seen, so an index stays valid as the tables grow. NaN is
 "not measured". The same arrays are the state of the numpy reference below and of the C step
 (kernels/k_controller_cpu.py), which reads their addresses from `ctx`, so both paths hold one
@@ -57,7 +57,8 @@ class StepCosts:
         self.row_ix: dict[int, int] = {}
         self._idx: dict[int, np.ndarray] = {}     # batch -> [NK] flat index at each K
         self.book_per_req = np.full(self.nk, math.nan)
-        self.draft_s = np.full(BUCKETS * self.nk, math.nan)   # [bucket * NK + K's index]
+        # [bucket * NK + K's index]; bucket 0 (no batch size's): each K's latest figure
+        self.draft_s = np.full(BUCKETS * self.nk, math.nan)
         self.draft_values = np.full(BUCKETS, math.nan)
         # [prefill seconds per token (NaN: none measured), prefill waiting for budget (0/1),
         #  and for the C step: ALPHA_TIME, the request's weight]
@@ -124,8 +125,9 @@ class StepCosts:
         self.book_per_req[ki] = _ema(float(self.book_per_req[ki]), seconds / max(batch, 1))
 
     def record_draft(self, k: int, batch: int, seconds: float) -> None:
-        i = min(bucket(batch), BUCKETS - 1) * self.nk + self.ki[k]
-        self.draft_s[i] = _ema(float(self.draft_s[i]), seconds / max(batch, 1))
+        ki = self.ki[k]
+        i = min(bucket(batch), BUCKETS - 1) * self.nk + ki
+        self.draft_s[i] = self.draft_s[ki] = _ema(float(self.draft_s[i]), seconds / max(batch, 1))
 
     def record_prefill(self, seconds_per_token: float) -> None:
         self.scalars[0] = _ema(float(self.scalars[0]), seconds_per_token)
@@ -151,15 +153,13 @@ class StepCosts:
 
     def draft_per_request(self, ki: int, batch: int) -> float:
         """The drafter's seconds per request at K index ki for `batch` requests: its batch-size
-        bucket's figure, else the nearest measured bucket's (the lower first), else 0."""
-        b, nk = min(bucket(batch), BUCKETS - 1), self.nk
-        for d in range(BUCKETS):
-            for bb in (b - d, b + d) if d else (b,):
-                if 0 <= bb < BUCKETS:
-                    v = float(self.draft_s[bb * nk + ki])
-                    if v == v:
-                        return v
-        return 0.0
+        bucket's figure, else the K's latest figure from any bucket (bucket 0, which no batch
+        size has), else 0."""
+        nk = self.nk
+        v = float(self.draft_s[min(bucket(batch), BUCKETS - 1) * nk + ki])
+        if v != v:
+            v = float(self.draft_s[ki])
+        return 0.0 if v != v else v
 
     def draft_value(self, bkt: int) -> float:
         """The value of drafting at a batch-size bucket (1 before any is measured)."""
@@ -212,4 +212,4 @@ class StepCosts:
     def draft_table(self) -> dict[tuple[int, int], float]:
         """{(batch-size bucket, K): the drafter's seconds per request} of those measured."""
         return {(i // self.nk, self.ks[i % self.nk]): float(v)
-                for i, v in enumerate(self.draft_s) if v == v}
+                for i, v in enumerate(self.draft_s) if v == v and i >= self.nk}

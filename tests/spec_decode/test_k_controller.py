@@ -226,15 +226,14 @@ def test_host_time_is_kept_per_graph_not_per_request():
 def test_drafter_time_is_kept_per_batch_size():
     """A drafter's time is mostly fixed per step (a Python loop's set-up, one call): measured
     at one request it must not be charged 16 times at 16 requests once 16's own figure is in.
-    A size not measured takes the nearest measured bucket's figure (the lower on a tie)."""
+    A size not measured takes its K's latest figure."""
     ctl = make(batches=(1, 16))
     c, ki = ctl.costs, ctl.costs.ki[4]
     ctl.record_draft(4, 1, 0.5)                 # 0.5 s at one request
-    assert c.draft_per_request(ki, 16) == 0.5   # nothing at 16 yet: one request's figure
+    assert c.draft_per_request(ki, 16) == 0.5   # nothing at 16 yet: the latest, one request's
     ctl.record_draft(4, 16, 0.5)                # ... and 0.5 s at 16: fixed
     assert c.draft_per_request(ki, 16) == 0.5 / 16 and c.draft_per_request(ki, 1) == 0.5
-    assert c.draft_per_request(ki, 64) == 0.5 / 16   # bucket 7: 16's (5) is nearer than 1's
-    assert c.draft_per_request(ki, 4) == 0.5         # bucket 3: a tie, the lower (1's)
+    assert c.draft_per_request(ki, 64) == c.draft_per_request(ki, 4) == 0.5 / 16  # latest
     assert c.draft_per_request(c.ki[2], 16) == 0.0   # K = 2 never measured
     assert ctl.draft_s == {(kc._bucket(1), 4): 0.5, (kc._bucket(16), 4): 0.5 / 16}
     assert c.cost(16, len(KS), draft=True)[-1] == 1.0 + 16 * (0.5 / 16)
