@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from npuspec._counters import counters
+from npuspec.kernels import ngram_cpu
 from npuspec.spec_decode.base import (BuildContext, DraftBatch, Drafts, Proposer,
                                       duplicate_request, per_request_k, unknown_request)
 from npuspec.spec_decode.ngram_reference import NgramProposerReference, _as_list, check_params
@@ -32,7 +33,6 @@ class NgramProposer(Proposer):
     def __init__(self, prompt_lookup_min: int = 5, prompt_lookup_max: int = 5):
         check_params(prompt_lookup_min, prompt_lookup_max)
         self.nmin, self.nmax = prompt_lookup_min, prompt_lookup_max
-        from npuspec.kernels import ngram_cpu  # its C++ source, read only when built
         lib = ngram_cpu.library()
         self._ref = None
         self._slots: dict[str, int] = {}   # active req_id -> native slot
