@@ -12,8 +12,8 @@ that verifies, from two things the engine measures as it runs:
 - cost, per (rows, K) graph: the verify step's seconds (warm-up measures every captured pair
   once; later steps update it: the lower median of the last VERIFY_WINDOW; a pair the drafts
   allow but the choice has not run for REFRESH_EVERY steps is run once, its old figures
-  dropped) and the host's bookkeeping around it, plus the drafter's
-  seconds per request for each K and batch-size bucket, plus, while prompts wait for the step's token budget, the
+  dropped) and the host's bookkeeping around it, plus the drafter's seconds per request for
+  each K and batch-size bucket, plus, while prompts wait for the step's token budget, the
   prefill that K's verify tokens push to later steps (K per request, at the measured seconds
   per prefill token: `record_prefill`).
 

@@ -7,8 +7,9 @@ of drafting and, per K, the drafter's seconds per request (its time is partly fi
 so a figure per request learnt at one request would be charged 16 times at 16 requests; the
 embedded model's n-gram drafter takes ~30 µs at one request and ~45 µs at 16, and one
 running figure per K had it at 165 µs there, ~13 % of the step, which kept drafting off
-at 8-15 requests). A bucket not measured yet takes its K's latest figure. A pair's entries sit at flat index `row * NK + K's index`, its
-rows numbered in the order first seen, so an index stays valid as the tables grow. NaN is
+at 8-15 requests); a bucket not measured yet takes its K's latest figure. A pair's entries
+sit at flat index `row * NK + K's index`, its rows numbered in the order first seen, so an
+index stays valid as the tables grow. NaN is
 "not measured". The same arrays are the state of the numpy reference below and of the C step
 (kernels/k_controller_cpu.py), which reads their addresses from `ctx`, so both paths hold one
 state and the tests compare them bit for bit.
