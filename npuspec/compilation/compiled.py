@@ -16,6 +16,7 @@ the graph dispatcher copies into buffers of the compiled strides). Only for thos
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -41,8 +42,21 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 def own_code(fn: Callable, name: str | None = None) -> Callable:
     """`fn` with a code object of its own (named `name`). Dynamo keeps its compiled entries,
     and counts recompiles, on the code object: a function of its own has a cache of its own
-    (and without guards, the first entry would serve every function sharing the code)."""
-    new = types.FunctionType(fn.__code__.replace(), fn.__globals__, name or fn.__name__,
+    (and without guards, the first entry would serve every function sharing the code).
+
+    And with globals of its own: the builtins and the module globals its code names, as they
+    are now (the engine's step functions read only their closures). Dynamo installs each
+    compiled graph's function in the frame's globals (`__compiled_fn_<n>_<uuid>`) and never
+    removes it: in the module's globals that kept every engine's compiled steps alive, and
+    with them its KV pool and weights, for the life of the process (~1.5-2.4 GiB per SmolLM2
+    engine at 32 requests; `bench dynk` on SmolLM2 at 64 requests could not build its second
+    method's engines). Dynamo's guards keep the globals dict itself (a finalizer on a
+    `torch.library.Library` holds them), so CompiledBySignature also empties it of compiled
+    functions when it goes (`drop_compiled`)."""
+    g = fn.__globals__
+    own = {k: g[k] for k in fn.__code__.co_names if k in g}
+    own.update(__builtins__=g.get("__builtins__", __builtins__), __name__=g.get("__name__"))
+    new = types.FunctionType(fn.__code__.replace(), own, name or fn.__name__,
                              fn.__defaults__, fn.__closure__)
     new.__kwdefaults__ = fn.__kwdefaults__
     return new
@@ -55,6 +69,8 @@ class CompiledBySignature:
     def __init__(self, fn: Callable, options: dict):
         self.fn, self.options = fn, dict(options)
         self.fns: dict[tuple, Callable] = {}
+        self._globals: list[dict] = []  # each copy's globals, emptied when this object goes
+        weakref.finalize(self, drop_compiled, self._globals)
 
     def __call__(self, *args, **kwargs):
         key = signature(args, kwargs)
@@ -62,6 +78,17 @@ class CompiledBySignature:
         if fn is None:
             # torch.compile pops guard_filter_fn from the dict it is given: a new one each time
             opts = dict(self.options, guard_filter_fn=torch.compiler.skip_all_guards_unsafe)
-            fn = self.fns[key] = torch.compile(own_code(self.fn), backend="npuspec",
-                                               options=opts, dynamic=None)
+            raw = own_code(self.fn)
+            self._globals.append(raw.__globals__)
+            fn = self.fns[key] = torch.compile(raw, backend="npuspec", options=opts,
+                                               dynamic=None)
         return fn(*args, **kwargs)
+
+
+def drop_compiled(globals_dicts: list) -> None:
+    """Drop Dynamo's compiled functions (`__compiled_fn_*`, and the resumes after a graph
+    break, `__resume_at_*`) from the globals of `own_code` copies (see own_code). The names
+    stay, bound to None: Dynamo's own clean-up deletes them when its code object goes."""
+    for g in globals_dicts:
+        for k in [k for k in g if k.startswith(("__compiled_fn", "__resume_at"))]:
+            g[k] = None

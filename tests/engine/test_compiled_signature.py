@@ -51,3 +51,24 @@ def test_the_key_reads_only_what_may_change_a_graph():
     with torch.inference_mode():
         inside = signature((x1, w), {})
     assert inside != signature((x1, w), {})                                   # inference mode
+
+
+
+def test_an_engine_s_compiled_steps_do_not_outlive_it(monkeypatch):
+    """Dynamo installs each compiled graph's function in the frame's globals, and its guards
+    keep those globals alive: the step copies' globals are their own and are emptied when
+    their CompiledBySignature goes, so the engine's KV pool (and weights) go with the engine.
+    Without the emptying they stay for the life of the process."""
+    import gc
+    import weakref
+
+    from npuspec.compilation import compiled
+    from npuspec.engine import LLM, SamplingParams
+    for drop, freed in ((compiled.drop_compiled, True), (lambda dicts: None, False)):
+        monkeypatch.setattr(compiled, "drop_compiled", drop)
+        llm = LLM("tiny", max_num_seqs=2, max_model_len=64)
+        llm.generate(["def f(x):"], SamplingParams(temperature=0.0, max_tokens=4))
+        kv = weakref.ref(llm.runner.cache.k)
+        del llm
+        gc.collect()
+        assert (kv() is None) == freed, drop
