@@ -428,8 +428,8 @@ PyObject* py_verified(PyObject*, PyObject* const* a, Py_ssize_t n) {
 // OnlineK._resolve's comparison: (reqs, starts, drafts [B, K] int64, lengths [B] int64, res
 // [B, K+2] int32, known [B] int64) -> B. For each request b: res[b, K+1] <- 1 + the leading
 // drafts[b] equal to reqs[b].output[starts[b]:], known[b] <- min(lengths[b], how many of those
-// K tokens exist). -2, nothing written: arguments laid out otherwise (the caller then runs its
-// Python loop).
+// K tokens exist). -2: arguments laid out otherwise, found before anything is written (an
+// output that is not a list, mid-way); the caller then runs its Python loop over every row.
 PyObject* py_probe_match(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (n != 6) {
     PyErr_SetString(PyExc_TypeError, "probe_match takes 6 arguments (OnlineK._resolve)");

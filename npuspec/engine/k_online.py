@@ -39,11 +39,10 @@ class Probe:
     """A probe step's drafts, kept until the target has emitted K_max tokens past them."""
     step: int
     reqs: list                # the engine's Requests (their output grows)
-    slots: np.ndarray         # [B] the controller's rows
+    slots: np.ndarray         # [B] the controller's rows: its own array (never written)
     starts: list              # [B] len(output) when drafted
     drafts: np.ndarray        # [B, K_max], -1 = none
     lengths: np.ndarray       # [B] int64
-    bound: Optional[np.ndarray] = None   # the controller's own slots array when drafted
 
 
 class OnlineK:
@@ -101,9 +100,9 @@ class OnlineK:
         k, lengths = ctl.choose_after_drafts(choice, slots, drafts)  # lengths [B]
         self._probing = choice.probe
         if choice.probe:
-            self._probes.append(Probe(self._n, list(batch), slots.copy(),
+            self._probes.append(Probe(self._n, list(batch), slots,
                                       [len(r.output) for r in batch], drafts.copy(),
-                                      lengths.copy(), slots))
+                                      lengths.copy()))
         if k < choice.k_draft:
             drafts, probs = cut(drafts, probs, k)
         self._slots, self._lengths, self._k_draft = slots, lengths, choice.k_draft
@@ -157,9 +156,9 @@ class OnlineK:
             for i, r in enumerate(pr.reqs):
                 if slot_of.get(r.req_id) != pr.slots[i]:
                     known[i] = 0
-        # the batch still bound since the probe: its own array (updated in place)
-        slots = pr.bound if pr.bound is self.ctl._bslots else pr.slots
-        self.ctl.observe_result(slots, K, known, K, res)
+        # the controller's own slots array: while that batch is still bound, its rows update
+        # in place (KController._rows_of tells by identity)
+        self.ctl.observe_result(pr.slots, K, known, K, res)
         if not self._probes:
             gone.clear()
 

@@ -38,8 +38,9 @@ MAX_KS = 64            # the C step's stack arrays (more K than this: the refere
 
 
 def bucket(batch: int) -> int:
-    """Batch sizes that share a value of drafting: 1, 2-3, 4-7, 8-15, ..."""
-    return max(int(batch), 1).bit_length()
+    """Batch sizes that share a value of drafting: 1, 2-3, 4-7, 8-15, ... (at most
+    BUCKETS - 1, as the C step's)."""
+    return min(max(int(batch), 1).bit_length(), BUCKETS - 1)
 
 
 def _ema(old: float, value: float) -> float:
@@ -127,7 +128,7 @@ class StepCosts:
 
     def record_draft(self, k: int, batch: int, seconds: float) -> None:
         ki = self.ki[k]
-        i = min(bucket(batch), BUCKETS - 1) * self.nk + ki
+        i = bucket(batch) * self.nk + ki
         self.draft_s[i] = self.draft_s[ki] = _ema(float(self.draft_s[i]), seconds / max(batch, 1))
 
     def record_prefill(self, seconds_per_token: float) -> None:
@@ -156,8 +157,7 @@ class StepCosts:
         """The drafter's seconds per request at K index ki for `batch` requests: its batch-size
         bucket's figure, else the K's latest figure from any bucket (bucket 0, which no batch
         size has), else 0."""
-        nk = self.nk
-        v = float(self.draft_s[min(bucket(batch), BUCKETS - 1) * nk + ki])
+        v = float(self.draft_s[bucket(batch) * self.nk + ki])
         if v != v:
             v = float(self.draft_s[ki])
         return 0.0 if v != v else v
@@ -175,7 +175,7 @@ class StepCosts:
             return
         drafter = batch * self.draft_per_request(self.nk - 1, batch)
         ratio = (gain[best] / (cost[best] + drafter)) / (batch / cost[0])
-        bkt = min(bucket(batch), BUCKETS - 1)
+        bkt = bucket(batch)
         old = self.draft_value(bkt)
         self.draft_values[bkt] = old + ALPHA_TIME * (ratio - old)
 

@@ -65,7 +65,8 @@ class NgramProposer(Proposer):
 
     def extend_batch(self, req_ids: Sequence[str], tokens: Sequence[Sequence[int]]) -> None:
         """One native call for the step's requests; nothing changes when it raises."""
-        req_ids, tokens = list(req_ids), list(tokens)
+        req_ids = req_ids if type(req_ids) is list else list(req_ids)
+        tokens = tokens if type(tokens) is list else list(tokens)
         b = self._lib.extend(self._h, self._slots, req_ids, tokens)
         if b <= -2:  # a request's tokens are not a list or tuple
             b = self._lib.extend(self._h, self._slots, req_ids, [_as_list(t) for t in tokens])
