@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from npuspec import counters
 from npuspec.passes import canonical
+from npuspec.passes.rewrites.fake_values import fake_value
 
 LITERALS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
             torch.memory_format)
@@ -99,7 +100,7 @@ class _Recorder(TorchDispatchMode):
             # without Inductor's decompositions), so it is not recorded as one
             raise _Unsupported(f"{func}")
         n_args, n_kwargs = tree_map(self._arg, (tuple(args), dict(kwargs)))
-        out = func(*args, **kwargs)  # the mode is off inside its own dispatch
+        out = fake_value(func, args, kwargs)  # the mode is off inside its own dispatch
         node = self._node(func, n_args, n_kwargs, out)
         if _should_save_eager_input_vals(func, (n_args, n_kwargs)):
             node.meta["eager_input_vals"] = map_aggregate(  # literals as None, as make_fx

@@ -70,10 +70,11 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from npuspec import counters, envs
 from npuspec.passes import (bare_masks, canonical, composed, composed_greedy, composed_ragged,
-                            picks, prefix, residual_proof, rewrites, rowlocal, search_memo, shared,
-                            trace_store, unmatched)
+                            direct_trace, picks, prefix, residual_proof, rewrites, rowlocal,
+                            search_memo, shared, trace_store, unmatched)
 from npuspec.passes.hashing import source_hash
 from npuspec.passes.patterns import VerifyPattern, default_patterns
+from npuspec.passes.rewrites import fake_values, nodes
 from npuspec.passes.rowlocal import _name
 from npuspec.passes.trace_store import trace_canonical  # the patterns' trace_fn
 
@@ -395,6 +396,7 @@ class PassManager:
                                        rowlocal, unmatched, rewrites, shared, bare_masks,
                                        residual_proof, composed, composed_greedy,
                                        composed_ragged, search_memo, trace_store,
+                                       direct_trace, fake_values, nodes,
                                        *rewrites.modules()).encode())
         for p in self.patterns:
             h.update(p.uuid().encode())

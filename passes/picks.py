@@ -33,6 +33,7 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
 from npuspec.passes import prefix
+from npuspec.passes.rewrites.fake_values import fake_value
 from npuspec.passes.rewrites.nodes import _static, _val
 
 log = logging.getLogger("npuspec.passes")
@@ -71,7 +72,7 @@ def _new(graph: Graph, target, args, like: Node) -> Node:
     with graph.inserting_before(like):
         n = graph.call_function(target, args)
     vals = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, args)
-    n.meta["val"] = target(*vals)  # on the fake values: their own fake mode
+    n.meta["val"] = fake_value(target, vals)  # on the fake values: their own fake mode
     return n
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
+from npuspec.passes.rewrites.fake_values import fake_value
 from npuspec.passes.rewrites.nodes import _cast, _val, eager_op
 from npuspec.passes.rowlocal import row_local
 
@@ -216,7 +217,7 @@ def _fill_meta(graph: Graph, root: Node, last: Node) -> None:
     for n in reversed(new):
         args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.args)
         kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.kwargs)
-        env[n] = n.target(*args, **kwargs)
+        env[n] = fake_value(n.target, args, kwargs)
         n.meta["val"] = env[n]
 
 
@@ -356,7 +357,7 @@ def _mask_from_count(graph: Graph, s: Node, k: int, flavor: str) -> Node:
 def _eval_meta(n: Node) -> None:
     args = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, n.args)
     kwargs = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, n.kwargs)
-    n.meta["val"] = n.target(*args, **kwargs)
+    n.meta["val"] = fake_value(n.target, args, kwargs)
 
 
 def _is_canonical(order: list[Node], ok: Node) -> bool:

@@ -10,6 +10,8 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_leaves, tree_map
 
+from npuspec.passes.rewrites.fake_values import _from_meta_kernel, _static  # noqa: F401
+
 aten = torch.ops.aten
 
 
@@ -25,10 +27,6 @@ def _same_shape(a, b) -> bool:
             and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
 
 
-def _static(shape) -> bool:
-    return all(isinstance(s, int) for s in shape)
-
-
 def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
     # what `.to(dtype)` traces to in each flavor (Inductor's decompositions: a prims cast)
     if flavor == "inductor":
@@ -40,6 +38,10 @@ def _fake_meta(n: Node, like=None) -> Node:
     """Fill n.meta["val"] by running its op on its inputs' fake values (in their fake mode,
     or like's when the inputs hold none). -> n"""
     vals = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, (n.args, n.kwargs))
+    fast = _from_meta_kernel(n.target, *vals)
+    if fast is not None:
+        n.meta["val"] = fast
+        return n
     mode = detect_fake_mode(tree_leaves(vals) + ([like] if like is not None else []))
     if mode is None:
         n.meta["val"] = n.target(*vals[0], **vals[1])
