@@ -123,9 +123,11 @@ def ragged_verify(p: Tensor, ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
                   accept_rule: str = "prefix", residual_normalize: str = "none",
                   residual_sampler: str = "race", residual_nonneg: str = "clamp",
                   residual_floor: float = 0.0, residual_guard: str = "none",
-                  residual_fill: float = 0.0) -> tuple[Tensor, Tensor]:
+                  residual_fill: float = 0.0, native: bool = True) -> tuple[Tensor, Tensor]:
     """p [N, V], ids int64 [N], q [N, V] or None (n-gram), uniforms [N], exponentials [B, V],
-    bonus int [B] or [B, 1], cu int [B] -> (tokens int32 [B, M+1], num_emitted int32 [B])."""
+    bonus int [B] or [B, 1], cu int [B] -> (tokens int32 [B, M+1], num_emitted int32 [B]).
+    native=False: the recovered tokens in PyTorch, never the CPU kernel (the same tokens; the
+    passes' checks, which run on a few tiny rows, need not load or build its library)."""
     assert accept_mode in ACCEPT_MODES and accept_rule in ACCEPT_RULES, (accept_mode, accept_rule)
     N, V = p.shape
     B, M = cu.shape[0], max_spec_len
@@ -145,8 +147,8 @@ def ragged_verify(p: Tensor, ids: Tensor, q: Optional[Tensor], uniforms: Tensor,
     if N and M:
         t = (starts + a.clamp_max(M - 1)).clamp(0, N - 1)           # [B] the row emitted
         fast = None
-        if q is not None and (residual_normalize == "none"
-                              or (residual_normalize == "row" and _rows_sum_alike(p, q))):
+        if native and q is not None and (residual_normalize == "none" or (
+                residual_normalize == "row" and _rows_sum_alike(p, q))):
             sums = None if residual_normalize == "none" else (lambda r: _row_sums(r, N))
             fast = race_rows_cpu.race_flat_rows(p, q, exponentials, t, residual_nonneg,
                                                 residual_floor, sums, residual_sampler,

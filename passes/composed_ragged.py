@@ -260,7 +260,8 @@ def _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw) -> bool:
                 env[assign["greedy"]] = greedy
             try:
                 got = _run(order, env)
-                want, _ = ragged_verify(p, ids, q, u, e, bonus, cu, M, greedy, mode, rule, **kw)
+                want, _ = ragged_verify(p, ids, q, u, e, bonus, cu, M, greedy, mode, rule,
+                                        **kw, native=False)
             except (RuntimeError, TypeError, ValueError, IndexError) as err:
                 log.debug("npuspec passes: a ragged region did not evaluate: %s", err)
                 return False
