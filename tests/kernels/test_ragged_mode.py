@@ -14,7 +14,7 @@ import torch
 
 from npuspec.kernels import rejection_sample
 from npuspec.kernels.accept import NONNEG, SAMPLERS
-from npuspec.kernels.verify_ragged import ragged_verify_ref
+from npuspec.kernels.verify_ragged import ragged_verify, ragged_verify_ref
 from verify_lossless import chi_square_pvalue
 
 V = 23
@@ -83,6 +83,9 @@ def test_residual_configurations(cfg):
                   residual_guard=gd, residual_fill=-1e10 if gd != "none" else 0.0)
         got, want = _both(*case, **kw)
         assert torch.equal(got[0], want[0]), (seed, ngram, got, want)
+        # native=False (the passes' ragged check): PyTorch's recovered tokens, the same ones
+        torch_path = ragged_verify(*case, **kw, native=False)
+        assert torch.equal(torch_path[0], want[0]) and torch.equal(torch_path[1], want[1])
 
 
 def test_row_sums_off_the_contiguous_path():
@@ -197,3 +200,19 @@ def test_shape_errors():
         rejection_sample(p, ids, q, **{**kw, "cu_num_draft_tokens": cu.float()})
     with pytest.raises(ValueError, match="belong to the ragged mode"):
         rejection_sample(p[None], ids[None], q[None], target_is_probs=True, max_spec_len=3)
+
+
+def test_native_false_never_reaches_the_cpu_kernel(monkeypatch):
+    """The passes' ragged check calls ragged_verify(native=False): the CPU race kernel (and
+    its library) is never asked, and the tokens are the reference's."""
+    from npuspec.kernels import race_rows_cpu
+
+    def refuse(*a, **k):
+        raise AssertionError("race_flat_rows called with native=False")
+    monkeypatch.setattr(race_rows_cpu, "race_flat_rows", refuse)
+    case = _case(1)
+    got = ragged_verify(*case, native=False)
+    want = ragged_verify_ref(*case)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(AssertionError, match="native=False"):
+        ragged_verify(*case)
