@@ -32,7 +32,7 @@ from torch.fx import Graph, Node
 from npuspec.passes import picks, search_memo
 from npuspec.passes.prefix import _attr
 from npuspec.passes.residual_proof import _cpu
-from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val, eager_op
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val, eager_op, real_eval
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -145,9 +145,8 @@ def _arg(a, env: dict):
 def _emission_holds(order, n, rec, ids, bonus, B: int, K: int) -> bool:
     """Evaluate the region for every count in every row, tokens distinct per source and then
     colliding; compare with ids before n, rec[n] or the bonus at n, -1 after."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     bshape = tuple(_val(bonus).shape)
-    with unset_fake_temporarily(), torch.inference_mode():
+    with real_eval():
         gen = torch.Generator().manual_seed(53)
         pos = torch.arange(K + 1)[None, None, :]
         cnts = (torch.arange(B)[None, :] + torch.arange(K + 1)[:, None]) % (K + 1)  # [K+1, B]

@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 from npuspec.passes import composed
 from npuspec.passes.composed import _bound, _descendants, _is_emission, _pure, _run, _shape_is
 from npuspec.passes.patterns_common import FLOATS
-from npuspec.passes.rewrites.nodes import _static, _val
+from npuspec.passes.rewrites.nodes import _static, _val, real_eval
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -81,8 +81,7 @@ def _region(out: Node, stops: set, below: set) -> Optional[tuple[list, list]]:
 
 
 def _holds(order, out, n, T, drafts, B: int, K: int) -> bool:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily(), torch.inference_mode():
+    with real_eval():
         gen = torch.Generator().manual_seed(59)
         pos = torch.arange(K + 1)[None, :]
         for span in (1 << 20, 3):

@@ -38,7 +38,7 @@ from npuspec.kernels.verify_ragged import ragged_verify
 from npuspec.passes import search_memo
 from npuspec.passes.composed import (_RESIDUAL_KEYS, _bound, _constant, _descendants, _pure,
                                      _region, _run)
-from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _static, _val, real_eval
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -222,11 +222,10 @@ def _layouts(N: int, B: int, M: int, gen) -> list[list[int]]:
 
 
 def _holds(order, P, Q, E, assign, N, B, M, V, rule, mode, kw) -> bool:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
     Vc = _small_v(order, V)
     dt = {k: _val(n).dtype for k, n in assign.items()}
     bshape = tuple(_val(assign["bonus"]).shape)
-    with unset_fake_temporarily(), torch.inference_mode():
+    with real_eval():
         gen = torch.Generator().manual_seed(71)
         for i, counts in enumerate(_layouts(N, B, M, gen)):
             p = torch.softmax(torch.randn(N, Vc, generator=gen) * 2, -1).to(_val(P).dtype)

@@ -29,7 +29,7 @@ from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
 from npuspec.passes.rewrites.fake_values import fake_value
-from npuspec.passes.rewrites.nodes import _cast, _val, eager_op
+from npuspec.passes.rewrites.nodes import _cast, _val, eager_op, real_eval
 from npuspec.passes.rowlocal import row_local
 
 log = logging.getLogger("npuspec.passes")
@@ -140,8 +140,7 @@ def _proves(order, ok: Node, kind: str, b) -> Optional[bool]:
     tensors even when the pass runs inside a fake-tensor trace. True: the count of leading
     Trues of `ok`; False: of leading Falses (`ok` holds rejections, as in
     `(reject.cumsum(-1) == 0).sum(-1)`); None: neither."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily(), torch.inference_mode():
+    with real_eval():
         return _proves_real(order, ok, kind, b)
 
 

@@ -41,7 +41,7 @@ from torch.fx import Graph, Node
 import npuspec.kernels.accept as accept
 from npuspec.passes import search_memo
 from npuspec.passes.prefix import _attr
-from npuspec.passes.rewrites.nodes import _fake_meta, _val, eager_op
+from npuspec.passes.rewrites.nodes import _fake_meta, _val, eager_op, real_eval
 from npuspec.passes.rowlocal import _name
 
 log = logging.getLogger("npuspec.passes")
@@ -219,8 +219,7 @@ def _find(order, leaves) -> Optional[tuple]:
 
 
 def _search(order, leaves) -> Optional[tuple]:
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    with unset_fake_temporarily(), torch.inference_mode():
+    with real_eval():
         consts = _constants(order)
         cols = _check_set(consts, [_val(x).dtype for x in leaves])
         try:
