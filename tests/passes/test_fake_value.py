@@ -152,7 +152,9 @@ def test_pointwise_shortcut_only_for_contiguous_inputs():
     shape, and the meta kernel runs for a strided, expanded or offset input."""
     mode = FakeTensorMode()
     g = _inputs(mode)
-    take = lambda op, *a: fv._pointwise_dtype(op, a, {}, [x for x in a if isinstance(x, torch.Tensor)])  # noqa: E731
+
+    def take(op, *a):
+        return fv._pointwise_dtype(op, a, {}, [x for x in a if isinstance(x, torch.Tensor)])
     assert take(aten.lt.Tensor, g["u"], g["u"]) is torch.bool
     assert take(aten.add.Tensor, g["ids"], g["ii"]) is torch.int64
     assert take(aten.where.self, g["ok"], g["ii"], g["u"]) is torch.float32
