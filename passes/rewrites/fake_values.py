@@ -45,8 +45,8 @@ _META_OPS = frozenset({
     aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor,
     torch.ops.prims.convert_element_type.default,
 })
-# npuspec's verify ops, by name (nodes.py is imported before the kernels register them): their
-# fake implementations only allocate their outputs
+# npuspec's verify ops, by name (this module is imported before the kernels register them):
+# their fake implementations only allocate their outputs
 _VERIFY_OPS = frozenset(f"npuspec::{n}" for n in (
     "greedy_accept", "ratio_accept", "residual_probs", "residual_sample", "rejection_sample"))
 
@@ -90,7 +90,7 @@ _TO_BOOL = frozenset({
     aten.eq.Tensor, aten.eq.Scalar, aten.ne.Tensor, aten.ne.Scalar, aten.lt.Tensor,
     aten.lt.Scalar, aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar,
     aten.ge.Tensor, aten.ge.Scalar, aten.logical_not.default})
-_PROMOTED = frozenset({  # the dtype of torch.result_type over every argument
+_PROMOTED = frozenset({  # the dtype of torch.result_type of the two operands
     aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.add.Tensor, aten.sub.Tensor,
     aten.mul.Tensor, aten.div.Tensor, aten.clamp_min.default})
 _SCANS = frozenset({aten.cumprod.default, aten.cumsum.default})
@@ -120,10 +120,18 @@ def _pointwise_dtype(target, args, kwargs, tensors) -> Optional[torch.dtype]:
 
 _OWN_DTYPE = {
     aten.bitwise_not.default: lambda a: a[0].dtype,
-    aten.masked_fill.Scalar: lambda a: a[0].dtype,
+    aten.masked_fill.Scalar: lambda a: a[0].dtype if _fills_in_place(a) else None,
     aten.where.self: lambda a: torch.result_type(a[1], a[2]),
     torch.ops.prims.convert_element_type.default: lambda a: a[1],
 }
+
+
+def _fills_in_place(a) -> bool:
+    """The mask broadcasts to the filled tensor's own shape (else the meta kernel raises)."""
+    try:
+        return torch.broadcast_shapes(a[0].shape, a[1].shape) == a[0].shape
+    except RuntimeError:
+        return False
 
 
 def _contiguous(shape) -> tuple:

@@ -164,5 +164,11 @@ def test_pointwise_shortcut_only_for_contiguous_inputs():
     assert take(aten.where.self, g["ok"][:, :1], g["u"], g["u"]) is None
     with mode:  # broadcast operands, each contiguous in its own shape
         assert take(aten.lt.Tensor, torch.empty(K), torch.empty(B, 1)) is torch.bool
+        # a mask wider than the filled tensor is left to the meta kernel, which raises as the
+        # mode does
+        wide = torch.empty(B, K, V, dtype=torch.bool)
+        assert take(aten.masked_fill.Scalar, g["u"], wide, 0.0) is None
+    with pytest.raises(RuntimeError):
+        fv.fake_value(aten.masked_fill.Scalar, (g["u"], wide, 0.0))
     assert fv._pointwise_dtype(aten.cumsum.default, (g["ok"], 1), {"dtype": torch.int32},
                                [g["ok"]]) is None
