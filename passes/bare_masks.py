@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from npuspec.passes.prefix import MAX_K, _counted_flags, _cumprod_of, _eval_meta, _mask_from_count
-from npuspec.passes.rewrites.nodes import _val
+from npuspec.passes.prefix import MAX_K, _counted_flags, _cumprod_of, _mask_from_count
+from npuspec.passes.rewrites.nodes import _fake_meta, _val
 
 aten = torch.ops.aten
 
@@ -49,7 +49,7 @@ def add_counts(graph: Graph, flavor: str) -> list:
         users = list(c.users)
         with graph.inserting_after(c):
             s = graph.call_function(aten.sum.dim_IntList, (c, [1]))
-        _eval_meta(s)
+        _fake_meta(s)
         mask = _mask_from_count(graph, s, _val(ok).shape[1], flavor)
         for u in users:
             u.replace_input_with(c, mask)

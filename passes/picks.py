@@ -30,11 +30,9 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
-from torch.utils._pytree import tree_map
 
 from npuspec.passes import prefix
-from npuspec.passes.rewrites.fake_values import fake_value
-from npuspec.passes.rewrites.nodes import _static, _val
+from npuspec.passes.rewrites.nodes import _static, _val, call_before
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -68,19 +66,12 @@ def _is_arange(n, size: int, shapes: tuple) -> bool:
         return bool((v.reshape(-1).cpu() == torch.arange(size)).all())
 
 
-def _new(graph: Graph, target, args, like: Node) -> Node:
-    with graph.inserting_before(like):
-        n = graph.call_function(target, args)
-    vals = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, args)
-    n.meta["val"] = fake_value(target, vals)  # on the fake values: their own fake mode
-    return n
-
-
 def _long(graph: Graph, ids: Node, like: Node, flavor: str) -> Node:
     if _val(ids).dtype == torch.int64:
         return ids
     if flavor == "inductor":
-        return _new(graph, torch.ops.prims.convert_element_type.default, (ids, torch.int64), like)
+        return call_before(graph, torch.ops.prims.convert_element_type.default,
+                           (ids, torch.int64), like)
     with graph.inserting_before(like):
         n = graph.call_function(aten._to_copy.default, (ids,), {"dtype": torch.int64})
     n.meta["val"] = _val(ids).to(torch.int64)
@@ -90,9 +81,9 @@ def _long(graph: Graph, ids: Node, like: Node, flavor: str) -> Node:
 def _gather_pick(graph: Graph, p: Node, ids: Node, like: Node, flavor: str) -> Node:
     """p.gather(2, ids.unsqueeze(2)).squeeze(2), inserted before `like`."""
     ids = _long(graph, ids, like, flavor)
-    u = _new(graph, aten.unsqueeze.default, (ids, 2), like)
-    g = _new(graph, aten.gather.default, (p, 2, u), like)
-    return _new(graph, aten.squeeze.dim, (g, 2), like)
+    u = call_before(graph, aten.unsqueeze.default, (ids, 2), like)
+    g = call_before(graph, aten.gather.default, (p, 2, u), like)
+    return call_before(graph, aten.squeeze.dim, (g, 2), like)
 
 
 def _index_pick(n: Node) -> Optional[tuple]:
@@ -268,12 +259,13 @@ def _fill_before_pick(graph: Graph, n: Node) -> Optional[Node]:
         return None
     q, U, mask, c, kind = found
     if kind == "index_put":
-        filled = _new(graph, aten.index_put.default, (q, [mask], c), n)
+        filled = call_before(graph, aten.index_put.default, (q, [mask], c), n)
     else:
-        rows = _new(graph, aten.unsqueeze.default, (mask, 2), n)            # [B, K, 1]
-        filled = _new(graph, n.target, (q, rows, c) if kind == "masked_fill" else (rows, c, q), n)
-    g = _new(graph, aten.gather.default, (filled, 2, U), n)
-    return _new(graph, aten.squeeze.dim, (g, 2), n)
+        rows = call_before(graph, aten.unsqueeze.default, (mask, 2), n)            # [B, K, 1]
+        filled = call_before(graph, n.target,
+                             (q, rows, c) if kind == "masked_fill" else (rows, c, q), n)
+    g = call_before(graph, aten.gather.default, (filled, 2, U), n)
+    return call_before(graph, aten.squeeze.dim, (g, 2), n)
 
 
 def picked_fill(graph: Graph, f: Node, q: Node, ids: Node) -> Optional[Node]:
@@ -301,12 +293,12 @@ def picked_fill(graph: Graph, f: Node, q: Node, ids: Node) -> Optional[Node]:
             or mv.dim() != 2 or iv.dtype != torch.int64 or tuple(iv.shape) != tuple(mv.shape)
             or not isinstance(cv, (float, int, torch.Tensor)) or isinstance(cv, bool)):
         return None
-    u = _new(graph, aten.unsqueeze.default, (ids, 2), f)                       # [B, K, 1]
-    g = _new(graph, aten.gather.default, (q, 2, u), f)                         # [B, K, 1]
+    u = call_before(graph, aten.unsqueeze.default, (ids, 2), f)                       # [B, K, 1]
+    g = call_before(graph, aten.gather.default, (q, 2, u), f)                         # [B, K, 1]
     if kind == "index_put":
-        return _new(graph, aten.index_put.default, (g, [mask], c), f)
-    rows = _new(graph, aten.unsqueeze.default, (mask, 2), f)
-    return _new(graph, f.target, (g, rows, c) if kind == "masked_fill" else (rows, c, g), f)
+        return call_before(graph, aten.index_put.default, (g, [mask], c), f)
+    rows = call_before(graph, aten.unsqueeze.default, (mask, 2), f)
+    return call_before(graph, f.target, (g, rows, c) if kind == "masked_fill" else (rows, c, g), f)
 
 
 def _read_back(n: Node) -> bool:
@@ -360,15 +352,15 @@ def canonical_picks(graph: Graph, flavor: str = "aten") -> int:
             p, ids = pick
             K = _val(ids).shape[1]
             if _val(p).shape[1] > K:  # the slice canonical.canonicalize writes for p[:, :K]
-                p = _new(graph, aten.slice.Tensor, (p, 1, 0, K), n)
+                p = call_before(graph, aten.slice.Tensor, (p, 1, 0, K), n)
             new = _gather_pick(graph, p, ids, n, flavor)
         elif _bare_index(n):
             idx = n.args[2]
-            ids = _new(graph, aten.squeeze.dim, (idx, 2), n)
-            u = _new(graph, aten.unsqueeze.default, (ids, 2), n)
-            new = _new(graph, aten.gather.default, (n.args[0], 2, u), n)
+            ids = call_before(graph, aten.squeeze.dim, (idx, 2), n)
+            u = call_before(graph, aten.unsqueeze.default, (ids, 2), n)
+            new = call_before(graph, aten.gather.default, (n.args[0], 2, u), n)
         elif _trailing_one_view(n):
-            new = _new(graph, aten.squeeze.dim, (n.args[0], 2), n)
+            new = call_before(graph, aten.squeeze.dim, (n.args[0], 2), n)
         elif _undone_unsqueeze(n):
             new = n.args[0].args[0]
         elif _read_back(n):

@@ -28,8 +28,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.utils._pytree import tree_map
 
-from npuspec.passes.rewrites.fake_values import fake_value
-from npuspec.passes.rewrites.nodes import _cast, _val, eager_op, real_eval
+from npuspec.passes.rewrites.nodes import _cast, _fake_meta, _val, eager_op, real_eval
 from npuspec.passes.rowlocal import row_local
 
 log = logging.getLogger("npuspec.passes")
@@ -212,12 +211,8 @@ def _fill_meta(graph: Graph, root: Node, last: Node) -> None:
     while m is not root:
         new.append(m)
         m = m.args[0]
-    env = {root: _val(root)}
     for n in reversed(new):
-        args = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.args)
-        kwargs = tree_map(lambda a: env[a] if isinstance(a, Node) else a, n.kwargs)
-        env[n] = fake_value(n.target, args, kwargs)
-        n.meta["val"] = env[n]
+        _fake_meta(n)
 
 
 def prove_prefix_counts(graph: Graph, flavor: str = "aten") -> int:
@@ -349,14 +344,8 @@ def _mask_from_count(graph: Graph, s: Node, k: int, flavor: str) -> Node:
         mask = _cast(graph, lt, torch.int64, flavor)
     pos.meta["val"] = _val(s).new_empty((k,), dtype=torch.int64)  # in s's own (fake) mode
     for n in (col, lt, mask):
-        _eval_meta(n)
+        _fake_meta(n)
     return mask
-
-
-def _eval_meta(n: Node) -> None:
-    args = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, n.args)
-    kwargs = tree_map(lambda a: _val(a) if isinstance(a, Node) else a, n.kwargs)
-    n.meta["val"] = fake_value(n.target, args, kwargs)
 
 
 def _is_canonical(order: list[Node], ok: Node) -> bool:

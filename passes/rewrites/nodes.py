@@ -13,6 +13,8 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_leaves, tree_map
 
+# _static lives with fake_values (which needs it and may not import this module); the passes
+# import it from here
 from npuspec.passes.rewrites.fake_values import _from_meta_kernel, _static  # noqa: F401
 
 aten = torch.ops.aten
