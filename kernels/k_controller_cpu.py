@@ -203,10 +203,16 @@ void record_verify(const Ctx& t, int64_t i, double seconds, int64_t step) {
   t.measured_at[i] = step;
 }
 
+// request b's row of a [slots, km] table: row slots[b] (slots null: row b)
+inline int64_t row_of(const int64_t* slots, int64_t b, int64_t km) {
+  return (slots != nullptr ? slots[b] : b) * km;
+}
+
 // drafts [B, kd] (row stride ld) -> lengths [B]; per_pos[j] = sum over b, in order, of
-// c[b, j] * (j < lengths[b] ? 1 : 0) for j < km; returns max(lengths) (0 for B = 0)
+// c[b's row, j] * (j < lengths[b] ? 1 : 0) for j < km; returns max(lengths) (0 for B = 0)
 int64_t lengths_and_sums(const int64_t* drafts, int64_t B, int64_t kd, int64_t ld,
-                         const double* c, int64_t km, int64_t* lengths, double* per_pos) {
+                         const double* c, const int64_t* slots, int64_t km, int64_t* lengths,
+                         double* per_pos) {
   int64_t longest = 0;
   for (int64_t j = 0; j < km; ++j) per_pos[j] = 0.0;
   for (int64_t b = 0; b < B; ++b) {
@@ -215,7 +221,7 @@ int64_t lengths_and_sums(const int64_t* drafts, int64_t B, int64_t kd, int64_t l
     for (int64_t j = 0; j < kd; ++j) n += d[j] >= 0;
     lengths[b] = n;
     if (n > longest) longest = n;
-    const double* row = c + b * km;
+    const double* row = c + row_of(slots, b, km);
     for (int64_t j = 0; j < km; ++j) {
       volatile double x = row[j] * (j < n ? 1.0 : 0.0);
       per_pos[j] = per_pos[j] + x;
@@ -231,16 +237,18 @@ extern "C" {
 // KController.choose_after_drafts + _after (no prior, k_draft > 0): -> the K to verify, or -2,
 // nothing changed, where the drafts are not an int64 [B, kd] array with contiguous rows;
 // *last_cap <- the smallest K holding the longest draft. idx [nk]: the flat (rows, K) index of
-// this batch size at each K; step: the controller's step count, this step counted.
+// this batch size at each K; step: the controller's step count, this step counted. c: the
+// acceptance table [slots, km], read at the batch's rows slots [B] (null: its rows 0..B-1).
 int64_t npuspec_kc_choose(const int64_t* ctx, PyObject* drafts_obj, int64_t B, const double* c,
-                          int64_t* lengths, double* per_pos, const int64_t* idx,
+                          const int64_t* slots, int64_t* lengths, double* per_pos,
+                          const int64_t* idx,
                           int64_t k_draft, int64_t explore, int64_t step, int64_t* last_cap) {
   const Ctx t = ctx_of(ctx);
   const int64_t k_max = t.ks[t.nk - 1], km = k_max > 1 ? k_max : 1;
   View d;
   if (!int_view(drafts_obj, 8, 2, &d) || d.rows != B) return -2;
   const int64_t* drafts = (const int64_t*)d.buf;
-  int64_t longest = lengths_and_sums(drafts, B, d.cols, d.ld, c, km, lengths, per_pos);
+  int64_t longest = lengths_and_sums(drafts, B, d.cols, d.ld, c, slots, km, lengths, per_pos);
   if (longest > k_draft) longest = k_draft;
   int64_t n = 0;  // bisect_left(ks, longest) + 1
   while (n < t.nk && t.ks[n] < longest) ++n;
@@ -293,12 +301,14 @@ int64_t npuspec_kc_choose(const int64_t* ctx, PyObject* drafts_obj, int64_t B, c
   return t.ks[best];
 }
 
-// pool <- pool + alpha * (rows.mean(0) - pool), as numpy rounds it: the column sums row by
-// row (an axis-0 reduction of a C-contiguous [B, km] array), then one division by B
-static void pool_toward(const double* rows, double* pool, int64_t B, int64_t km, double alpha) {
+// pool <- pool + alpha * (rows.mean(0) - pool) over the batch's rows of a table, as numpy
+// rounds it: the column sums row by row (an axis-0 reduction of the gathered C-contiguous
+// [B, km] array), then one division by B
+static void pool_toward(const double* table, const int64_t* slots, double* pool, int64_t B,
+                        int64_t km, double alpha) {
   for (int64_t j = 0; j < km; ++j) {
     volatile double s = 0.0;
-    for (int64_t b = 0; b < B; ++b) s = s + rows[b * km + j];
+    for (int64_t b = 0; b < B; ++b) s = s + table[row_of(slots, b, km) + j];
     volatile double mean = s / (double)B;
     volatile double d = mean - pool[j];
     volatile double x = alpha * d;
@@ -306,7 +316,8 @@ static void pool_toward(const double* rows, double* pool, int64_t B, int64_t km,
   }
 }
 
-// After the verify step. observe: KController.observe on p (nullable) and c [B, km] in place,
+// After the verify step. observe: KController.observe on p (nullable) and c in place, tables
+// [slots, km] at the batch's rows slots [B] (null: rows 0..B-1),
 // with L the drafted lengths, v = min(L, k) the verified positions and a = min(res[b, k+1] - 1,
 // v) the accepted ones:
 //   p <- p + w * ([j < L] - p),   w = alpha at j < k_draft, else 0
@@ -314,7 +325,8 @@ static void pool_toward(const double* rows, double* pool, int64_t B, int64_t km,
 // then the records whose time is not NaN; ix: the flat index of the step's (rows, K). L: int64
 // [>= B]; res: int32 [>= B, >= K+2] (rows may be strided). -> 0, or -2, nothing changed, where
 // either is laid out otherwise.
-int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
+int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, const int64_t* slots,
+                            int64_t B,
                             PyObject* L_obj, int64_t k_draft, int64_t k, PyObject* res_obj,
                             int64_t observe, int64_t ix, double t_draft, double t_run,
                             double book_s, double prefill_tok_s, int64_t step,
@@ -338,7 +350,7 @@ int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
     for (int64_t b = 0; b < B; ++b) {
       const int64_t l = L[b];
       if (p != nullptr) {
-        double* pr = p + b * km;
+        double* pr = p + row_of(slots, b, km);
         for (int64_t j = 0; j < km; ++j) {
           volatile double d = (j < l ? 1.0 : 0.0) - pr[j];
           volatile double x = (j < k_draft ? alpha : 0.0) * d;
@@ -348,15 +360,15 @@ int64_t npuspec_kc_verified(const int64_t* ctx, double* p, double* c, int64_t B,
       const int64_t v = l < k ? l : k;
       int64_t a = (int64_t)res[b * res_ld + k + 1] - 1;
       if (a > v) a = v;
-      double* cr = c + b * km;
+      double* cr = c + row_of(slots, b, km);
       for (int64_t j = 0; j < km; ++j) {
         volatile double x = cr[j] * (j < v ? keep : 1.0);
         cr[j] = x + (j < a ? alpha : 0.0);
       }
     }
     if (pool_alpha != 0.0) {  // KController._pool, on its POOL_EVERY-th observation
-      if (p != nullptr && pool_p != nullptr) pool_toward(p, pool_p, B, km, pool_alpha);
-      pool_toward(c, pool_c, B, km, pool_alpha);
+      if (p != nullptr && pool_p != nullptr) pool_toward(p, slots, pool_p, B, km, pool_alpha);
+      pool_toward(c, slots, pool_c, B, km, pool_alpha);
     }
   }
   const double per = (double)(B > 1 ? B : 1);
@@ -396,33 +408,35 @@ bool int_args(PyObject* const* a, Py_ssize_t n, int64_t* v, uint32_t skip) {
 }
 
 PyObject* py_choose(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 11) {
-    PyErr_SetString(PyExc_TypeError, "choose takes 11 arguments (KController)");
+  if (n != 12) {
+    PyErr_SetString(PyExc_TypeError, "choose takes 12 arguments (KController)");
     return nullptr;
   }
-  int64_t v[11];
+  int64_t v[12];
   if (!int_args(a, n, v, 1u << 1)) return nullptr;
   return PyLong_FromLongLong(npuspec_kc_choose(
-      (const int64_t*)v[0], a[1], v[2], (const double*)v[3], (int64_t*)v[4], (double*)v[5],
-      (const int64_t*)v[6], v[7], v[8], v[9], (int64_t*)v[10]));
+      (const int64_t*)v[0], a[1], v[2], (const double*)v[3], (const int64_t*)v[4],
+      (int64_t*)v[5], (double*)v[6], (const int64_t*)v[7], v[8], v[9], v[10],
+      (int64_t*)v[11]));
 }
 
 PyObject* py_verified(PyObject*, PyObject* const* a, Py_ssize_t n) {
-  if (n != 18) {
-    PyErr_SetString(PyExc_TypeError, "verified takes 18 arguments (KController)");
+  if (n != 19) {
+    PyErr_SetString(PyExc_TypeError, "verified takes 19 arguments (KController)");
     return nullptr;
   }
-  int64_t v[18];
+  int64_t v[19];
   double f[5];
   for (int i = 0; i < 5; ++i) {
-    f[i] = PyFloat_AsDouble(a[i < 4 ? 10 + i : 17]);
+    f[i] = PyFloat_AsDouble(a[i < 4 ? 11 + i : 18]);
     if (f[i] == -1.0 && PyErr_Occurred()) return nullptr;
   }
   // arrays, floats
-  if (!int_args(a, n, v, 1u << 4 | 1u << 7 | 0xFu << 10 | 1u << 17)) return nullptr;
+  if (!int_args(a, n, v, 1u << 5 | 1u << 8 | 0xFu << 11 | 1u << 18)) return nullptr;
   return PyLong_FromLongLong(npuspec_kc_verified(
-      (const int64_t*)v[0], (double*)v[1], (double*)v[2], v[3], a[4], v[5], v[6], a[7], v[8],
-      v[9], f[0], f[1], f[2], f[3], v[14], (double*)v[15], (double*)v[16], f[4]));
+      (const int64_t*)v[0], (double*)v[1], (double*)v[2], (const int64_t*)v[3], v[4], a[5],
+      v[6], v[7], a[8], v[9], v[10], f[0], f[1], f[2], f[3], v[15], (double*)v[16],
+      (double*)v[17], f[4]));
 }
 
 // OnlineK._resolve's comparison: (reqs, starts, drafts [B, K] int64, lengths [B] int64, res

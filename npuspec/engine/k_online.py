@@ -140,7 +140,7 @@ class OnlineK:
         a cold cache (once every EXPLORE_EVERY steps, right after a model step, where each
         numpy call costs several µs): the comparison is one C call where the library builds
         (`probe_match`; its Python loop, `_match_py`, cost ~125 µs at 64 requests), into
-        scratch arrays kept per shape, and the batch's rows are recognised by identity."""
+        scratch arrays kept per shape."""
         B, K = pr.drafts.shape                                       # [B, K_max]
         bufs = self._scratch.get((B, K))
         if bufs is None:  # as a K_max step's result (only column K+1 is read), known [B]
@@ -156,8 +156,7 @@ class OnlineK:
             for i, r in enumerate(pr.reqs):
                 if slot_of.get(r.req_id) != pr.slots[i]:
                     known[i] = 0
-        # the controller's own slots array: while that batch is still bound, its rows update
-        # in place (KController._rows_of tells by identity)
+        # the rows update in place in the controller's tables, whichever batch runs now
         self.ctl.observe_result(pr.slots, K, known, K, res)
         if not self._probes:
             gone.clear()

@@ -112,14 +112,11 @@ class KController:
         self._gain = ALPHA_REQUEST * self._upto
         self.pool_p = np.full(km, PRIOR_P)
         self.pool_c = np.full(km, PRIOR_C)
-        self._p = np.zeros((0, km))   # [slots, K_max], every request's row ...
+        self._p = np.zeros((0, km))   # [slots, K_max], every request's row
         self._c = np.zeros((0, km))
-        # ... and the rows of the batch last seen, kept apart while it stays the same (the
-        # common case: a step's state updates then skip a gather and a scatter)
+        # the batch last seen and its slots array, returned while the batch stays the same
         self._ids: list = []
         self._bslots = np.zeros(0, dtype=np.int64)
-        self._bp = self._p[:0]
-        self._bc = self._c[:0]
         self.slot: dict[str, int] = {}
         self.free: list[int] = []
         self.costs = StepCosts(self.ks, rows_for, ALPHA_REQUEST)
@@ -142,64 +139,69 @@ class KController:
         self._lib = k_controller_cpu.library() if native and len(ks) <= MAX_KS else None
         self._lengths = np.zeros(0, dtype=np.int64)   # native scratch: drafted lengths [B]
         self._per_pos = np.zeros(km)                   # ... and per-position sums [K_max]
-        self._addrs: dict[int, tuple[np.ndarray, int]] = {}
+        # the C step's array addresses, read when each array is made: right after a model
+        # step one read (`__array_interface__`) costs a few µs, and a changed batch needed six
+        self._table_addrs = self._tables_at()
+        self._bslots_addr = _addr(self._bslots)
         self._none = np.zeros(0, dtype=np.int64)   # [B] no drafts (never written)
         self._choose_args = None   # the native choose's arguments (`_bind_choose`)
         self._draft_all = Choice(self.k_max, self.k_max)
 
     # -- requests ------------------------------------------------------------------------------
     def slots(self, req_ids: Sequence[str]) -> np.ndarray:
-        """Each request's row of the state; a new one starts from the pooled estimate. The
-        same batch as last time gets the same array back, and the methods given that array
-        work on the batch's rows in place."""
+        """Each request's row of the state [B]; a new one starts from the pooled estimate.
+        The same batch as last time gets the same array back (the C step keeps what it read
+        from it). The C step reads and updates the batch's rows where they lie in the tables,
+        so a changed batch costs this lookup only (no gather, no write-back: in a serving
+        load the batch changes most steps)."""
         if req_ids == self._ids:
             return self._bslots
-        self._flush()
-        out = np.empty(len(req_ids), dtype=np.int64)
-        for i, rid in enumerate(req_ids):
-            s = self.slot.get(rid)
-            if s is None:
-                s = self._new_slot()
-                self.slot[rid] = s
-                self._p[s], self._c[s] = self.pool_p, self.pool_c
-            out[i] = s
+        get = self.slot.get
+        found = [get(rid) for rid in req_ids]
+        if None in found:
+            for i, rid in enumerate(req_ids):
+                if found[i] is None:
+                    s = found[i] = self.slot[rid] = self._new_slot()
+                    self._p[s], self._c[s] = self.pool_p, self.pool_c
         self._ids = list(req_ids)
-        self._bslots, self._bp, self._bc = out, self._p[out], self._c[out]
-        return out
-
-    def _flush(self) -> None:
-        """The bound batch's rows back into the table."""
-        if len(self._bslots):
-            self._p[self._bslots], self._c[self._bslots] = self._bp, self._bc
+        self._bslots = np.array(found, dtype=np.int64)
+        self._bslots_addr = _addr(self._bslots)
+        return self._bslots
 
     def _rows_of(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(p, c) rows [B, K_max] of these slots: the bound batch's own arrays (updated in
-        place), or a gather of others (written back by `_store`)."""
-        if slots is self._bslots:
-            return self._bp, self._bc
-        self._flush()
+        """(p, c) rows [B, K_max] of these slots, gathered (the reference's copies; written
+        back by `_store`)."""
         return self._p[slots], self._c[slots]
 
     def _store(self, slots: np.ndarray, p: np.ndarray, c: np.ndarray) -> None:
-        if slots is self._bslots:
-            self._bp, self._bc = p, c
-        else:
-            self._p[slots], self._c[slots] = p, c
-            self._unbind()
+        self._p[slots], self._c[slots] = p, c
 
     def _unbind(self) -> None:
         self._ids, self._bslots = [], np.zeros(0, dtype=np.int64)
+        self._bslots_addr = _addr(self._bslots)
+
+    def _tables_at(self) -> tuple:
+        """The addresses of p (None without availability), c and the native scratch
+        (lengths, per-position sums, cap)."""
+        return (_addr(self._p) if self.availability else None, _addr(self._c),
+                _addr(self._lengths), _addr(self._per_pos), _addr(self._cap))
+
+    def _slots_at(self, slots: np.ndarray) -> tuple[np.ndarray, int]:
+        """(slots as the C step reads them, contiguous int64, and their address): the bound
+        batch's own array (`slots()` makes it so), any other converted where it is not."""
+        if slots is self._bslots:
+            return slots, self._bslots_addr
+        slots = np.ascontiguousarray(slots, dtype=np.int64)
+        return slots, _addr(slots)
 
     @property
     def p(self) -> np.ndarray:
         """[slots, K_max] P(at least i drafted) per request row (read-only use)."""
-        self._flush()
         return self._p
 
     @property
     def c(self) -> np.ndarray:
         """[slots, K_max] P(the first i accepted | at least i drafted) per request row."""
-        self._flush()
         return self._c
 
     def _new_slot(self) -> int:
@@ -209,14 +211,14 @@ class KController:
         grow = max(n, 8)
         self._p = np.concatenate([self._p, np.zeros((grow, self._p.shape[1]))])
         self._c = np.concatenate([self._c, np.zeros((grow, self._c.shape[1]))])
+        self._table_addrs = self._tables_at()
         self.free.extend(range(n + grow - 1, n, -1))
         return n
 
     def forget(self, req_id: str) -> None:
         s = self.slot.pop(req_id, None)
         if s is not None:
-            if req_id in self._ids:  # its row must not be written back over a new owner's
-                self._flush()
+            if req_id in self._ids:  # the bound slots hold its row, which a new owner may take
                 self._unbind()
             self.free.append(s)
 
@@ -372,32 +374,33 @@ class KController:
         if lib is not None and B >= NATIVE_MIN_BATCH and not self._prior_on():
             if len(self._lengths) < B:
                 self._lengths = np.zeros(2 * B, dtype=np.int64)
+                self._table_addrs = self._tables_at()
             a = self._choose_args
             if (a is None or a[0] is not slots or a[1] is not self.costs.ctx
-                    or a[2] is not self._bc or a[3] is not self._lengths):
+                    or a[2] is not self._c or a[3] is not self._lengths):
                 a = self._bind_choose(slots, B)
-            k = lib.choose(a[4], drafts, B, a[5], a[6], a[7], a[8], choice.k_draft,
-                           choice.explore, self._steps + 1, a[9])
+            k = lib.choose(a[4], drafts, B, a[5], a[6], a[7], a[8], a[9], choice.k_draft,
+                           choice.explore, self._steps + 1, a[10])
             if k != -2:  # -2: drafts laid out otherwise (not int64 rows), nothing changed
                 assert k >= 0, (k, self.ks)
                 self._steps += 1
                 self.last_k = k
-                return k, a[10]
+                return k, a[11]
         lengths = lengths_of(drafts)
         return self.choose_after(choice, slots, lengths), lengths
 
     def _bind_choose(self, slots: np.ndarray, B: int) -> tuple:
         """The native `choose`'s arguments for this batch: (the objects they were read from:
-        slots, the cost tables' ctx, the acceptance rows c, the lengths scratch; then the
-        addresses of ctx, c, the lengths, the per-position sums, the batch's pair indices and
-        the cap; then the lengths' [B] view). Kept while those objects stay the same, the
-        bound batch's common case: reading them again cost ~7 µs a step after a model step."""
-        c = self._rows_of(slots)[1]                                           # [B, K_max]
-        idx = self.costs.of_batch(B)   # may grow the tables, so before their addresses
-        args = (slots, self.costs.ctx, c, self._lengths, self.costs.ctx_addr, self._addr(c),
-                self._addr(self._lengths), self._addr(self._per_pos), self._addr(idx),
-                self._addr(self._cap), self._lengths[:B])
-        self._choose_args = args if slots is self._bslots else None  # a gather: not kept
+        slots, the cost tables' ctx, the acceptance table c, the lengths scratch; then the
+        addresses of ctx, c, the slots, the lengths, the per-position sums, the batch's pair
+        indices and the cap; then the lengths' [B] view). Kept while those objects stay the
+        same, the common case: reading them again cost ~7 µs a step after a model step."""
+        idx_at = self.costs.of_batch_at(B)  # may grow the cost tables: before ctx is read
+        slots, slots_at = self._slots_at(slots)
+        _, c_at, lengths_at, per_pos_at, cap_at = self._table_addrs
+        args = (slots, self.costs.ctx, self._c, self._lengths, self.costs.ctx_addr, c_at,
+                slots_at, lengths_at, per_pos_at, idx_at, cap_at, self._lengths[:B])
+        self._choose_args = args
         return args
 
     def _after(self, choice: Choice, slots: np.ndarray, longest: int, per_pos_of) -> int:
@@ -473,15 +476,15 @@ class KController:
         if lib is not None and B >= NATIVE_MIN_BATCH:
             assert t_draft != t_draft or k_draft in self.ks, (k_draft, self.ks)
             ix = self.costs.index(rows, k) if t_run == t_run else -1  # may grow the tables
-            p, c = self._rows_of(slots)                   # [B, K_max] each, updated in place
             pool_due = learn and (self._observed + 1) % POOL_EVERY == 0   # `_pool`, in C
-            if lib.verified(self.costs.ctx_addr, self._addr(p) if self.availability else None,
-                            self._addr(c), B, drafted, k_draft, k, res, learn, ix,
-                            t_draft, t_run, book_s, prefill_tok_s, self._steps,
-                            *self._pool_addrs, ALPHA_POOL if pool_due else 0.0) == 0:
+            slots, slots_at = self._slots_at(slots)
+            p_at, c_at = self._table_addrs[:2]
+            # the batch's rows updated in place in the [slots, K_max] tables
+            if lib.verified(self.costs.ctx_addr, p_at, c_at, slots_at, B, drafted, k_draft, k,
+                            res, learn, ix, t_draft, t_run, book_s, prefill_tok_s,
+                            self._steps, *self._pool_addrs,
+                            ALPHA_POOL if pool_due else 0.0) == 0:
                 if learn:
-                    if slots is not self._bslots:
-                        self._store(slots, p, c)
                     self._observed += 1
                 return
             # -2: the lengths or res laid out otherwise (not int64 / int32 rows), nothing done
@@ -498,20 +501,6 @@ class KController:
         if t_run == t_run:
             self.record_verify(rows, k, t_run)
             self.record_book(rows, k, batch, book_s)
-
-    def _addr(self, a: np.ndarray) -> int:
-        """The data address of one of the controller's own arrays, kept while the array lives
-        (the bound rows and the scratch change only when the batch does). Measured in the
-        engine at batch 64, three `.ctypes.data` reads right after a model step took 34 µs:
-        that attribute builds a Python-level object."""
-        hit = self._addrs.get(id(a))
-        if hit is not None and hit[0] is a:
-            return hit[1]
-        if len(self._addrs) > 8:
-            self._addrs.clear()
-        ptr = _addr(a)
-        self._addrs[id(a)] = (a, ptr)   # the array is held, so its id is not reused meanwhile
-        return ptr
 
     def _pool(self, p: np.ndarray, c: np.ndarray) -> None:
         """Every POOL_EVERY-th observation the pool follows the live requests' estimates."""

@@ -58,6 +58,7 @@ class StepCosts:
         self.rows_for = rows_for
         self.row_ix: dict[int, int] = {}
         self._idx: dict[int, np.ndarray] = {}     # batch -> [NK] flat index at each K
+        self._idx_at: dict[int, int] = {}         # ... and its data address (the C step's)
         self.book_per_req = np.full(self.nk, math.nan)
         # [bucket * NK + K's index]; bucket 0 (no batch size's): each K's latest figure
         self.draft_s = np.full(BUCKETS * self.nk, math.nan)
@@ -108,7 +109,16 @@ class StepCosts:
         if idx is None:
             idx = self._idx[batch] = np.array([self.index(self.rows_for(batch, k), k)
                                                for k in self.ks], dtype=np.int64)
+            self._idx_at[batch] = idx.__array_interface__["data"][0]
         return idx
+
+    def of_batch_at(self, batch: int) -> int:
+        """The data address of `of_batch(batch)` (the array lives as long as this object)."""
+        at = self._idx_at.get(batch)
+        if at is None:
+            self.of_batch(batch)
+            at = self._idx_at[batch]
+        return at
 
     # -- records -------------------------------------------------------------------------------
     def record_verify(self, rows: int, k: int, seconds: float, step: int) -> None:

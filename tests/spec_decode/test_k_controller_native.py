@@ -65,8 +65,8 @@ def test_native_step_equals_the_numpy_reference(availability, min_batch, int64_r
                                                 monkeypatch):
     """min_batch 4: two-request steps of the same controller take the reference, so the state
     passes between the two paths. int64_res: every third step's result is int64, which the C
-    step leaves to the reference (-2), so the bound batch's rows become new arrays between two
-    C steps of the same batch (the C step's kept addresses must follow)."""
+    step leaves to the reference (-2), so the reference writes the batch's rows between two
+    C steps of the same batch (which read them in place through the kept slots)."""
     monkeypatch.setattr(kc, "NATIVE_MIN_BATCH", min_batch)
     nat, ref = _pair(availability)
     nat._lib = lib = _Counted(nat._lib)
@@ -143,7 +143,7 @@ def test_native_after_drafts_reads_strided_drafts_and_an_unbound_batch():
     assert k_n == k_r and np.array_equal(L_n, L_r)
     assert np.array_equal(L_n, (drafts >= 0).sum(1))
     res = _result(rng, 24, 4, L_n, 24)
-    copy_n, copy_r = s_n.copy(), s_r.copy()  # not the bound array: gathered and stored back
+    copy_n, copy_r = s_n.copy(), s_r.copy()  # not the bound array: read through it all the same
     nat.observe_result(copy_n, 4, L_n.copy(), 4, res)
     ref.observe_result(copy_r, 4, L_r.copy(), 4, res)
     assert np.array_equal(nat.c, ref.c)
