@@ -1,8 +1,8 @@
 """Cache keys: what makes two compilations interchangeable (docs/cache.md, "Key derivation").
 
 key = sha256(canonical JSON of KeyParts), where KeyParts holds
-- graph:       sha256 of the graph code (the root GraphModule's `code` plus every nested
-               GraphModule's code, in module order) and of every tensor constant (get_attr)
+- graph:       sha256 of the graph's node lines (graph_text.py: the root GraphModule's and
+               every nested one's, in module order) and of every tensor constant (get_attr)
 - inputs:      dtype / shape / stride / device of each example input (shapes are not in the code)
 - passes:      the pass manager's uuids, in order (each hashes its pass's source and config)
 - capture:     the capture plan's inputs: options["capture_sizes"], NPUSPEC_CAPTURE_SIZES,
@@ -38,10 +38,11 @@ import npuspec
 import npuspec.passes
 import npuspec.platform  # current_platform is looked up per call: tests stand in a platform
 from npuspec import envs
+from npuspec.compilation.graph_text import graph_text
 from npuspec.compilation import lowering
 
 # Bump when the layout of an entry or the meaning of a key component changes.
-KEY_FORMAT = 1
+KEY_FORMAT = 2  # 2: the graph hashed by its node lines (graph_text), not gm.code
 
 # SpeculativeConfig fields that change the compiled graphs or kernels. Proposer-only settings
 # (prompt_lookup_*, suffix_decoding_*) and the draft model path are left out: they run eagerly
@@ -102,12 +103,9 @@ def cache_key(parts: KeyParts) -> str:
 # -- components ---------------------------------------------------------------------------
 
 def graph_hash(gm: Any) -> str:
-    """sha256 over the code of `gm` and its nested GraphModules and its tensor constants."""
-    h = hashlib.sha256()
-    for name, mod in gm.named_modules():
-        if isinstance(mod, torch.fx.GraphModule):
-            h.update(f"module {name}\n".encode())
-            h.update(mod.code.encode())
+    """sha256 over the node lines of `gm` and its nested GraphModules (graph_text) and its
+    tensor constants."""
+    h = hashlib.sha256(graph_text(gm).encode())
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue

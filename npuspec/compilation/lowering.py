@@ -177,9 +177,10 @@ def lower_inductor(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) ->
     from torch._inductor.compile_fx import compile_fx  # heavy: only once this lowering runs
 
     patches = inductor_config_patches(opts, gm)
+    key = pass_counts.graph_key(gm, example_inputs, patches)
     before, runs = counters.snapshot(), InductorVerifyPass.runs
     fn = compile_fx(gm, example_inputs, config_patches=patches)
-    pass_counts.carry(gm, example_inputs, patches, before, ran=InductorVerifyPass.runs != runs)
+    pass_counts.carry(key, before, ran=InductorVerifyPass.runs != runs)
     return fn
 
 

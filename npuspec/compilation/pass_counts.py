@@ -21,6 +21,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from npuspec import counters
+from npuspec.compilation.graph_text import graph_text
 from npuspec.passes.hashing import source_hash
 
 log = logging.getLogger("npuspec.backend")  # the backend's logger, as before the move
@@ -37,7 +38,9 @@ def key_settings(patches: dict) -> list[str]:
 
 
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list, patches: dict) -> str:
-    parts = [gm.code, torch.__version__, *key_settings(patches)]
+    """The record's key: taken before compile_fx, from the Dynamo graph as the backend got it
+    (Inductor's pre-grad passes rewrite it in place, and its cache key marks its code stale)."""
+    parts = [graph_text(gm), torch.__version__, *key_settings(patches)]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for n, x in zip(phs, example_inputs):
         # the shapes Dynamo traced (symbols for dynamic dims), as Inductor's key has them:
@@ -54,17 +57,17 @@ def record_uuid() -> str:
     """Hash of how records are keyed and read, for Inductor's cache key (the lowering gives it
     to InductorVerifyPass, whose uuid() holds it): entries compiled before a change to it are
     compiled again, and record their counts under the new key."""
-    return source_hash(key_settings, graph_key, _path, carry)
+    return source_hash(key_settings, graph_key, graph_text, _path, carry)
 
 
 def _path(key: str) -> str:
     return os.path.join(cache_dir(), DIRNAME, key + ".json")
 
 
-def carry(gm, example_inputs, patches: dict, before: dict, ran: bool) -> None:
-    """After a compile with Inductor config `patches`: record the passes' counts (they ran)
-    or replay them (a cache hit)."""
-    path = _path(graph_key(gm, example_inputs, patches))
+def carry(key: str, before: dict, ran: bool) -> None:
+    """After a compile whose graph_key is `key`: record the passes' counts (they ran) or
+    replay them (a cache hit)."""
+    path = _path(key)
     if ran:
         delta = {k: v for k, v in counters.delta(before).items()
                  if k.split(".")[0] in PASS_COUNTERS}

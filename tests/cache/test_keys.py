@@ -96,6 +96,63 @@ def test_graph_hash_covers_tensor_constants():
     assert a != b
 
 
+def _dynamo_graphs(fn, *args) -> list:
+    """The GraphModules Dynamo hands a backend for fn(*args), untouched."""
+    got = []
+
+    def grab(gm, example_inputs):
+        got.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=grab)(*args)
+    return got
+
+
+def _add_one(x):
+    return torch.relu(x) + 1.0
+
+
+def _add_one_again(x):  # the same ops, from other source lines
+
+    y = torch.relu(x)
+    return y + 1.0
+
+
+def _add_two(x):
+    return torch.relu(x) + 2.0
+
+
+def _mul_one(x):
+    return torch.relu(x) * 1.0
+
+
+def test_graph_keys_leave_dynamo_s_lazy_code_ungenerated():
+    """Generating a lazy GraphModule's code is what keying on gm.code cost per compile (~70 ms
+    for SmolLM2's forward), and Inductor generates it again for its own key."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from npuspec.compilation import pass_counts
+
+    (gm,) = _dynamo_graphs(_add_one, torch.randn(4))
+    gm.recompile()  # as Dynamo hands it over (its trace logs, when on, generate the code)
+    assert isinstance(gm, _LazyGraphModule) and gm._needs_recompile()
+    keys.graph_hash(gm)
+    pass_counts.graph_key(gm, [torch.randn(4)], {})
+    assert gm._needs_recompile()
+
+
+def test_graph_hash_tells_ops_and_literals_apart_not_source_lines_or_local_names():
+    x = torch.randn(4)
+    h = {f.__name__: keys.graph_hash(_dynamo_graphs(f, x)[0])
+         for f in (_add_one, _add_one_again, _add_two, _mul_one)}
+    assert h["_add_one"] == h["_add_one_again"]
+    assert len({h["_add_one"], h["_add_two"], h["_mul_one"]}) == 3
+    # the code does differ: its source comments (what a second install path changes) and the
+    # node names Dynamo took from the locals
+    a, b = _dynamo_graphs(_add_one, x)[0], _dynamo_graphs(_add_one_again, x)[0]
+    assert a.code != b.code
+
+
 def test_cpu_fingerprint_fields():
     fp = keys.fingerprint(Platform("cpu", "cpu", False, float("inf"), "x86_64"))
     for f in ("device", "device_name", "torch", "triton", "npuspec", "python", "cpu_isa"):
