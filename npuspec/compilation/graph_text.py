@@ -12,6 +12,8 @@ local renamed, keys alike.
 """
 from __future__ import annotations
 
+import uuid
+
 import torch
 from torch.fx.node import map_aggregate
 
@@ -46,5 +48,6 @@ def _name(fn) -> str:
     """A callable by its qualified name (its repr may hold an address, new in every process)."""
     try:
         return torch.fx.node._get_qualified_name(fn)
-    except Exception:  # a callable FX cannot name (a lambda, a bound method): its type and name
-        return f"{type(fn).__qualname__}:{getattr(fn, '__qualname__', fn)!r}"
+    except Exception:  # one FX cannot name (a lambda): no name would tell two such apart, so
+        # the graph keys like no other, and is compiled rather than served from a cache
+        return f"unnamed {type(fn).__qualname__} {uuid.uuid4().hex}"
