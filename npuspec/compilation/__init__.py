@@ -7,6 +7,7 @@ vllm/compilation/ is. One file per concern, each importing only files below it:
     cache_keys.py    the cache key: what makes two compilations interchangeable
     lowering.py      the lowering choice (inductor / eager / torchair) and the small-M linear pass
     pass_counts.py   pass counters recorded beside Inductor's cache, replayed on a hit
+    graph_text.py    a graph's node lines, what both keys hash (its code is costly to generate)
     compiled.py      CompiledBySignature: the engine's steps compiled once per input signature
 
 Layers, lowest first (an import only ever points down):
