@@ -41,7 +41,8 @@ def _line(node: torch.fx.Node, index: dict) -> str:
         return _name(a) if callable(a) else a
 
     target = node.target if isinstance(node.target, str) else _name(node.target)
-    return f"{node.op} {target} {map_aggregate(node.args, leaf)!r} {map_aggregate(node.kwargs, leaf)!r}"
+    args, kwargs = map_aggregate(node.args, leaf), map_aggregate(node.kwargs, leaf)
+    return f"{node.op} {target} {args!r} {kwargs!r}"
 
 
 def _name(fn) -> str:
