@@ -5,7 +5,7 @@ source (~70 ms for SmolLM2's 2,071-node forward on two cores), and Inductor's ow
 renames the placeholders and generates it again. Keying on `gm.code` cost two more of those
 per compiled graph (the graph cache's key and the pass-count record's), about 1 s of the ~19 s
 HF generate spends compiling new lengths (docs/graphs.md). One line per node (op, target,
-arguments, each node named by its position) says what the code computes and costs ~15 ms.
+arguments, each node named by its position) says what the code computes and costs ~9 ms.
 It leaves out what the code carries beside that: its source-file comments and the names
 Dynamo takes from the user's locals, so a model run from two install paths, or a step with a
 local renamed, keys alike.
