@@ -24,7 +24,7 @@ KNOWN = (
 # Events after which a wall-clock time is not a graph's time: a compile, a capture, a cache load
 # or an eager fallback (the online K controller drops a step time measured across one).
 DISTURBANCES = frozenset(("graphs_captured", "eager_fallbacks", "cache_misses", "cache_hits",
-                          "graph_breaks"))
+                          "graph_breaks", "inductor_fallbacks"))
 
 
 class Counters(collections.Counter):

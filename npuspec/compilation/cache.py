@@ -335,8 +335,10 @@ def _finish_miss(sess: Session, lower, gm, example_inputs, opts, executable: boo
             fn = lower(gm, list(example_inputs), opts)
     else:
         fn = lower(gm, list(example_inputs), opts)
-    matches = {k: v for k, v in counters.delta(before).items()
-               if k.startswith("verify_patterns_matched")}
+    delta = counters.delta(before)
+    matches = {k: v for k, v in delta.items() if k.startswith("verify_patterns_matched")}
+    if delta.get("inductor_fallbacks") and executable:  # lowered eagerly: nothing to share
+        publish = False
     if matches:  # what the passes rewrote in this graph (for `npuspec cache ls` and debugging)
         sess.pending_json.setdefault("pattern_matches", matches)
     if executable and opts.lowering == "torchair" and publish and cache is not None:

@@ -33,6 +33,7 @@ from typing import Optional, Any, Callable
 import torch
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
+from npuspec import _counters as counters_module
 from npuspec import counters
 from npuspec.compilation import pass_counts
 from npuspec.graphs.cache.torchair import compiler_config
@@ -176,12 +177,37 @@ def inductor_config_patches(opts: Any, gm: Optional[torch.fx.GraphModule] = None
 def lower_inductor(gm: torch.fx.GraphModule, example_inputs: list, opts: Any) -> Callable:
     from torch._inductor.compile_fx import compile_fx  # heavy: only once this lowering runs
 
+    from torch._inductor.exc import InductorError
+
     patches = inductor_config_patches(opts, gm)
     key = pass_counts.graph_key(gm, example_inputs, patches)
     before, runs = counters.snapshot(), InductorVerifyPass.runs
-    fn = compile_fx(gm, example_inputs, config_patches=patches)
+    try:
+        fn = compile_fx(gm, example_inputs, config_patches=patches)
+    except InductorError as e:
+        return _inductor_failed(e, gm, example_inputs, opts, before)
     pass_counts.carry(key, before, ran=InductorVerifyPass.runs != runs)
     return fn
+
+
+def _inductor_failed(e: Exception, gm: torch.fx.GraphModule, example_inputs: list, opts: Any,
+                     before: dict) -> Callable:
+    """Inductor could not compile this graph (its own failure, e.g. a codegen KeyError on
+    vLLM v1's ragged sampler written as per-request loops, which stock backend="inductor"
+    raises too): lower it eagerly instead, with the verify passes, so the step still runs and
+    equals eager. What the failed attempt counted is taken back (the eager lowering's passes
+    count again); logged once per error, counted in `inductor_fallbacks`."""
+    inner = getattr(e, "inner_exception", e)
+    for name, n in counters.delta(before).items():
+        if name not in counters_module.DISTURBANCES:
+            counters.bump(name, -n)
+    counters.bump("inductor_fallbacks")
+    msg = f"{type(inner).__name__}: {inner}".splitlines()[0][:300]
+    if counters_module.first_time(("inductor_failed", msg)):
+        log.warning("npuspec backend: Inductor failed to compile a graph (%s); running it with "
+                    "the eager lowering instead (verify passes included). To skip the attempt "
+                    "pass options={'lowering': 'eager'}.", msg)
+    return lower_eager(gm, example_inputs, opts)
 
 
 def _aot_with_passes(gm: torch.fx.GraphModule, example_inputs: list, inner: Callable) -> Callable:
