@@ -21,11 +21,12 @@ from __future__ import annotations
 from torch.fx import Graph
 
 from npuspec.passes.rewrites import (columns, gather_rows, k_one, keepdim, leading_dims, nonneg,
-                                     scaled_pick, sum_keepdim, take_along)
+                                     scaled_pick, sum_keepdim, take_along, upcast)
 
-# rule modules, in the order they run (take_along first: gather_rows reads its gathers)
-RULES: tuple = (take_along, scaled_pick, gather_rows, sum_keepdim, nonneg, keepdim, leading_dims,
-                k_one, columns)
+# rule modules, in the order they run (take_along first: gather_rows reads its gathers; upcast
+# before nonneg, which reads the clamp it writes back)
+RULES: tuple = (take_along, scaled_pick, gather_rows, sum_keepdim, upcast, nonneg, keepdim,
+                leading_dims, k_one, columns)
 
 
 def normalize(graph: Graph, flavor: str) -> dict:
