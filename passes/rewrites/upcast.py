@@ -8,21 +8,24 @@ probabilities) reaches the passes of the Inductor flavour as
 
 while the aten flavour (the eager lowering) keeps `clamp_min(d, 0.0)`, the form the nonneg rule
 and the Residual family read. So the same step fused under `lowering="eager"` and not under the
-default lowering. This rule writes the chain back as `clamp_min(d, c)` when d has the dtype
-the chain returns (float16 or bfloat16) and c is exactly a value of that dtype (0.0 is).
+default lowering. This rule writes the chain back as `clamp_min(d, c)` when d has the dtype the
+chain returns (float16 or bfloat16) and c is a finite literal within that dtype's range (vLLM
+v0's floor `torch.finfo(torch.float32).tiny` on fp16 probabilities included).
 
-Why the values cannot change: max(float(d), c) is either float(d) or c, and both convert back
-to d's dtype exactly (float(d) round-trips; c is representable), so the chain is clamp_min in
-d's own dtype value for value; eager ATen's reduced-precision kernels compute in float32 and
-round too. Where a family then takes the site, its op evaluates the user's clamp in ATen, as
-eager does (the nonneg rule's argument on zero signs and NaN payloads applies unchanged, since
-this rule only hands it the spelling the aten flavour already has). Where no family takes it,
-Inductor lowers `clamp_min(d, c)` of a half tensor through the same float32 computation it
-decomposed it into; tests/passes/test_rewrite_upcast.py compares the bits on NaN, -0.0, inf
-and subnormals.
+Why the values cannot change: max(float(d), c) is float(d) or c; float(d) converts back to d
+exactly, and c to the dtype's nearest value, which is what eager's `clamp_min(d, c)` compares
+with (no value of the dtype lies between c and its rounding, so the comparisons agree).
+tests/passes/test_rewrite_upcast.py checks it on every fp16 and bf16 value for several c: the
+same values and NaN places; zero signs may differ (the nonneg rule's table, whose argument
+then decides, as for the aten flavour's spelling this rule hands it). Where a family takes the
+site, its op evaluates the user's clamp in ATen, as eager does. Where no family takes it,
+Inductor lowers `clamp_min(d, c)` of a half tensor through the same float32 computation it had
+decomposed it into: the test compares those bits with stock Inductor's on NaN, -0.0, inf and
+subnormals.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -36,12 +39,9 @@ HALF = (torch.float16, torch.bfloat16)
 _CVT = prims.convert_element_type.default
 
 
-def _exact_in(c, dtype: torch.dtype) -> bool:
-    """The literal c is a value of `dtype` (so converting it there changes nothing)."""
-    if type(c) not in (int, float):
-        return False
-    t = torch.tensor(float(c), dtype=torch.float64)
-    return bool(t.to(dtype).to(torch.float64) == t)
+def _in_range(c, dtype: torch.dtype) -> bool:
+    """The literal c is finite and within `dtype`'s range (eager refuses a clamp past it)."""
+    return type(c) in (int, float) and math.isfinite(c) and abs(c) <= torch.finfo(dtype).max
 
 
 def _chain(n: Node) -> Optional[tuple]:
@@ -58,7 +58,7 @@ def _chain(n: Node) -> Optional[tuple]:
         return None
     d = up.args[0]
     dv = _val(d) if isinstance(d, Node) else None
-    if dv is None or dv.dtype is not n.args[1] or not _exact_in(c, dv.dtype):
+    if dv is None or dv.dtype is not n.args[1] or not _in_range(c, dv.dtype):
         return None
     return d, c
 

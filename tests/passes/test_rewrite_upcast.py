@@ -46,22 +46,25 @@ def _targets(gm) -> list:
 # --------------------------------------------------------------------------------------------
 # exactness: the graph the rule leaves, lowered by Inductor, against Inductor's own chain
 # --------------------------------------------------------------------------------------------
-def _two_clamps(p, q, d):
-    # a residual a family takes (so the rewrites land) beside a clamp nothing takes
-    r = torch.clamp(p - q, min=0.0)
-    return torch.multinomial(r / r.sum(), 1), torch.clamp(d, min=0.0)
+def _two_clamps(c):
+    def fn(p, q, d):
+        # a residual a family takes (so the rewrites land) beside a clamp nothing takes
+        r = torch.clamp(p - q, min=0.0)
+        return torch.multinomial(r / r.sum(), 1), torch.clamp(d, min=c)
+    return fn
 
 
+@pytest.mark.parametrize("c", [0.0, 1e-5, torch.finfo(torch.float32).tiny])
 @pytest.mark.parametrize("dtype", HALF)
-def test_a_rewritten_clamp_lowers_to_inductors_bits(dtype, no_fx_cache):
+def test_a_rewritten_clamp_lowers_to_inductors_bits(dtype, c, no_fx_cache):
     g = torch.Generator().manual_seed(0)
     p, q = (torch.softmax(torch.randn(40, generator=g), -1).to(dtype) for _ in range(2))
     d = _adversarial(dtype)
     torch._dynamo.reset()
-    stock = torch.compile(_two_clamps, backend="inductor")(p, q, d)[1]
+    stock = torch.compile(_two_clamps(c), backend="inductor")(p, q, d)[1]
     torch._dynamo.reset()
     before = counters.snapshot()
-    ours = torch.compile(_two_clamps, backend="npuspec",
+    ours = torch.compile(_two_clamps(c), backend="npuspec",
                          options={"lowering": "inductor", "capture": False})(p, q, d)[1]
     delta = counters.delta(before)
     assert delta.get("canonical_rewrites.upcast") == 2, delta  # both clamps were rewritten
@@ -69,18 +72,19 @@ def test_a_rewritten_clamp_lowers_to_inductors_bits(dtype, no_fx_cache):
     assert torch.equal(_bits(ours), _bits(stock))
     # and eager's, where eager's and Inductor's clamps agree (not in zero signs: the nonneg
     # rule's table, whose argument this rule only hands the aten flavour's spelling)
-    want = torch.clamp(d, min=0.0)
+    want = torch.clamp(d, min=c)
     assert torch.equal(ours.isnan(), want.isnan())
     assert torch.equal(ours.nan_to_num(0.0), want.nan_to_num(0.0))
 
 
+@pytest.mark.parametrize("c", [0.0, 1e-5, torch.finfo(torch.float32).tiny, -1.5, 3e-8, 0.1])
 @pytest.mark.parametrize("dtype", HALF)
-def test_the_chain_is_clamp_in_the_half_dtype(dtype):
-    """The rule's argument, on every value of the dtype: max(float(d), 0.0) converted back is
-    clamp_min in the dtype itself (NaN where d is NaN)."""
+def test_the_chain_is_clamp_in_the_half_dtype(dtype, c):
+    """The rule's argument, on every value of the dtype: max(float(d), c) converted back has
+    eager's `clamp_min(d, c)` values and NaN places (c rounded to the dtype or not)."""
     d = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype)
-    chain = torch.clamp_min(d.float(), 0.0).to(dtype)
-    eager = torch.clamp_min(d, 0.0)
+    chain = torch.clamp_min(d.float(), c).to(dtype)
+    eager = torch.clamp_min(d, c)
     assert torch.equal(chain.isnan(), eager.isnan())
     keep = ~eager.isnan()
     assert torch.equal(chain[keep].float(), eager[keep].float())
@@ -101,12 +105,12 @@ def test_the_chain_becomes_one_clamp(dtype):
     assert torch.equal(gm(d), torch.clamp(d, min=0.0))
 
 
-@pytest.mark.parametrize("case", ["float32", "min_1e-5", "other_dtype", "clamp_max"])
+@pytest.mark.parametrize("case", ["float32", "past_the_range", "other_dtype", "clamp_max"])
 def test_look_alikes_stay(case):
     if case == "float32":  # no chain: Inductor clamps float32 as it is
         fn, arg = (lambda x: torch.clamp(x, min=0.0)), torch.randn(8)
-    elif case == "min_1e-5":  # 1e-5 is no float16 value: converting it would change it
-        fn, arg = (lambda x: torch.clamp(x, min=1e-5)), torch.randn(8).half()
+    elif case == "past_the_range":  # eager refuses it on a float16 tensor; left as written
+        fn, arg = (lambda x: torch.clamp(x.float(), min=1e6).half()), torch.randn(8).half()
     elif case == "other_dtype":  # the chain ends in another dtype than d's
         fn = lambda x: torch.clamp(x.float(), min=0.0).to(torch.bfloat16)  # noqa: E731
         arg = torch.randn(8).half()
