@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npuspec.passes import prefix
 from npuspec.passes.rewrites.nodes import _static, _val, call_before
@@ -94,17 +95,56 @@ def _index_pick(n: Node) -> Optional[tuple]:
         return None
     p, (i0, i1, ids) = n.args[0], n.args[1]
     pv, iv = _val(p), _val(ids) if isinstance(ids, Node) else None
-    # static shapes only: comparing a symbolic (or unbacked) size would add a guard
-    if (pv is None or iv is None or pv.dim() != 3 or iv.dim() != 2 or not _static(pv.shape)
-            or not _static(iv.shape)):
+    # static K and V; the batch may be symbolic (Dynamo made it dynamic), compared without
+    # adding a guard
+    if (pv is None or iv is None or pv.dim() != 3 or iv.dim() != 2 or not _static(pv.shape[1:])
+            or not _static(iv.shape[1:])):
         return None
     B, K = iv.shape
-    if (iv.dtype not in (torch.int32, torch.int64) or pv.shape[0] != B or pv.shape[1] < K):
+    if (iv.dtype not in (torch.int32, torch.int64) or not statically_known_true(pv.shape[0] == B)
+            or pv.shape[1] < K):
         return None
+    rows = _is_arange(i0, B, ((B, 1),)) if isinstance(B, int) else _symbolic_rows(i0, B)
     # the columns broadcast alike as arange(K) or arange(K)[None, :]
-    if not (_is_arange(i0, B, ((B, 1),)) and _is_arange(i1, K, ((K,), (1, K)))):
+    if not (rows and _is_arange(i1, K, ((K,), (1, K)))):
         return None
     return p, ids
+
+
+_ARANGES = {aten.arange.default: (), aten.arange.start: (0,), aten.arange.start_step: (0, 1)}
+
+
+def _symbolic_rows(n, B) -> bool:
+    """n is arange(B)[:, None] for a symbolic B. An arange of a symbolic size cannot be
+    evaluated, so the structure itself is required: an unsqueeze at dim 1 of arange(B),
+    arange(0, B) or arange(0, B, 1) (Inductor's decompositions: iota(B, start=0, step=1)), B
+    the graph's own symbol for the batch."""
+    if (not isinstance(n, Node) or n.target is not aten.unsqueeze.default
+            or n.args[1] not in (1, -1)):
+        return False
+    a = n.args[0]
+    if isinstance(a, Node) and a.target is torch.ops.prims.iota.default:  # Inductor's arange
+        kw = a.kwargs
+        ev = a.args[0].meta.get("val") if len(a.args) == 1 and isinstance(a.args[0], Node) else None
+        return (kw.get("start") == 0 and kw.get("step") == 1 and type(kw.get("start")) is int
+                and type(kw.get("step")) is int and kw.get("dtype") in (torch.int32, torch.int64)
+                and isinstance(ev, torch.SymInt) and statically_known_true(ev == B))
+    if not isinstance(a, Node) or a.target not in _ARANGES:
+        return False
+    if not set(a.kwargs) <= {"dtype", "device", "pin_memory", "layout"}:
+        return False
+    if a.kwargs.get("dtype") not in (None, torch.int32, torch.int64):
+        return False
+    fixed = _ARANGES[a.target]  # start (and step) as literals
+    if a.target is aten.arange.start_step:
+        parts = (a.args[0], a.args[2]) if len(a.args) == 3 else None
+    else:
+        parts = tuple(a.args[:len(fixed)]) if len(a.args) == len(fixed) + 1 else None
+    if parts is None or any(type(x) is not int or x != f for x, f in zip(parts, fixed)):
+        return False
+    end = a.args[1] if fixed else a.args[0]
+    ev = end.meta.get("val") if isinstance(end, Node) else None
+    return isinstance(ev, torch.SymInt) and statically_known_true(ev == B)
 
 
 def _flat_pick(n: Node) -> Optional[tuple]:
@@ -140,9 +180,11 @@ def _trailing_one_view(n: Node) -> bool:
         return False
     x, out = n.args[0], _val(n)
     xv = _val(x)
+    # symbolic sizes too where they are equal without a guard (a batch Dynamo made dynamic)
     return (isinstance(x, Node) and x.target is aten.gather.default and xv is not None
-            and out is not None and xv.dim() == 3 and out.dim() == 2 and _static(xv.shape)
-            and _static(out.shape) and xv.shape[2] == 1 and tuple(out.shape) == tuple(xv.shape[:2]))
+            and out is not None and xv.dim() == 3 and out.dim() == 2
+            and statically_known_true(xv.shape[2] == 1)
+            and all(statically_known_true(a == b) for a, b in zip(out.shape, xv.shape[:2])))
 
 
 def _bare_index(n: Node) -> bool:
@@ -152,7 +194,7 @@ def _bare_index(n: Node) -> bool:
     idx = n.args[2]
     iv, pv = _val(idx), _val(n.args[0])
     return (isinstance(idx, Node) and iv is not None and pv is not None and pv.dim() == 3
-            and iv.dim() == 3 and _static(iv.shape) and iv.shape[2] == 1
+            and iv.dim() == 3 and statically_known_true(iv.shape[2] == 1)
             and not (idx.target is aten.unsqueeze.default and idx.args[1] in (2, -1)))
 
 
@@ -176,21 +218,40 @@ _LIKE = {aten.zeros_like.default: aten.zeros.default, aten.ones_like.default: at
 
 
 def _shape_only_user(n: Node) -> bool:
-    """zeros_like / ones_like / empty_like of a contiguous tensor of static shape: a fresh
-    tensor that reads only x's shape, dtype and device. Made from those literals it no longer
-    counts as a user of x (which would block a pattern that has x inside)."""
+    """zeros_like / ones_like / empty_like of a contiguous tensor whose sizes the graph has
+    (literals, or a batch Dynamo made dynamic: its symbol is a graph input): a fresh tensor
+    that reads only x's shape, dtype and device. Made from those it no longer counts as a user
+    of x (which would block a pattern that has x inside)."""
     if n.target not in _LIKE or len(n.args) != 1:
         return False
     xv = _val(n.args[0])
-    return (xv is not None and _static(xv.shape) and xv.is_contiguous()
+    return (xv is not None and xv.is_contiguous() and _sizes(n.graph, xv.shape) is not None
             and set(n.kwargs) <= {"pin_memory", "dtype", "layout", "device", "memory_format"}
             and n.kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format))
+
+
+def _sizes(graph: Graph, shape) -> Optional[list]:
+    """The sizes as literals or the placeholders that hold them (a symbolic size is a graph
+    input of its own in the graphs Dynamo and AOT hand over); None when one is neither."""
+    out = []
+    for s in shape:
+        if isinstance(s, int):
+            out.append(s)
+            continue
+        for p in graph.nodes:
+            if p.op != "placeholder":
+                return None  # placeholders come first: none holds s
+            v = p.meta.get("val")
+            if isinstance(v, torch.SymInt) and statically_known_true(v == s):
+                out.append(p)
+                break
+    return out
 
 
 def _fresh_like(graph: Graph, n: Node) -> Node:
     out = _val(n)
     with graph.inserting_before(n):
-        new = graph.call_function(_LIKE[n.target], (list(out.shape),),
+        new = graph.call_function(_LIKE[n.target], (_sizes(graph, out.shape),),
                                   {"dtype": out.dtype, "device": out.device, "pin_memory": False})
     new.meta["val"] = out
     return new

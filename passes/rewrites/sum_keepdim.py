@@ -8,9 +8,10 @@ The families normalise a residual by `r / r.sum(-1, keepdim=True)`. keepdim only
 whether ATen returns the reduced dim as size 1: the same reduction kernel runs over the same
 values, and the result is contiguous either way, so the view of the plain sum that puts a
 size-1 dim back where d was holds the same numbers in the same shape and dtype. Only one dim, a
-literal one, and a view (or reshape, or unsqueeze at d) whose static shape is exactly the
-keepdim shape; each such view becomes the keepdim sum (the plain sum stays for its other
-users, and goes if it has none).
+literal one, and a view (or reshape, or unsqueeze at d) whose shape is exactly the keepdim
+shape, symbolic sizes included where they are equal without a guard (a batch Dynamo made
+dynamic: `reshape(-1, k, 1)` of the sum over [s0, k, V] is [s0, k, 1]); each such view becomes
+the keepdim sum (the plain sum stays for its other users, and goes if it has none).
 """
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from npuspec.passes.rewrites.nodes import _static, _val, call_before
+from npuspec.passes.rewrites.nodes import _val, call_before
 
 NAME = "sum_keepdim"
 aten = torch.ops.aten
@@ -35,7 +37,7 @@ def _plain_sum_dim(n: Node) -> Optional[int]:
     if len(a) < 2 or len(a) > 3 or (len(a) == 3 and a[2] is not False):
         return None
     xv = _val(a[0])
-    if xv is None or not xv.is_floating_point() or not _static(xv.shape) or xv.dim() == 0:
+    if xv is None or not xv.is_floating_point() or xv.dim() == 0:
         return None
     dims = a[1]
     if not isinstance(dims, (list, tuple)) or len(dims) != 1 or type(dims[0]) is not int:
@@ -48,7 +50,8 @@ def _puts_back(u: Node, kept: tuple) -> bool:
     """u views the plain sum into exactly the keepdim shape `kept`."""
     uv = _val(u)
     return (u.op == "call_function" and u.target in _VIEWS and not u.kwargs
-            and uv is not None and _static(uv.shape) and tuple(uv.shape) == kept)
+            and uv is not None and uv.dim() == len(kept)
+            and all(statically_known_true(a == b) for a, b in zip(uv.shape, kept)))
 
 
 def apply(graph: Graph, flavor: str) -> int:
