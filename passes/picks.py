@@ -33,7 +33,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from npuspec.passes import prefix
-from npuspec.passes.rewrites.nodes import _static, _val, call_before
+from npuspec.passes.rewrites.nodes import _static, _val, call_before, size_args
 
 log = logging.getLogger("npuspec.passes")
 aten = torch.ops.aten
@@ -225,33 +225,15 @@ def _shape_only_user(n: Node) -> bool:
     if n.target not in _LIKE or len(n.args) != 1:
         return False
     xv = _val(n.args[0])
-    return (xv is not None and xv.is_contiguous() and _sizes(n.graph, xv.shape) is not None
+    return (xv is not None and xv.is_contiguous() and size_args(n.graph, xv.shape) is not None
             and set(n.kwargs) <= {"pin_memory", "dtype", "layout", "device", "memory_format"}
             and n.kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format))
-
-
-def _sizes(graph: Graph, shape) -> Optional[list]:
-    """The sizes as literals or the placeholders that hold them (a symbolic size is a graph
-    input of its own in the graphs Dynamo and AOT hand over); None when one is neither."""
-    out = []
-    for s in shape:
-        if isinstance(s, int):
-            out.append(s)
-            continue
-        for p in graph.nodes:
-            if p.op != "placeholder":
-                return None  # placeholders come first: none holds s
-            v = p.meta.get("val")
-            if isinstance(v, torch.SymInt) and statically_known_true(v == s):
-                out.append(p)
-                break
-    return out
 
 
 def _fresh_like(graph: Graph, n: Node) -> Node:
     out = _val(n)
     with graph.inserting_before(n):
-        new = graph.call_function(_LIKE[n.target], (_sizes(graph, out.shape),),
+        new = graph.call_function(_LIKE[n.target], (size_args(graph, out.shape),),
                                   {"dtype": out.dtype, "device": out.device, "pin_memory": False})
     new.meta["val"] = out
     return new

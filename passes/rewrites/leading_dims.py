@@ -23,8 +23,9 @@ from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from npuspec.passes.rewrites.nodes import _static, _val, call_before
+from npuspec.passes.rewrites.nodes import _static, _val, call_before, size_args
 
 NAME = "leading_dims"
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -90,7 +91,11 @@ def _site(c: Node) -> Optional[tuple]:
     va, vb = _val(a), _val(b)
     if va is None or vb is None or va.is_floating_point() or vb.is_floating_point():
         return None
-    if va.dim() < 3 or tuple(va.shape) != tuple(vb.shape) or not _static(va.shape):
+    if va.dim() < 3 or vb.dim() != va.dim() or not _static(va.shape[-1:]):
+        return None
+    if not all(statically_known_true(x == y) for x, y in zip(va.shape, vb.shape)):
+        return None
+    if size_args(c.graph, va.shape) is None:  # a symbolic size the graph holds no input for
         return None
     return a, b, tuple(va.shape)
 
@@ -119,7 +124,9 @@ def apply(graph: Graph, flavor: str) -> int:
         nodes, ends = found
         if any(u not in nodes and u not in ends for n in nodes for u in n.users):
             continue  # a row op read outside the region (the mask returned, say)
-        rows = [math.prod(shape[:-1]), shape[-1]]
+        # a batch Dynamo made dynamic: the rows inferred (-1), the leading sizes put back from
+        # the graph's own symbol inputs
+        rows = [math.prod(shape[:-1]), shape[-1]] if _static(shape) else [-1, shape[-1]]
         new = {a: _call(graph, aten.reshape.default, (a, rows), {}, c)}
         new[b] = new[a] if b is a else _call(graph, aten.reshape.default, (b, rows), {}, c)
         for n in nodes + ends:
@@ -130,7 +137,13 @@ def apply(graph: Graph, flavor: str) -> int:
                 args[1] = [1]
             new[n] = _call(graph, n.target, args, n.kwargs, n)
         for e in ends:
-            back = _call(graph, aten.reshape.default, (new[e], list(shape[:-1])), {}, e)
+            if _static(shape):
+                back = _call(graph, aten.reshape.default, (new[e], list(shape[:-1])), {}, e)
+            else:  # sizes from symbol inputs: the view back has e's own fake value
+                with graph.inserting_before(e):
+                    back = graph.call_function(aten.reshape.default,
+                                               (new[e], size_args(graph, shape[:-1])))
+                back.meta["val"] = _val(e)
             e.replace_all_uses_with(back)
         for n in reversed(nodes + ends):
             graph.erase_node(n)

@@ -32,6 +32,24 @@ def _same_shape(a, b) -> bool:
             and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape)))
 
 
+def size_args(graph: Graph, shape) -> Optional[list]:
+    """The sizes as literals or the placeholders that hold them (a symbolic size is a graph
+    input of its own in the graphs Dynamo and AOT hand over); None when one is neither."""
+    out = []
+    for s in shape:
+        if isinstance(s, int):
+            out.append(s)
+            continue
+        for p in graph.nodes:
+            if p.op != "placeholder":
+                return None  # placeholders come first: none holds s
+            v = p.meta.get("val")
+            if isinstance(v, torch.SymInt) and statically_known_true(v == s):
+                out.append(p)
+                break
+    return out
+
+
 def _cast(graph: Graph, x: Node, dtype, flavor: str) -> Node:
     # what `.to(dtype)` traces to in each flavor (Inductor's decompositions: a prims cast)
     if flavor == "inductor":

@@ -1,10 +1,12 @@
 """A batch Dynamo made dynamic (a server's batch changes; Dynamo recompiles with a symbolic
-batch) keeps the fusion. Three rewrites had required static sizes and so lost it on held-out
+batch) keeps the fusion. Four rewrites had required static sizes and so lost it on held-out
 code (the batch dim marked dynamic on every input: 42 of the 47 entries fused statically
-still fused): `sum_keepdim` (vLLM v0's `f / f.sum(-1).reshape(-1, k, 1)`), the picks'
+still fused; now 47): `sum_keepdim` (vLLM v0's `f / f.sum(-1).reshape(-1, k, 1)`), the picks'
 trailing-one views and fresh `zeros_like` draws (lucidrains' einops picks and
 `zeros_like(q).uniform_()`), and the advanced-index pick `p[arange(B)[:, None], arange(K),
-ids]` (vLLM v0's sampler), whose symbolic `arange(B)` is recognised by its structure. Each:
+ids]` (vLLM v0's sampler), whose symbolic `arange(B)` is recognised by its structure; and
+`leading_dims` (EAGLE's and ReDrafter's [B, C, K] paths), whose view back to [B, C] takes the
+batch's symbol input. Each:
 equal to eager, the op in the graph, the counter moved, at a first batch size, at a second
 (Dynamo's recompile with a symbolic batch) and at a third (the same graph); and a look-alike
 stays as written."""
@@ -41,6 +43,12 @@ def v0_index_ratio(p, q, ids, u):
     return (u < px / qx).cumprod(-1).sum(-1), (target - q).amax(-1)
 
 
+def eagle_batched_greedy(logits, candidates):  # [B, C, K+1, V], [B, C, K+1]: every path
+    mask = (candidates[:, :, 1:] == torch.argmax(logits[:, :, :-1], dim=-1)).int()
+    accept = torch.cumprod(mask, dim=-1).sum(dim=-1)                          # [B, C]
+    return accept.max(dim=1).values, torch.argmax(accept, dim=-1)
+
+
 def flipped_rows(p, q, ids, u):  # rows reversed: not the pick, must stay as written
     B, K, _ = q.shape
     target = p[:, :K]
@@ -60,12 +68,19 @@ def _args(name: str, B: int):
         return p[:, :K].contiguous(), q
     if name == "lucidrains_ratio":
         return p, q, ids[..., None]
+    if name == "eagle_batched_greedy":  # 3 paths per request, some drafts the argmax
+        logits = torch.randn(B, 3, K + 1, V, generator=g)
+        cand = torch.cat([torch.zeros(B, 3, 1, dtype=torch.long), logits.argmax(-1)[..., :-1]], -1)
+        cand[0, 1, 2] += 1
+        cand[:, 2, 1] += 1
+        return logits, cand
     return p, q, ids, u
 
 
 CASES = {"v0_recovered": (v0_recovered, "residual", "npuspec.residual_probs"),
          "lucidrains_ratio": (lucidrains_ratio, "ratio_accept", "npuspec.ratio_accept"),
-         "v0_index_ratio": (v0_index_ratio, "ratio_accept", "npuspec.ratio_accept")}
+         "v0_index_ratio": (v0_index_ratio, "ratio_accept", "npuspec.ratio_accept"),
+         "eagle_batched_greedy": (eagle_batched_greedy, "greedy_accept", "npuspec.greedy_accept")}
 
 
 @pytest.mark.parametrize("lowering", ["eager", "inductor"])
