@@ -120,31 +120,31 @@ def _symbolic_rows(n, B) -> bool:
     arange(0, B) or arange(0, B, 1) (Inductor's decompositions: iota(B, start=0, step=1)), B
     the graph's own symbol for the batch."""
     if (not isinstance(n, Node) or n.target is not aten.unsqueeze.default
-            or n.args[1] not in (1, -1)):
+            or n.args[1] not in (1, -1) or not isinstance(n.args[0], Node)):
         return False
     a = n.args[0]
-    if isinstance(a, Node) and a.target is torch.ops.prims.iota.default:  # Inductor's arange
+    if a.target is torch.ops.prims.iota.default:  # Inductor's arange
         kw = a.kwargs
-        ev = a.args[0].meta.get("val") if len(a.args) == 1 and isinstance(a.args[0], Node) else None
-        return (kw.get("start") == 0 and kw.get("step") == 1 and type(kw.get("start")) is int
-                and type(kw.get("step")) is int and kw.get("dtype") in (torch.int32, torch.int64)
-                and isinstance(ev, torch.SymInt) and statically_known_true(ev == B))
-    if not isinstance(a, Node) or a.target not in _ARANGES:
-        return False
-    if not set(a.kwargs) <= {"dtype", "device", "pin_memory", "layout"}:
-        return False
-    if a.kwargs.get("dtype") not in (None, torch.int32, torch.int64):
+        return (len(a.args) == 1 and _is_symbol(a.args[0], B)
+                and all(type(kw.get(k)) is int for k in ("start", "step"))
+                and (kw["start"], kw["step"]) == (0, 1)
+                and kw.get("dtype") in (torch.int32, torch.int64))
+    if (a.target not in _ARANGES or not set(a.kwargs) <= {"dtype", "device", "pin_memory", "layout"}
+            or a.kwargs.get("dtype") not in (None, torch.int32, torch.int64)):
         return False
     fixed = _ARANGES[a.target]  # start (and step) as literals
-    if a.target is aten.arange.start_step:
-        parts = (a.args[0], a.args[2]) if len(a.args) == 3 else None
-    else:
-        parts = tuple(a.args[:len(fixed)]) if len(a.args) == len(fixed) + 1 else None
-    if parts is None or any(type(x) is not int or x != f for x, f in zip(parts, fixed)):
+    if len(a.args) != len(fixed) + 1:
         return False
     end = a.args[1] if fixed else a.args[0]
-    ev = end.meta.get("val") if isinstance(end, Node) else None
-    return isinstance(ev, torch.SymInt) and statically_known_true(ev == B)
+    parts = (a.args[0], a.args[2]) if len(fixed) == 2 else tuple(a.args[:len(fixed)])
+    return (all(type(x) is int and x == f for x, f in zip(parts, fixed))
+            and _is_symbol(end, B))
+
+
+def _is_symbol(x, B) -> bool:
+    """x is a node holding a symbolic size equal to B without a guard."""
+    v = x.meta.get("val") if isinstance(x, Node) else None
+    return isinstance(v, torch.SymInt) and statically_known_true(v == B)
 
 
 def _flat_pick(n: Node) -> Optional[tuple]:

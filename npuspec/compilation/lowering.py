@@ -33,8 +33,8 @@ from typing import Optional, Any, Callable
 import torch
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 
-from npuspec import _counters as counters_module
 from npuspec import counters
+from npuspec._counters import first_time
 from npuspec.compilation import pass_counts
 from npuspec.graphs.cache.torchair import compiler_config
 from npuspec.kernels import linear_cpu
@@ -199,11 +199,11 @@ def _inductor_failed(e: Exception, gm: torch.fx.GraphModule, example_inputs: lis
     count again); logged once per error, counted in `inductor_fallbacks`."""
     inner = getattr(e, "inner_exception", e)
     for name, n in counters.delta(before).items():
-        if name not in counters_module.DISTURBANCES:
+        if name.split(".")[0] in (*pass_counts.PASS_COUNTERS, "canonical_rewrites"):
             counters.bump(name, -n)
     counters.bump("inductor_fallbacks")
     msg = f"{type(inner).__name__}: {inner}".splitlines()[0][:300]
-    if counters_module.first_time(("inductor_failed", msg)):
+    if first_time(("inductor_failed", msg)):
         log.warning("npuspec backend: Inductor failed to compile a graph (%s); running it with "
                     "the eager lowering instead (verify passes included). To skip the attempt "
                     "pass options={'lowering': 'eager'}.", msg)

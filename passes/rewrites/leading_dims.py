@@ -136,14 +136,11 @@ def apply(graph: Graph, flavor: str) -> int:
             elif n.target is aten.sum.dim_IntList:
                 args[1] = [1]
             new[n] = _call(graph, n.target, args, n.kwargs, n)
-        for e in ends:
-            if _static(shape):
-                back = _call(graph, aten.reshape.default, (new[e], list(shape[:-1])), {}, e)
-            else:  # sizes from symbol inputs: the view back has e's own fake value
-                with graph.inserting_before(e):
-                    back = graph.call_function(aten.reshape.default,
-                                               (new[e], size_args(graph, shape[:-1])))
-                back.meta["val"] = _val(e)
+        for e in ends:  # back to e's shape (a symbolic size from its input): e's fake value
+            with graph.inserting_before(e):
+                back = graph.call_function(aten.reshape.default,
+                                           (new[e], size_args(graph, shape[:-1])))
+            back.meta["val"] = _val(e)
             e.replace_all_uses_with(back)
         for n in reversed(nodes + ends):
             graph.erase_node(n)

@@ -91,9 +91,10 @@ def test_a_symbolic_batch_keeps_the_fusion(name, lowering, no_fx_cache):
     cf = torch.compile(fn, backend="npuspec", options={"lowering": lowering, "capture": False})
     three_way(fn, _args(name, 5), compiled=cf, fresh=True, family=family, appear=(op,),
               lowering=lowering)                       # the first graph: static sizes
-    _, text = three_way(fn, _args(name, 3), compiled=cf, fresh=True, family=family,
-                        appear=(op,), lowering=lowering)  # Dynamo recompiles: a symbolic batch
-    assert "arg0_1" in text  # the batch's symbol is a graph input now
+    args = _args(name, 3)
+    _, text = three_way(fn, args, compiled=cf, fresh=True, family=family, appear=(op,),
+                        lowering=lowering)  # Dynamo recompiles: a symbolic batch
+    assert text.count("placeholder") > len(args)  # the batch's symbol is a graph input now
     before = counters.snapshot()
     three_way(fn, _args(name, 7), compiled=cf, fresh=False)  # a third batch, the same graph
     assert counters.delta(before).get("verify_patterns_matched", 0) == 0  # no recompile
