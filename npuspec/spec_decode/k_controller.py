@@ -62,6 +62,7 @@ PRIOR_STEPS = 32       # steps that follow a prior policy (a tuned batch-size ta
 # model whose step dwarfs the drafter, steps without drafts cost it ~0.05 %, and skipping
 # then would only miss the drafts that come later
 DRAFT_SKIP_BELOW = 0.98
+assert DRAFT_SKIP_BELOW <= 1.0, DRAFT_SKIP_BELOW  # an unmeasured value (1) drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +130,10 @@ class KController:
         # depends on the load, and one figure learnt at 32 requests would hold a lone request
         # back from drafting for many steps after the others finished
         self._last_bucket = 1
+        self._cheap_batch = 0   # the batch size _last_bucket was computed for
+        # the draft values where the C step writes them: a memoryview reads a float without
+        # numpy's indexing (choose_before_cheap runs each step right after a model step)
+        self._dv = memoryview(self.costs.draft_values)
         self.last_k = self.k_max
         # the last step's largest useful K from its drafts (-1: not drafted), where C writes it
         self._cap = np.full(1, -1, dtype=np.int64)
@@ -343,8 +348,10 @@ class KController:
         except every EXPLORE_EVERY-th step, which drafts and runs K_max (with `probes`:
         drafts, chooses K as any step, and is a probe). A batch size not seen yet starts
         from 1 (draft)."""
-        self._last_bucket = _bucket(batch)
-        skip = self.draft_value < DRAFT_SKIP_BELOW
+        if batch != self._cheap_batch:
+            self._cheap_batch, self._last_bucket = batch, _bucket(batch)
+        # `draft_value`, read in place: NaN (not measured) compares False, as its 1 does
+        skip = self._dv[self._last_bucket] < DRAFT_SKIP_BELOW
         if skip or self.last_k < self.k_max:
             self.since_explore += 1
             if self.since_explore >= self.explore_every:
@@ -371,7 +378,8 @@ class KController:
             if len(self._none) < B:
                 self._none = np.zeros(2 * B, dtype=np.int64)
             return 0, self._none[:B]
-        if lib is not None and B >= NATIVE_MIN_BATCH and not self._prior_on():
+        if (lib is not None and B >= NATIVE_MIN_BATCH
+                and (self.prior is None or self._steps >= PRIOR_STEPS)):  # not _prior_on()
             if len(self._lengths) < B:
                 self._lengths = np.zeros(2 * B, dtype=np.int64)
                 self._table_addrs = self._tables_at()
@@ -477,11 +485,14 @@ class KController:
             assert t_draft != t_draft or k_draft in self.ks, (k_draft, self.ks)
             ix = self.costs.index(rows, k) if t_run == t_run else -1  # may grow the tables
             pool_due = learn and (self._observed + 1) % POOL_EVERY == 0   # `_pool`, in C
-            slots, slots_at = self._slots_at(slots)
-            p_at, c_at = self._table_addrs[:2]
+            if slots is self._bslots:  # the engine's case: `_slots_at` without its call
+                slots_at = self._bslots_addr
+            else:
+                slots, slots_at = self._slots_at(slots)
+            addrs = self._table_addrs
             # the batch's rows updated in place in the [slots, K_max] tables
-            if lib.verified(self.costs.ctx_addr, p_at, c_at, slots_at, B, drafted, k_draft, k,
-                            res, learn, ix, t_draft, t_run, book_s, prefill_tok_s,
+            if lib.verified(self.costs.ctx_addr, addrs[0], addrs[1], slots_at, B, drafted,
+                            k_draft, k, res, learn, ix, t_draft, t_run, book_s, prefill_tok_s,
                             self._steps, *self._pool_addrs,
                             ALPHA_POOL if pool_due else 0.0) == 0:
                 if learn:

@@ -222,3 +222,24 @@ def test_probes_only_where_acceptance_is_emitting_the_draft():
     assert not ctl(ngram, additional_config={
         "rejection_sampler_config": {"enable_block_verify": True}}).probes
     assert not ctl({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}).probes
+
+
+def test_the_same_batch_reuses_its_slots_until_a_request_is_forgotten():
+    """OnlineK.draft skips the req_id lookup when the batch is the same requests as last step;
+    a retired request (forget) or a changed batch looks the slots up again."""
+    online = OnlineK((0, 1, 2), lambda b, k: b, cheap_drafter=True)
+    a, b, c = _Req("a"), _Req("b"), _Req("c")
+    fn = lambda reqs, k: (np.full((len(reqs), k), 7, dtype=np.int64), None)  # noqa: E731
+    lookups = []
+    slots_of = online.ctl.slots
+    online.ctl.slots = lambda ids: lookups.append(list(ids)) or slots_of(ids)
+    online.draft([a, b], fn)
+    first = online._slots
+    online.draft([a, b], fn)                  # a new list of the same requests
+    assert lookups == [["a", "b"]] and online._slots is first
+    online.draft([a, c], fn)                  # another batch
+    assert lookups[-1] == ["a", "c"]
+    online.forget("c")                        # c's row is free for a newcomer now
+    online.draft([a, c], fn)
+    assert lookups[-1] == ["a", "c"] and len(lookups) == 3
+    assert online.ctl.slot["c"] == online._slots[1]   # c took a row again
