@@ -378,8 +378,7 @@ class KController:
             if len(self._none) < B:
                 self._none = np.zeros(2 * B, dtype=np.int64)
             return 0, self._none[:B]
-        if (lib is not None and B >= NATIVE_MIN_BATCH
-                and (self.prior is None or self._steps >= PRIOR_STEPS)):  # not _prior_on()
+        if lib is not None and B >= NATIVE_MIN_BATCH and not self._prior_on():
             if len(self._lengths) < B:
                 self._lengths = np.zeros(2 * B, dtype=np.int64)
                 self._table_addrs = self._tables_at()
@@ -485,14 +484,11 @@ class KController:
             assert t_draft != t_draft or k_draft in self.ks, (k_draft, self.ks)
             ix = self.costs.index(rows, k) if t_run == t_run else -1  # may grow the tables
             pool_due = learn and (self._observed + 1) % POOL_EVERY == 0   # `_pool`, in C
-            if slots is self._bslots:  # the engine's case: `_slots_at` without its call
-                slots_at = self._bslots_addr
-            else:
-                slots, slots_at = self._slots_at(slots)
-            addrs = self._table_addrs
+            slots, slots_at = self._slots_at(slots)
+            p_at, c_at = self._table_addrs[:2]
             # the batch's rows updated in place in the [slots, K_max] tables
-            if lib.verified(self.costs.ctx_addr, addrs[0], addrs[1], slots_at, B, drafted,
-                            k_draft, k, res, learn, ix, t_draft, t_run, book_s, prefill_tok_s,
+            if lib.verified(self.costs.ctx_addr, p_at, c_at, slots_at, B, drafted, k_draft, k,
+                            res, learn, ix, t_draft, t_run, book_s, prefill_tok_s,
                             self._steps, *self._pool_addrs,
                             ALPHA_POOL if pool_due else 0.0) == 0:
                 if learn:
