@@ -35,6 +35,7 @@ from npuspec.bench.table import print_table
 from npuspec.cli_util import common
 from npuspec.cli_util.errors import run_command
 from npuspec.cli_util.prompts import BUILTIN_SETS, builtin_prompts, chat_tokenizer, load_prompts
+from npuspec.compilation.backend import own_seconds
 from npuspec.models.loading import TINY_MODEL_DIR, read_model_config
 
 MODES = ("greedy", "prompt lookup", "static cache", "assisted")
@@ -117,7 +118,8 @@ def run(args) -> int:
             functools.partial(compiled_model, lambda: load_hf(mdir), system))
         shorter = [x[1:] for x in ids]  # new prompt and cache lengths for the warm model
         return hf_start.child(hf_runner(model, ids, args.max_tokens, eos, **extra[mode]),
-                              hf_runner(model, shorter, args.max_tokens, eos, **extra[mode]))
+                              hf_runner(model, shorter, args.max_tokens, eos, **extra[mode]),
+                              own_seconds if system == "npuspec" else (lambda: 0.0))
     if args.start:
         return _report_start(args, modes, mdir, threads)
     runners = []

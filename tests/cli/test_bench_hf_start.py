@@ -22,8 +22,11 @@ def test_child_prints_its_first_runs_tokens_as_one_json_line(tiny_available, cap
     out = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
     assert rc == 0 and len(out) == 1
     doc = json.loads(out[0])
-    assert set(doc) == {"load_s", "first_s", "steady_s", "shorter_s", "token_ids",
+    assert set(doc) == {"load_s", "first_s", "steady_s", "shorter_s", "first_own_s",
+                        "shorter_own_s", "first_backend_s", "shorter_backend_s", "token_ids",
                         "shorter_ids", "tokens"}
+    # eager: no backend, no compiler of its own
+    assert doc["first_own_s"] == doc["shorter_own_s"] == doc["first_backend_s"] == 0.0
     assert doc["first_s"] > 0 and doc["steady_s"] > 0 and doc["shorter_s"] > 0
     # the same prompts and tokens as the parent's own (default) settings give in-process
     tok = chat_tokenizer(tiny_available)
@@ -50,6 +53,8 @@ def test_child_argv_round_trips_the_parents_settings():
 def test_rows_per_mode_and_ratios_to_inductor(monkeypatch):
     figures = {"eager": [1.0], "inductor": [40.0, 8.0], "npuspec": [44.0, 6.0]}
     shorter = {"eager": 0.5, "inductor": 4.0, "npuspec": 5.0}
+    backend = {"eager": 0.0, "inductor": 0.8, "npuspec": 1.0}
+    own = {"eager": 0.0, "inductor": 0.0, "npuspec": 0.25}
     calls = []
 
     def spawn(argv, system, mode, cache):
@@ -58,7 +63,9 @@ def test_rows_per_mode_and_ratios_to_inductor(monkeypatch):
         first = figures[system][n]
         toks = [[1, 2, 3]] if system != "npuspec" or mode == "greedy" else [[1, 2, 4]]
         return {"load_s": 0.5, "first_s": first, "steady_s": 0.25, "token_ids": toks,
-                "shorter_s": shorter[system], "shorter_ids": [[1, 2]], "tokens": 3}
+                "shorter_s": shorter[system], "shorter_ids": [[1, 2]], "tokens": 3,
+                "first_backend_s": 2.0, "shorter_backend_s": backend[system],
+                "first_own_s": 0.1, "shorter_own_s": own[system]}
 
     monkeypatch.setattr(hf_start, "_spawn", spawn)
 
@@ -81,6 +88,9 @@ def test_rows_per_mode_and_ratios_to_inductor(monkeypatch):
     assert r["cold_vs_inductor"] == pytest.approx(1.1) and r["warm_vs_inductor"] == pytest.approx(0.75)
     assert by[("greedy", "eager")]["cold_vs_inductor"] == "-"
     assert r["new_lengths_s"] == 5.0 and r["new_lengths_vs_inductor"] == pytest.approx(1.25)
+    assert r["new_lengths_backend_vs_inductor"] == pytest.approx(1.25)
+    assert (r["new_lengths_own_s"], r["warm_own_s"], r["warm_backend_s"]) == (0.25, 0.1, 2.0)
+    assert by[("greedy", "eager")]["new_lengths_backend_vs_inductor"] == "-"
     assert r["identical"] == 1 and by[("prompt lookup", "npuspec")]["identical"] == 0
 
 
@@ -94,3 +104,5 @@ def test_start_on_the_embedded_model(tiny_available, tmp_path):
     assert [r["system"] for r in doc["rows"]] == ["eager", "inductor", "npuspec"]
     for r in doc["rows"][1:]:
         assert r["identical"] == 1 and r["cold_first_s"] > r["steady_s"]
+        assert r["warm_backend_s"] > 0  # the warm child's compiles went through the backend
+    assert doc["rows"][1]["warm_own_s"] == 0 < doc["rows"][2]["warm_own_s"]
