@@ -119,7 +119,7 @@ def run(args) -> int:
         shorter = [x[1:] for x in ids]  # new prompt and cache lengths for the warm model
         return hf_start.child(hf_runner(model, ids, args.max_tokens, eos, **extra[mode]),
                               hf_runner(model, shorter, args.max_tokens, eos, **extra[mode]),
-                              own_seconds if system == "npuspec" else (lambda: 0.0))
+                              own_seconds)
     if args.start:
         return _report_start(args, modes, mdir, threads)
     runners = []

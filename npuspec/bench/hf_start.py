@@ -37,12 +37,12 @@ CHILD_FLAG = "--start-child"
 COMPILED = ("inductor", "npuspec")
 
 
-def child(setup, setup_shorter, own=lambda: 0.0) -> int:
+def child(setup, setup_shorter, own) -> int:
     """In the child: `setup()` (load, compile the forward), the first run (every compile),
     a second run, then `setup_shorter()`'s run on the same compiled model with every prompt
-    one token shorter; prints one JSON line. `own()`: the compiler's own seconds so far beside
-    the lowering it shares with Inductor (npuspec's: `backend.own_seconds`; 0 for the others),
-    read around the first and the new-lengths runs."""
+    one token shorter; prints one JSON line. `own()`: npuspec's own compile seconds so far
+    (`backend.own_seconds`), read around the first and the new-lengths runs (they stay put
+    in an eager or Inductor child, whose compiles never reach npuspec)."""
     t0 = time.perf_counter()
     run = setup()
     t1 = time.perf_counter()
@@ -117,7 +117,7 @@ def _row(mode: str, system: str, cold: dict, warm: dict, ref: dict) -> dict:
     return {"mode": mode, "system": system, "cold_first_s": cold["first_s"],
             "warm_first_s": warm["first_s"], "steady_s": warm["steady_s"],
             "new_lengths_s": warm["shorter_s"], "load_s": warm["load_s"],
-            # the compiler's own seconds beside the lowering (npuspec's keys, cache, passes)
+            # seconds in the backend, and npuspec's own part of them (its keys, cache, passes)
             "warm_backend_s": warm.get("first_backend_s", 0.0),
             "new_lengths_backend_s": warm.get("shorter_backend_s", 0.0),
             "warm_own_s": warm.get("first_own_s", 0.0),

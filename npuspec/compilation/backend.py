@@ -28,8 +28,8 @@ from npuspec.graphs import wrap_compiled
 from npuspec.graphs.layout import check_token_groups
 from npuspec.graphs.step import planned_sizes
 from npuspec.kernels.verify import kernel_config
-from npuspec.platform import Platform, current_platform
 from npuspec.passes.manager import TOTALS as PASS_TOTALS
+from npuspec.platform import Platform, current_platform
 
 # the name users and tests know (README): it predates the package's move to compilation/
 log = logging.getLogger("npuspec.backend")
